@@ -1,0 +1,107 @@
+"""Helpers shared by the benchmarks: child processes, statistics, RSS sampling, progress."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+KiB = 1024
+MiB = 1024 * 1024
+MB = 1e6
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr, time-stamped, so long runs show where they are."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def size_label(n: int) -> str:
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= KiB and n % KiB == 0:
+        return f"{n // KiB} KiB"
+    return f"{n} B"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for an empty list."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def stop_pid(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stop one child we started: SIGTERM, wait ``grace`` s, then SIGKILL; always reaped."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=grace)
+
+
+def read_status_kb(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a process from /proc/PID/status, in KiB ({} if it is gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, val = line.split(":", 1)
+                    out[key] = int(val.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class RssSampler:
+    """Samples VmRSS (and VmHWM) of some PIDs every ``period`` s in a thread; keeps the maximum."""
+    pids: list[int]
+    period: float = 0.2
+    peak_rss_kb: dict[int, int] = field(default_factory=dict)
+    hwm_kb: dict[int, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> "RssSampler":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._sample()
+
+    def _sample(self) -> None:
+        for pid in self.pids:
+            st = read_status_kb(pid)
+            if "VmRSS" in st:
+                self.peak_rss_kb[pid] = max(self.peak_rss_kb.get(pid, 0), st["VmRSS"])
+            if "VmHWM" in st:
+                self.hwm_kb[pid] = st["VmHWM"]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+
+def worker_cmd(args: dict[str, Any]) -> list[str]:
+    """Command line of one client worker process (bench/worker.py) with its JSON arguments."""
+    return [sys.executable, "-m", "bench.worker", json.dumps(args)]

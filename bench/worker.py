@@ -1,0 +1,113 @@
+"""One benchmark client process, and the parent side that runs N of them in step.
+
+Child: ``python -m bench.worker '<json args>'`` connects, warms up, prints ``READY``, waits for
+``GO`` on stdin, pushes (or pulls) until ``duration`` s or ``max_ops`` operations, then prints one
+JSON line ``{ok, errors, t_start, t_end, lat}`` (wall-clock times, latencies in seconds).
+"""
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .common import stop_pid, worker_cmd
+
+
+def _grad_pool(size: int, seed: int) -> list[np.ndarray]:
+    """Distinct float32 gradients (at least 256 KiB in all) so no compressor sees repeats."""
+    count = max(4, min(256, (256 * 1024) // max(size, 1)))
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(max(size // 4, 1), dtype=np.float32) for _ in range(count)]
+
+
+def _make_op(args: dict[str, Any]) -> tuple[Any, Any]:
+    """(operation callable(i), closer) for this worker's kind and op."""
+    size = args["size"]
+    if args["kind"] == "naive":
+        import msgpack
+        from .naive_store import NaiveClient
+        c = NaiveClient(args["addresses"], timeout=args["timeout"])
+        pool = _grad_pool(size, args["seed"])
+        return (lambda i: c.push(msgpack.packb({"g": pool[i % len(pool)].tobytes(), "lr": 0.01, "step": i}))), c.close
+    from raftps import Client
+    c = Client(args["addresses"], timeout=args["timeout"])
+    name = args["name"]
+    if args["op"] == "pull":
+        lin = args.get("linearizable", True)
+        return (lambda i: c.pull([name], linearizable=lin)[1]), c.close
+    pool = _grad_pool(size, args["seed"])
+    return (lambda i: c.push({name: pool[i % len(pool)]})), c.close
+
+
+def child(args: dict[str, Any]) -> None:
+    op, close = _make_op(args)
+    op(0)                                        # warm-up: connection, leader discovery
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "GO":
+        return
+    lat: list[float] = []
+    errors = 0
+    t_start = time.time()
+    deadline = time.perf_counter() + args["duration"]
+    i = 1
+    while i <= args["max_ops"] and time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        try:
+            op(i)
+            lat.append(time.perf_counter() - t0)
+        except Exception as e:                  # counted, reported; the run goes on
+            errors += 1
+            print(f"worker error: {e!r}", file=sys.stderr, flush=True)
+        i += 1
+    t_end = time.time()
+    close()
+    print(json.dumps({"ok": len(lat), "errors": errors, "t_start": t_start, "t_end": t_end, "lat": lat}), flush=True)
+
+
+def _readline(proc: subprocess.Popen, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+        if r:
+            return proc.stdout.readline().decode()
+        if proc.poll() is not None:
+            return proc.stdout.readline().decode()
+    return ""
+
+
+def run_workers(arg_list: list[dict[str, Any]], setup_timeout: float = 60.0) -> dict[str, Any]:
+    """Start one process per args, release them together, collect and merge their results.
+
+    Throughput counts operations that completed; the window runs from GO to the last completion.
+    """
+    procs = [subprocess.Popen(worker_cmd(a), stdin=subprocess.PIPE, stdout=subprocess.PIPE) for a in arg_list]
+    try:
+        deadline = time.monotonic() + setup_timeout
+        for p in procs:
+            if _readline(p, deadline).strip() != "READY":
+                raise RuntimeError(f"worker {p.pid} did not get ready (exit {p.poll()})")
+        for p in procs:
+            p.stdin.write(b"GO\n")
+            p.stdin.flush()
+        results = []
+        for p, a in zip(procs, arg_list):
+            line = _readline(p, time.monotonic() + a["duration"] + a["timeout"] + 10)
+            if not line:
+                raise RuntimeError(f"worker {p.pid} gave no result")
+            results.append(json.loads(line))
+    finally:
+        for p in procs:
+            stop_pid(p)
+    lat = [x for r in results for x in r["lat"]]
+    ok = sum(r["ok"] for r in results)
+    window = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
+    return {"ok": ok, "errors": sum(r["errors"] for r in results), "seconds": window,
+            "ops_per_s": ok / window if window > 0 else 0.0, "lat": lat}
+
+
+if __name__ == "__main__":
+    child(json.loads(sys.argv[1]))
