@@ -1,0 +1,210 @@
+"""The raftps client: finds the leader, retries across failures, keeps every write exactly-once.
+
+Each Client is a new session (a random client id, never reused) and numbers its writes 1, 2, ...
+A write is retried with the same (client id, seq) until it gets a definite answer or the
+client's timeout passes, so a retry after a lost reply or a leader change is applied once.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Iterable
+
+import numpy as np
+
+from . import codec
+from .errors import ProtocolError, StepTimeout, Unavailable, raise_for
+
+
+def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
+    if addresses is None:
+        addresses = os.environ.get("RAFTPS_CLUSTER", "")
+    if isinstance(addresses, str):
+        addresses = addresses.split(",")
+    out = [a.strip() for a in addresses if a and a.strip()]
+    if not out:
+        raise ValueError("no cluster addresses: pass 'host:port,...' or set RAFTPS_CLUSTER")
+    for a in out:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad address {a!r}: expected host:port")
+    return out
+
+
+class Client:
+    def __init__(self, addresses: str | Iterable[str] | None = None, timeout: float = 30.0,
+                 attempt_timeout: float = 6.0, limits: codec.Limits = codec.DEFAULT_LIMITS):
+        self.addresses = parse_addresses(addresses)
+        self.timeout = timeout
+        self.attempt_timeout = attempt_timeout
+        self.limits = limits
+        self.client_id = uuid.uuid4().hex
+        self._seq = 0
+        self._lock = threading.RLock()
+        self._conns: dict[str, socket.socket] = {}
+        self._leader: str | None = None
+        self._rotation = random.randrange(len(self.addresses))
+
+    # ---- transport ------------------------------------------------------------------------
+
+    def _conn(self, address: str) -> socket.socket:
+        sock = self._conns.get(address)
+        if sock is None:
+            host, port = address.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=min(2.0, self.attempt_timeout))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns[address] = sock
+        return sock
+
+    def _drop(self, address: str) -> None:
+        sock = self._conns.pop(address, None)
+        if sock is not None:
+            sock.close()
+
+    def _call(self, address: str, message: dict, timeout: float) -> dict:
+        sock = self._conn(address)
+        try:
+            sock.settimeout(timeout)
+            codec.send_frame(sock, message)
+            reply = codec.recv_frame(sock, self.limits)
+        except BaseException:
+            self._drop(address)      # a half-read reply leaves the stream unusable
+            raise
+        if not isinstance(reply, dict):
+            self._drop(address)
+            raise ProtocolError(f"node {address} sent a reply that is not a map")
+        return reply
+
+    def _next_address(self) -> str:
+        self._rotation = (self._rotation + 1) % len(self.addresses)
+        return self.addresses[self._rotation]
+
+    def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None) -> dict:
+        """Send until a definite reply; raise its error, or Unavailable at the deadline."""
+        deadline = time.monotonic() + self.timeout
+        attempt_timeout = attempt_timeout or self.attempt_timeout
+        target = self._leader if to_leader and self._leader else self._next_address()
+        last_problem = "no attempt made"
+        pause = 0.02
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"{message['op']}: no definite answer from {','.join(self.addresses)} "
+                                  f"within {self.timeout:.1f} s (last: {last_problem})")
+            try:
+                reply = self._call(target, message, min(left, attempt_timeout))
+            except (OSError, ConnectionError) as exc:
+                last_problem = f"{target}: {exc or type(exc).__name__}"
+                if target == self._leader:
+                    self._leader = None
+                target = self._next_address()
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 0.5)
+                continue
+            if not reply.get("retry"):
+                if to_leader:
+                    self._leader = target
+                return raise_for(reply)
+            last_problem = f"{target}: {reply.get('message', 'retry')}"
+            if reply.get("not_leader") or reply.get("behind"):
+                leader = reply.get("leader")
+                if leader in self.addresses and leader != target and to_leader:
+                    target = self._leader = leader
+                    continue
+                target = self._next_address()
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.5)
+
+    def _write(self, op: str, **fields: Any) -> dict:
+        with self._lock:
+            self._seq += 1
+            # One request at a time per client, so every earlier seq has been answered: ack = seq.
+            return self._request({"op": op, "client": self.client_id, "seq": self._seq, "ack": self._seq, **fields})
+
+    # ---- the API --------------------------------------------------------------------------
+
+    def create(self, name: str, array: np.ndarray, optimizer: dict) -> int:
+        """Create a tensor with its optimizer; the same call again is a no-op."""
+        return self._write("create", tensors={name: np.asarray(array)}, optimizer={name: optimizer})["version"]
+
+    def push(self, grads: dict[str, np.ndarray], base_version: int | None = None) -> int:
+        """Apply one gradient per tensor, atomically, exactly once; returns the store version."""
+        fields: dict[str, Any] = {"tensors": {k: np.asarray(v) for k, v in grads.items()}}
+        if base_version is not None:
+            fields["base_version"] = int(base_version)
+        return self._write("push", **fields)["version"]
+
+    def assign(self, values: dict[str, np.ndarray]) -> int:
+        return self._write("assign", tensors={k: np.asarray(v) for k, v in values.items()})["version"]
+
+    def delete(self, names: list[str]) -> int:
+        return self._write("delete", names=list(names))["version"]
+
+    def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int) -> int:
+        """One worker's contribution to synchronous step ``step``; the mean of ``workers``
+        contributions is applied once, when the last one arrives."""
+        return self._write("push_sync", tensors={k: np.asarray(v) for k, v in grads.items()},
+                           step=int(step), workers=int(workers))["version"]
+
+    def close_step(self, step: int) -> int:
+        """Apply sync step ``step`` now with the contributions that arrived (no-op if applied)."""
+        return self._write("close_step", step=int(step))["version"]
+
+    def wait_step(self, step: int, timeout: float) -> int:
+        """Block until sync step ``step`` is applied; returns the store version then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                with self._lock:
+                    return self._request({"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))},
+                                         attempt_timeout=min(left, 5.0) + 5.0)["version"]
+            except StepTimeout:
+                if deadline - time.monotonic() <= 0:
+                    raise
+
+    def pull(self, names: list[str] | None = None, min_version: int | None = None,
+             linearizable: bool = True) -> tuple[dict[str, np.ndarray], int]:
+        """Tensors and the store version they are at. Linearizable reads go through the leader's
+        log; others are served by any node that has applied at least ``min_version``."""
+        request = {"op": "pull", "names": list(names) if names is not None else None,
+                   "linearizable": linearizable, "min_version": min_version or 0}
+        with self._lock:
+            reply = self._request(request, to_leader=linearizable)
+        return reply["tensors"], reply["version"]
+
+    def tensors(self) -> list[dict]:
+        """Name, dtype, shape, version and optimizer of every tensor (from the leader)."""
+        with self._lock:
+            return self._request({"op": "tensors"})["tensors"]
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self._request({"op": "stats"})
+
+    def status(self, timeout: float = 2.0) -> list[dict]:
+        """One dict per node (node, address, role, term, applied, digest, ...); 'down' if unreachable."""
+        out = []
+        with self._lock:
+            for number, address in enumerate(self.addresses, 1):
+                try:
+                    out.append(self._call(address, {"op": "status"}, timeout))
+                except (OSError, ConnectionError, ProtocolError) as exc:
+                    out.append({"node": number, "address": address, "role": "down", "term": None,
+                                "applied": None, "digest": None, "error": str(exc) or type(exc).__name__})
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for address in list(self._conns):
+                self._drop(address)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

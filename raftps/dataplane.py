@@ -1,0 +1,210 @@
+"""The data plane: tensor payloads between nodes, beside (not inside) the Raft log.
+
+Each node serves a data-plane port. A peer connection starts with a mutual challenge-response
+(HMAC-SHA256 over fresh nonces with a key derived from the cluster secret); until it succeeds the
+server accepts only tiny frames, so an unauthenticated sender can make it allocate nothing.
+After that, frames are codec frames: ``put`` stores a payload and acknowledges once it is on
+disk; ``get`` returns a payload or ``found: False``.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import socket
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
+
+import numpy as np
+
+from . import codec
+from .errors import ProtocolError
+from .payloads import PayloadStore, verify
+
+log = logging.getLogger("raftps.dataplane")
+HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
+
+
+def data_key(secret: bytes) -> bytes:
+    return hmac.new(secret, b"raftps data plane v1", hashlib.sha256).digest()
+
+
+def _proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, role + nonce, hashlib.sha256).digest()
+
+
+class DataPlaneServer:
+    def __init__(self, host: str, port: int, secret: bytes, store: PayloadStore,
+                 limits: codec.Limits = codec.DEFAULT_LIMITS, frame_timeout: float = 30.0,
+                 max_connections: int = 64):
+        self.key = data_key(secret)
+        self.store = store
+        self.limits = limits
+        self.frame_timeout = frame_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.sock = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self._stopped = False
+        threading.Thread(target=self._accept, name="dataplane-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                conn.close()          # at max_connections: refuse rather than queue without bound
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.frame_timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self._handshake(conn):
+                return
+            while True:
+                msg = codec.recv_frame(conn, self.limits, first_byte_timeout=3600.0)
+                codec.send_frame(conn, self._handle(msg))
+        except (ConnectionError, OSError, ProtocolError) as exc:
+            log.debug("data-plane connection closed: %s", exc)
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        hello = codec.recv_frame(conn, HANDSHAKE_LIMITS)
+        if not (isinstance(hello, dict) and isinstance(hello.get("nonce"), bytes) and len(hello["nonce"]) == 16):
+            codec.send_frame(conn, {"ok": False, "error": "ProtocolError", "message": "expected a data-plane hello"})
+            return False
+        nonce = os.urandom(16)
+        codec.send_frame(conn, {"nonce": nonce, "proof": _proof(self.key, b"server", hello["nonce"])})
+        answer = codec.recv_frame(conn, HANDSHAKE_LIMITS)
+        if not (isinstance(answer, dict) and isinstance(answer.get("proof"), bytes)
+                and hmac.compare_digest(answer["proof"], _proof(self.key, b"client", nonce))):
+            codec.send_frame(conn, {"ok": False, "error": "Unauthorized",
+                                    "message": "data-plane authentication failed: wrong cluster secret"})
+            return False
+        codec.send_frame(conn, {"ok": True})
+        return True
+
+    def _handle(self, msg: object) -> dict:
+        if not isinstance(msg, dict):
+            return {"ok": False, "message": "expected a map"}
+        op, pid = msg.get("op"), msg.get("pid")
+        if not isinstance(pid, str):
+            return {"ok": False, "message": "missing payload id"}
+        try:
+            if op == "put":
+                tensors = msg.get("tensors")
+                if not isinstance(tensors, dict) or not all(isinstance(v, np.ndarray) for v in tensors.values()) \
+                        or not verify(pid, tensors):
+                    return {"ok": False, "message": f"payload {pid}: content does not match its checksum"}
+                self.store.put(pid, tensors)
+                return {"ok": True}
+            if op == "get":
+                tensors = self.store.get(pid)
+                return {"ok": True, "found": tensors is not None, "tensors": tensors or {}}
+        except ValueError as exc:
+            return {"ok": False, "message": str(exc)}
+        return {"ok": False, "message": f"unknown data-plane op {op!r}"}
+
+    def close(self) -> None:
+        self._stopped = True
+        self.sock.close()
+
+
+class PeerLink:
+    """One authenticated connection to a peer's data-plane port, used by one thread at a time."""
+
+    def __init__(self, address: str, secret: bytes, timeout: float = 10.0):
+        host, port = address.rsplit(":", 1)
+        self.key = data_key(secret)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = os.urandom(16)
+        codec.send_frame(self.sock, {"nonce": nonce})
+        reply = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
+        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes)
+                and hmac.compare_digest(reply["proof"], _proof(self.key, b"server", nonce))):
+            self.sock.close()
+            raise ConnectionError(f"data plane {address}: peer failed authentication")
+        codec.send_frame(self.sock, {"proof": _proof(self.key, b"client", reply["nonce"])})
+        if codec.recv_frame(self.sock, HANDSHAKE_LIMITS).get("ok") is not True:
+            self.sock.close()
+            raise ConnectionError(f"data plane {address}: peer refused our cluster secret")
+
+    def call(self, msg: dict) -> dict:
+        codec.send_frame(self.sock, msg)
+        return codec.recv_frame(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Peers:
+    """Connection pools to every peer's data plane, and the two things a node asks of them."""
+
+    def __init__(self, addresses: list[str], secret: bytes, timeout: float = 10.0):
+        self.addresses = addresses
+        self.secret = secret
+        self.timeout = timeout
+        self._idle: dict[str, queue.SimpleQueue[PeerLink]] = {a: queue.SimpleQueue() for a in addresses}
+        self._pool = ThreadPoolExecutor(max_workers=8 * max(1, len(addresses)), thread_name_prefix="dataplane-send")
+
+    def _call(self, address: str, msg: dict) -> dict:
+        try:
+            link = self._idle[address].get_nowait()
+        except queue.Empty:
+            link = PeerLink(address, self.secret, self.timeout)
+        try:
+            reply = link.call(msg)
+        except BaseException:
+            link.close()
+            raise
+        self._idle[address].put(link)
+        return reply
+
+    def _put(self, address: str, pid: str, tensors: dict) -> bool:
+        try:
+            return self._call(address, {"op": "put", "pid": pid, "tensors": tensors}).get("ok") is True
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            log.debug("put %s to %s failed: %s", pid, address, exc)
+            return False
+
+    def replicate(self, pid: str, tensors: dict, needed: int, timeout: float) -> int:
+        """Send a payload to every peer; return once ``needed`` peers hold it (or all answered,
+        or ``timeout``). Sends still under way go on in the background."""
+        futures: set[Future] = {self._pool.submit(self._put, a, pid, tensors) for a in self.addresses}
+        acks = 0
+        pending = futures
+        while pending and acks < needed:
+            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            if not done:
+                break
+            acks += sum(1 for f in done if f.result())
+        return acks
+
+    def fetch(self, pid: str) -> dict | None:
+        """A payload from the first peer that has it intact, or None."""
+        for address in self.addresses:
+            try:
+                reply = self._call(address, {"op": "get", "pid": pid})
+            except (OSError, ConnectionError, ProtocolError):
+                continue
+            tensors = reply.get("tensors")
+            if reply.get("found") and isinstance(tensors, dict) and verify(pid, tensors):
+                return tensors
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for q in self._idle.values():
+            while True:
+                try:
+                    q.get_nowait().close()
+                except queue.Empty:
+                    break

@@ -1,0 +1,207 @@
+"""Start, kill, pause and stop a cluster of raftps node processes on one machine.
+
+The cluster scripts (cluster/*.sh), the tests, the benchmarks and the fault injector all use
+this one class, so there is one place that knows the run-directory layout:
+
+    RUN_DIR/secret          the peer secret (mode 600), made on first start
+    RUN_DIR/nodeI/          node I's data (journal, snapshot, payloads)
+    RUN_DIR/nodeI.pid       its process id;  RUN_DIR/nodeI.log  its log
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from .client import Client
+
+CLIENT_OFFSET, DATA_OFFSET = 100, 200
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X") and b"raftps" in cmdline
+
+
+class LocalCluster:
+    def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7100, hosts: list[str] | None = None,
+                 command_prefix: Callable[[int], list[str]] | None = None, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        self.run_dir = os.path.abspath(run_dir)
+        self.nodes = nodes
+        self.base_port = base_port
+        self.hosts = hosts or ["127.0.0.1"] * nodes
+        if len(self.hosts) != nodes:
+            raise ValueError(f"{nodes} nodes need {nodes} hosts, got {self.hosts}")
+        self.command_prefix = command_prefix
+        self.extra_args = extra_args or []
+        self.env = env or {}
+        self._procs: dict[int, subprocess.Popen] = {}
+        os.makedirs(self.run_dir, exist_ok=True)
+
+    # ---- layout ---------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> list[str]:
+        return [f"{h}:{self.base_port + i}" for i, h in enumerate(self.hosts, 1)]
+
+    def client_address(self, node: int) -> str:
+        return f"{self.hosts[node - 1]}:{self.base_port + CLIENT_OFFSET + node}"
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(self.client_address(i) for i in range(1, self.nodes + 1))
+
+    @property
+    def secret_file(self) -> str:
+        path = os.path.join(self.run_dir, "secret")
+        if not os.path.exists(path):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+        return path
+
+    def data_dir(self, node: int) -> str:
+        return os.path.join(self.run_dir, f"node{node}")
+
+    def log_file(self, node: int) -> str:
+        return os.path.join(self.run_dir, f"node{node}.log")
+
+    def _pid_file(self, node: int) -> str:
+        return os.path.join(self.run_dir, f"node{node}.pid")
+
+    def pid(self, node: int) -> int | None:
+        try:
+            with open(self._pid_file(node)) as f:
+                pid = int(f.read().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        return pid
+
+    def is_up(self, node: int) -> bool:
+        proc = self._procs.get(node)
+        if proc is not None and proc.poll() is not None:
+            return False
+        pid = self.pid(node)
+        return pid is not None and _alive(pid)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start_node(self, node: int) -> int:
+        if self.is_up(node):
+            return self.pid(node)
+        argv = [sys.executable, "-m", "raftps", "serve", "--id", str(node), "--peers", ",".join(self.peers),
+                "--data-dir", self.data_dir(node), "--secret-file", self.secret_file, *self.extra_args]
+        if self.command_prefix is not None:
+            argv = self.command_prefix(node) + argv
+        env = {**os.environ, **self.env}
+        with open(self.log_file(node), "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        self._procs[node] = proc
+        with open(self._pid_file(node), "w") as f:
+            f.write(f"{proc.pid}\n")
+        return proc.pid
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start every node that is down; return the client addresses once a leader is elected
+        and every node answers."""
+        for node in range(1, self.nodes + 1):
+            self.start_node(node)
+        self.wait_ready(timeout)
+        return self.addresses
+
+    def wait_ready(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:
+        want = nodes or [n for n in range(1, self.nodes + 1) if self.is_up(n)]
+        deadline = time.monotonic() + timeout
+        last: list[dict] = []
+        with Client(self.addresses, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                dead = [n for n in want if not self.is_up(n)]
+                if dead:
+                    raise RuntimeError(f"node(s) {dead} exited during start; see {self.log_file(dead[0])}")
+                last = client.status(timeout=1.0)
+                if all(last[n - 1]["role"] != "down" for n in want) and any(s["role"] == "leader" for s in last):
+                    return
+                time.sleep(0.1)
+        raise TimeoutError(f"no leader with nodes {want} up within {timeout:.0f} s: "
+                           f"{[(s['node'], s['role']) for s in last]}")
+
+    def send_signal(self, node: int, sig: int) -> None:
+        pid = self.pid(node)
+        if pid is None or not self.is_up(node):
+            raise RuntimeError(f"node {node} is not running")
+        os.kill(pid, sig)
+
+    def kill(self, node: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+        """Send ``sig`` to node ``node`` and wait until its process is gone."""
+        self.send_signal(node, sig)
+        self._wait_exit(node, timeout)
+
+    def _wait_exit(self, node: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        proc = self._procs.get(node)
+        while self.is_up(node):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} (pid {self.pid(node)}) did not exit within {timeout:.0f} s")
+            if proc is not None:
+                try:
+                    proc.wait(timeout=0.05)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                time.sleep(0.05)
+
+    def pause(self, node: int) -> None:
+        self.send_signal(node, signal.SIGSTOP)
+
+    def resume(self, node: int) -> None:
+        self.send_signal(node, signal.SIGCONT)
+
+    def leader(self) -> int | None:
+        with Client(self.addresses, timeout=2.0) as client:
+            leaders = [s for s in client.status(timeout=1.0) if s["role"] == "leader"]
+        return max(leaders, key=lambda s: s["term"])["node"] if leaders else None
+
+    def status(self) -> list[dict]:
+        with Client(self.addresses, timeout=2.0) as client:
+            rows = client.status(timeout=1.0)
+        for row in rows:
+            row["pid"] = self.pid(row["node"]) if self.is_up(row["node"]) else None
+        return rows
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every node: SIGTERM (graceful), then SIGKILL what is still there."""
+        up = [n for n in range(1, self.nodes + 1) if self.is_up(n)]
+        for node in up:
+            try:
+                os.kill(self.pid(node), signal.SIGCONT)      # a paused node cannot handle SIGTERM
+                os.kill(self.pid(node), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for node in up:
+            try:
+                self._wait_exit(node, timeout)
+            except TimeoutError:
+                self.kill(node)
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._procs.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

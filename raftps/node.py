@@ -1,0 +1,344 @@
+"""A raftps node's Raft side: pysyncobj orders small entries; tensor bytes go by the data plane.
+
+A write reaches the leader with its tensors. The leader writes the payload to its own
+PayloadStore, streams it to every peer's data plane, and once a majority (itself included)
+holds it, proposes a small entry naming the payload to Raft. Every node applies committed
+entries in log order through ``TensorStore.apply`` in pysyncobj's tick thread. A node that must
+apply an entry whose payload it lacks (it was down when the payload went out) does not block
+that thread: our ``_SyncObj__applyLogEntries`` stops before the entry, a fetcher thread gets the
+payload from a peer, and the next tick goes on. So heartbeats never wait on the network.
+
+Snapshots use pysyncobj's serializer hooks with our codec (raw array bytes, no pickle, no gzip).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.node import TCPNode
+
+from . import codec
+from .dataplane import DataPlaneServer, Peers
+from .errors import RaftpsError, StepTimeout, error_result
+from .machine import TensorStore
+from .payloads import PayloadStore, payload_id
+
+log = logging.getLogger("raftps.node")
+ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+# Outcomes after which the entry certainly was not applied; anything else is "unknown".
+NOT_APPLIED = {FAIL_REASON.QUEUE_FULL, FAIL_REASON.MISSING_LEADER, FAIL_REASON.DISCARDED,
+               FAIL_REASON.NOT_LEADER, FAIL_REASON.REQUEST_DENIED}
+
+
+@dataclass
+class NodeConfig:
+    node_id: int                              # 1..N, position in `peers`
+    peers: list[str]                          # every node's Raft address host:port, in node order
+    data_dir: str
+    secret: bytes
+    client_offset: int = 100                  # client port = Raft port + client_offset
+    data_offset: int = 200                    # data-plane port = Raft port + data_offset
+    bind_host: str | None = None              # default: the host of this node's Raft address
+    inline_bytes: int = 64 << 10              # payloads up to this size travel inside the entry
+    payload_budget: int = 512 << 20           # payload bytes on disk that force a snapshot
+    compaction_entries: int = 2000
+    election_timeout: tuple[float, float] = (1.0, 2.0)
+    heartbeat: float = 0.1
+    leader_fallback: float = 2.5              # a leader without a majority steps down after this
+    request_timeout: float = 10.0             # one write's wait for replication and commit
+    limits: codec.Limits = field(default_factory=codec.Limits)
+
+    def address(self, node: int, offset: int = 0) -> str:
+        host, port = self.peers[node - 1].rsplit(":", 1)
+        return f"{host}:{int(port) + offset}"
+
+    @property
+    def raft_address(self) -> str:
+        return self.address(self.node_id)
+
+    def bind(self, offset: int) -> tuple[str, int]:
+        host, port = self.address(self.node_id, offset).rsplit(":", 1)
+        return self.bind_host or host, int(port)
+
+
+class PayloadMissing(Exception):
+    """Raised inside an apply whose payload is not here yet; never escapes our applier."""
+
+
+class Outcome(Exception):
+    """A write that did not complete: ``applied`` is False (certainly not) or None (unknown)."""
+
+    def __init__(self, message: str, applied: bool | None):
+        super().__init__(message)
+        self.applied = applied
+
+
+class RaftNode(SyncObj):
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        os.makedirs(config.data_dir, exist_ok=True)
+        self.machine = TensorStore()
+        self.lock = threading.Lock()              # guards machine against readers in other threads
+        self.applied = threading.Condition(self.lock)
+        self.payloads = PayloadStore(os.path.join(config.data_dir, "payloads"))
+        others = [n for n in range(1, len(config.peers) + 1) if n != config.node_id]
+        self.peers = Peers([config.address(n, config.data_offset) for n in others], config.secret)
+        self.data_server = DataPlaneServer(*config.bind(config.data_offset), config.secret,
+                                           self.payloads, config.limits)
+        self._missing: str | None = None
+        self._missing_event = threading.Event()
+        self._snapshot_index = 0                  # index of the newest snapshot we wrote or loaded
+        self._collected_through = 0
+        self._last_housekeeping = time.monotonic()
+        self._stopped = False
+        threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
+        conf = SyncObjConf(
+            password=config.secret.hex(),
+            bindAddress=":".join(map(str, config.bind(0))),
+            journalFile=os.path.join(config.data_dir, "raft.journal"),
+            fullDumpFile=os.path.join(config.data_dir, "raft.snapshot"),
+            serializer=self._write_snapshot,
+            deserializer=self._read_snapshot,
+            appendEntriesUseBatch=False,                   # send at once: ~1 ms commits on loopback
+            appendEntriesBatchSizeBytes=4 << 20,           # far above any entry: avoids the chunk-path bug
+            appendEntriesPeriod=config.heartbeat,
+            raftMinTimeout=config.election_timeout[0],
+            raftMaxTimeout=config.election_timeout[1],
+            connectionTimeout=max(4.0, 2 * config.election_timeout[1]),
+            connectionRetryTime=1.0,
+            leaderFallbackTimeout=config.leader_fallback,
+            logCompactionMinEntries=config.compaction_entries,
+            logCompactionBatchSize=1 << 20,
+            sendBufferSize=1 << 20,
+            recvBufferSize=1 << 20,
+            commandsQueueSize=10_000,
+        )
+        super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
+        self.addOnTickCallback(self._housekeeping)
+
+    # ---- the replicated entry and our applier ----------------------------------------------
+
+    @replicated
+    def _entry(self, entry: bytes) -> dict:
+        index = self.raftLastApplied + 1
+        command = msgpack.unpackb(entry, raw=False)
+        pid = command.pop("payload", None)
+        if pid is not None:
+            tensors = self.payloads.get(pid)
+            if tensors is None:
+                raise PayloadMissing(pid)
+            command["tensors"] = tensors
+        elif "inline" in command:
+            command["tensors"] = codec.decode(command.pop("inline"), self.config.limits)["tensors"]
+        with self.lock:
+            result = self.machine.apply(index, command)
+            self.applied.notify_all()
+        if pid is not None:
+            self.payloads.applied(pid, index)
+        return result
+
+    def _SyncObj__applyLogEntries(self) -> bool:
+        """pysyncobj's apply loop, except that an entry whose payload is missing ends the loop
+        without being consumed (pysyncobj's own loop would drop its callbacks and retry it from
+        inside the tick, never reading the socket that brings the heartbeats)."""
+        commit = self._SyncObj__raftCommitIndex
+        if commit <= self._SyncObj__raftLastApplied:
+            return False
+        waiting = self._SyncObj__commandsWaitingCommit
+        for command, index, term in self._SyncObj__getEntries(self._SyncObj__raftLastApplied + 1,
+                                                               commit - self._SyncObj__raftLastApplied):
+            try:
+                result = self._SyncObj__doApplyCommand(command)
+            except PayloadMissing as missing:
+                if self._missing != str(missing):
+                    self._missing = str(missing)
+                    self._missing_event.set()
+                break
+            self._SyncObj__raftLastApplied += 1
+            for subscriber_term, callback in waiting.pop(index, []):
+                callback(*((result, FAIL_REASON.SUCCESS) if subscriber_term == term else (None, FAIL_REASON.DISCARDED)))
+        return not self._SyncObj__conf.appendEntriesUseBatch
+
+    def _fetch_loop(self) -> None:
+        while not self._stopped:
+            self._missing_event.wait(1.0)
+            self._missing_event.clear()
+            pid = self._missing
+            if pid is None:
+                continue
+            # It is usually in flight from the leader already; only then ask the peers.
+            if not self.payloads.wait(pid, 0.2):
+                tensors = self.peers.fetch(pid)
+                if tensors is None:
+                    log.warning("payload %s of the next entry is on no reachable peer yet", pid)
+                    time.sleep(0.2)
+                    self._missing_event.set()
+                    continue
+                self.payloads.put(pid, tensors)
+            if self._missing == pid:
+                self._missing = None
+            self._wake_tick()
+
+    def _wake_tick(self) -> None:
+        notifier = getattr(self, "_SyncObj__pipeNotifier", None)
+        if notifier is not None:
+            notifier.notify()
+
+    # ---- snapshots -----------------------------------------------------------------------
+
+    def _write_snapshot(self, filename: str, raft_data: tuple) -> None:
+        last, previous, cluster = raft_data
+        with open(filename, "wb") as f:
+            codec.write_frame(f, {"raft": [list(last), list(previous)],
+                                  "cluster": sorted(node.address for node in cluster),
+                                  "machine": self.machine.snapshot()})
+        self._snapshot_index = last[1]
+
+    def _read_snapshot(self, filename: str) -> tuple:
+        snap = codec.read_frame_file(filename, self.config.limits)
+        with self.lock:
+            self.machine.restore(snap["machine"])
+            self.applied.notify_all()
+        last, previous = (tuple(e) for e in snap["raft"])
+        self._snapshot_index = last[1]
+        return last, previous, {TCPNode(address) for address in snap["cluster"]}
+
+    def _housekeeping(self) -> None:
+        # pysyncobj renamed the snapshot into place right after _write_snapshot returned, so the
+        # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
+        # pysyncobj keeps those two entries in its log and may still send them to a peer.
+        if self._snapshot_index - 2 > self._collected_through:
+            self._collected_through = self._snapshot_index - 2
+            self.payloads.collect(self._collected_through)
+        now = time.monotonic()
+        if now - self._last_housekeeping > 5.0:
+            self._last_housekeeping = now
+            if self.payloads.disk_bytes > self.config.payload_budget:
+                self.forceLogCompaction()
+            self.payloads.collect_orphans(max_age=600.0, keep=[self._missing] if self._missing else [])
+
+    # ---- what the client server asks --------------------------------------------------------
+
+    @property
+    def majority(self) -> int:
+        return len(self.config.peers) // 2 + 1
+
+    def is_leader(self) -> bool:
+        return self._isLeader()
+
+    def leader_client_address(self) -> str | None:
+        leader = self._getLeader()
+        if leader is None:
+            return None
+        try:
+            node = self.config.peers.index(leader.address) + 1
+        except ValueError:
+            return None
+        return self.config.address(node, self.config.client_offset)
+
+    def submit(self, command: dict, tensors: dict[str, np.ndarray] | None = None,
+               on_applied: Callable[[dict], Any] | None = None) -> Any:
+        """Replicate one command and return the state machine's result (or ``on_applied``'s value,
+        computed in the tick thread right after the entry is applied). Raises Outcome."""
+        deadline = time.monotonic() + self.config.request_timeout
+        if tensors:
+            size = sum(a.nbytes for a in tensors.values())
+            if size <= self.config.inline_bytes:
+                command["inline"] = codec.encode_bytes({"tensors": tensors})
+            else:
+                pid = payload_id(command["client"], command["seq"], tensors)
+                self.payloads.put(pid, tensors)
+                needed = self.majority - 1
+                acks = self.peers.replicate(pid, tensors, needed, timeout=self.config.request_timeout)
+                if acks < needed:
+                    raise Outcome(f"payload reached {acks + 1} of {len(self.config.peers)} nodes, "
+                                  f"a majority is {self.majority}", applied=False)
+                command["payload"] = pid
+        done = threading.Event()
+        box: list = []
+
+        def callback(result: Any, error: int) -> None:
+            if error == FAIL_REASON.SUCCESS and on_applied is not None:
+                result = on_applied(result)
+            box.append((result, error))
+            done.set()
+
+        self._entry(msgpack.packb(command, use_bin_type=True), callback=callback)
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            raise Outcome("no commit before the request timeout", applied=None)
+        result, error = box[0]
+        if error != FAIL_REASON.SUCCESS:
+            raise Outcome(f"raft reported failure code {error}", applied=False if error in NOT_APPLIED else None)
+        return result
+
+    def read(self, names: list[str] | None) -> tuple[dict, int]:
+        with self.lock:
+            return self.machine.read(names)
+
+    def linearizable_read(self, names: list[str] | None) -> tuple[dict, int]:
+        """Commit a barrier and read in the tick thread right after it is applied: the read sees
+        every write that completed before it began, and exactly the state at its version."""
+        def read_now(_: dict) -> Any:
+            try:
+                return self.machine.read(names)
+            except RaftpsError as exc:
+                return exc
+        out = self.submit({"op": "barrier"}, on_applied=read_now)
+        if isinstance(out, RaftpsError):
+            raise out
+        return out
+
+    def wait_version(self, version: int, timeout: float) -> bool:
+        with self.applied:
+            return self.applied.wait_for(lambda: self.machine.version >= version, timeout)
+
+    def wait_step(self, step: int, timeout: float) -> int:
+        with self.applied:
+            if not self.applied.wait_for(lambda: self.machine.sync_applied >= step, timeout):
+                raise StepTimeout(f"sync step {step} not applied within {timeout:.1f} s "
+                                  f"({self.machine.sync_buffers.get(step, {}).get('count', 0)} contribution(s) so far)")
+            return self.machine.version
+
+    def stats(self) -> dict:
+        with self.lock:
+            m = self.machine
+            return {"pushes": m.stats["pushes"], "rejected": m.stats["rejected"],
+                    "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram(),
+                    "sync_applied": m.sync_applied, "version": m.version, "sessions": len(m.sessions)}
+
+    def status(self) -> dict:
+        raft = self.getStatus()
+        with self.lock:
+            version, digest, model_bytes = self.machine.version, self.machine.digest(), self.machine.model_bytes()
+        return {
+            "node": self.config.node_id,
+            "address": self.config.address(self.config.node_id, self.config.client_offset),
+            "role": ROLES.get(raft["state"], str(raft["state"])),
+            "term": raft["raft_term"],
+            "applied": raft["last_applied"],
+            "commit": raft["commit_idx"],
+            "version": version,
+            "digest": digest,
+            "leader": self.leader_client_address(),
+            "log_len": raft["log_len"],
+            "snapshot_index": self._snapshot_index,
+            "model_bytes": model_bytes,
+            "payload_disk_bytes": self.payloads.disk_bytes,
+            "payloads_in_memory": self.payloads.in_memory,
+            "missing_payload": self._missing,
+            "pid": os.getpid(),
+        }
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._missing_event.set()
+        self.data_server.close()
+        self.peers.close()
+        self.destroy()
