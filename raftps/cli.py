@@ -36,7 +36,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"raftps serve: --id {args.id} is not in 1..{len(peers)}", file=sys.stderr)
         return 2
     config = NodeConfig(node_id=args.id, peers=peers, data_dir=args.data_dir, secret=secret,
-                        bind_host=args.bind_host)
+                        bind_host=args.bind_host, compaction_entries=args.compaction_entries,
+                        payload_budget=args.payload_budget_mb << 20,
+                        election_timeout=(args.election_timeout, 2 * args.election_timeout),
+                        leader_fallback=args.leader_fallback or 2.5 * args.election_timeout,
+                        request_timeout=args.request_timeout)
     node = RaftNode(config)
     server = ClientServer(node, *config.bind(config.client_offset))
     stop = threading.Event()
@@ -86,6 +90,7 @@ def status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .node import NodeConfig
     parser = argparse.ArgumentParser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -96,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--secret-file", required=True, help="file holding the cluster's peer secret")
     p.add_argument("--bind-host", default=None, help="address to bind (default: this node's host in --peers)")
+    defaults = NodeConfig.__dataclass_fields__
+    p.add_argument("--compaction-entries", type=int, default=defaults["compaction_entries"].default,
+                   help="snapshot once the Raft log holds this many entries")
+    p.add_argument("--payload-budget-mb", type=int, default=defaults["payload_budget"].default >> 20,
+                   help="snapshot once payload files on disk exceed this many MiB")
+    p.add_argument("--election-timeout", type=float, default=defaults["election_timeout"].default[0],
+                   help="minimum election timeout in seconds (the maximum is twice it)")
+    p.add_argument("--leader-fallback", type=float, default=None,
+                   help="a leader that hears from no majority for this long steps down (default 2.5 x election timeout)")
+    p.add_argument("--request-timeout", type=float, default=defaults["request_timeout"].default,
+                   help="how long a node waits for one write to replicate and commit")
     p.set_defaults(func=serve)
 
     p = sub.add_parser("status", help="a table of every node's role, term, applied index and digest")

@@ -52,7 +52,7 @@ class NodeConfig:
     election_timeout: tuple[float, float] = (1.0, 2.0)
     heartbeat: float = 0.1
     leader_fallback: float = 2.5              # a leader without a majority steps down after this
-    request_timeout: float = 10.0             # one write's wait for replication and commit
+    request_timeout: float = 3.0              # one write's wait for replication and commit
     limits: codec.Limits = field(default_factory=codec.Limits)
 
     def address(self, node: int, offset: int = 0) -> str:
