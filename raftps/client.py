@@ -112,7 +112,9 @@ class Client:
             last_problem = f"{target}: {reply.get('message', 'retry')}"
             if reply.get("not_leader") or reply.get("behind"):
                 leader = reply.get("leader")
-                if leader in self.addresses and leader != target and to_leader:
+                if leader and leader not in self.addresses:
+                    self.addresses.append(leader)     # a node we were not told of: follow it
+                if leader and leader != target and to_leader:
                     target = self._leader = leader
                     continue
                 target = self._next_address()

@@ -136,12 +136,12 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
     return _decode(bytes(view[PREFIX.size:start]), view[start:], limits)
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+def _recv_exactly(sock: socket.socket, view: memoryview, started: bool = True) -> None:
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError("peer closed the connection" + (" mid-frame" if got else ""))
+            raise ConnectionError("peer closed the connection" + (" mid-frame" if got or started else ""))
         got += n
 
 
@@ -158,12 +158,12 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
         frame_timeout = sock.gettimeout()
         sock.settimeout(first_byte_timeout)
         try:
-            _recv_exactly(sock, view[:1])
+            _recv_exactly(sock, view[:1], started=False)
         finally:
             sock.settimeout(frame_timeout)
         _recv_exactly(sock, view[1:])
     else:
-        _recv_exactly(sock, view)
+        _recv_exactly(sock, view, started=False)
     header_len, blob_len = _parse_prefix(bytes(prefix), limits)
     header = bytearray(header_len)
     _recv_exactly(sock, memoryview(header))

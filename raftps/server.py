@@ -70,6 +70,10 @@ class ClientServer:
                 except ProtocolError as exc:
                     codec.send_frame(conn, error_result(ProtocolError, str(exc)))
                     return                        # the stream cannot be resynchronised
+                except ConnectionError as exc:
+                    if "mid-frame" in str(exc):   # a sender that half-closed may still read
+                        codec.send_frame(conn, error_result(ProtocolError, f"truncated frame: {exc}"))
+                    return
                 codec.send_frame(conn, self.handle(request))
         except (ConnectionError, OSError) as exc:
             log.debug("client connection closed: %s", exc)

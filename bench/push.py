@@ -1,0 +1,112 @@
+"""raftps push and pull throughput/latency on a LocalCluster, with node RSS sampled meanwhile.
+
+Pushes: every payload size x every client count (separate processes, each its own
+``raftps.Client``), all clients pushing float32 gradients into the same tensor of that size
+(SGD, so optimizer state is 0 bytes). Node RSS: VmRSS sampled from /proc/PID/status every 0.2 s
+during each run (peak) and VmHWM at the end, as a ratio to model + optimizer state bytes (the sum
+of all tensors created, which exist for the whole run). Pulls of the 4 MiB tensor: linearizable
+through the leader, and ``linearizable=False`` from the followers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .common import MiB, RssSampler, log, size_label
+from .naive_store import summarize
+from .worker import run_workers
+
+
+def _node_pids(cl: Any, nodes: int) -> list[int]:
+    try:
+        return [int(cl.pid(i)) for i in range(1, nodes + 1)]
+    except Exception:
+        return [int(cl.pid(i)) for i in range(nodes)]
+
+
+def _addresses(cl: Any) -> str:
+    a = cl.addresses
+    return a if isinstance(a, str) else ",".join(a)
+
+
+def _wait_converged(client: Any, timeout: float = 20.0) -> bool:
+    """True once every node reports the same applied index and digest (bounded by timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = client.status()
+        live = [s for s in st if s.get("role") != "down"]
+        if len(live) == len(st) and len({(s["applied"], s["digest"]) for s in live}) == 1:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _rss_fields(rss: RssSampler, model_bytes: int) -> dict[str, Any]:
+    peak = max(rss.peak_rss_kb.values(), default=0) * 1024
+    hwm = max(rss.hwm_kb.values(), default=0) * 1024
+    return {"peak_rss_mb": peak / MiB, "hwm_mb": hwm / MiB, "model_state_mb": model_bytes / MiB,
+            "rss_ratio": peak / model_bytes if model_bytes else float("nan"),
+            "rss_target_ok": peak < 3 * model_bytes + 300 * MiB}
+
+
+def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
+            base_port: int, pull_clients: list[int] | None = None, long_4mib: float = 0.0) -> list[dict[str, Any]]:
+    """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients)."""
+    from raftps import Client
+    from raftps.localcluster import LocalCluster
+    system = f"raftps-{nodes}"
+    cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port)
+    out: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    cl.start()
+    try:
+        addrs = _addresses(cl)
+        pids = _node_pids(cl, nodes)
+        log(f"{system}: cluster up in {time.monotonic() - t0:.1f} s, clients at {addrs}, pids {pids}")
+        admin = Client(addrs, timeout=30.0)
+        model_bytes = 0
+        for size in sizes:
+            admin.create(f"w{size}", np.zeros(max(size // 4, 1), np.float32), optimizer={"name": "sgd", "lr": 0.01})
+            model_bytes += max(size // 4, 1) * 4
+        plan = [(s, n, duration) for s in sizes for n in clients]
+        if long_4mib and 4 * MiB in sizes:
+            plan.append((4 * MiB, max(clients), long_4mib))
+        for size, n, dur in plan:
+            args = [{"kind": "raftps", "op": "push", "addresses": addrs, "name": f"w{size}", "size": size,
+                     "seed": 1000 * n + k, "duration": dur, "max_ops": max_ops if dur == duration else 10**9,
+                     "timeout": 30.0} for k in range(n)]
+            with RssSampler(pids) as rss:
+                res = run_workers(args)
+            rec = {"system": system, "op": "push", "size": size, "clients": n, "duration": dur,
+                   **summarize(res, size), **_rss_fields(rss, model_bytes)}
+            out.append(rec)
+            log(f"{system} push {size_label(size)} x{n} ({dur:.0f} s): {rec['ops_per_s']:.1f}/s {rec['MB_per_s']:.1f} MB/s "
+                f"p50 {rec['p50_ms']:.1f} ms p99 {rec['p99_ms']:.1f} ms, peak RSS {rec['peak_rss_mb']:.0f} MB "
+                f"({rec['errors']} errors)")
+        converged = _wait_converged(admin)
+        log(f"{system}: replicas converged (same applied index and digest): {converged}")
+        out.append({"system": system, "op": "converged", "ok": converged})
+        status = admin.status()
+        followers = [s["address"] for s in status if s.get("role") == "follower"]
+        admin.close()
+        size = 4 * MiB
+        for n in (pull_clients or []):
+            targets = [("leader", True, [addrs] * n)]
+            if followers:
+                targets.append(("followers", False, [followers[k % len(followers)] for k in range(n)]))
+            for where, lin, per_client in targets:
+                args = [{"kind": "raftps", "op": "pull", "addresses": a, "name": f"w{size}", "size": size,
+                         "linearizable": lin, "seed": k, "duration": duration, "max_ops": max_ops, "timeout": 30.0}
+                        for k, a in enumerate(per_client)]
+                with RssSampler(pids) as rss:
+                    res = run_workers(args)
+                rec = {"system": system, "op": f"pull-{where}", "linearizable": lin, "size": size, "clients": n,
+                       **summarize(res, size), **_rss_fields(rss, model_bytes)}
+                out.append(rec)
+                log(f"{system} pull 4 MiB from {where} (linearizable={lin}) x{n}: {rec['ops_per_s']:.1f}/s "
+                    f"{rec['MB_per_s']:.0f} MB/s p50 {rec['p50_ms']:.1f} ms")
+    finally:
+        cl.stop()
+    return out

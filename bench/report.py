@@ -1,0 +1,203 @@
+"""Turn the list of benchmark records into results.md, results.json and PNG plots."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from .common import MiB, size_label
+
+HEAD_SIZE, HEAD_CLIENTS = 4 * MiB, 4
+
+
+def find(records: list[dict[str, Any]], system: str, op: str = "push", size: int | None = None,
+         clients: int | None = None) -> dict[str, Any] | None:
+    """The first (shortest-duration) record that matches, or None."""
+    for r in records:
+        if r.get("system") == system and r.get("op") == op and (size is None or r.get("size") == size) \
+                and (clients is None or r.get("clients") == clients):
+            return r
+    return None
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return str(x)
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    if not a or not b or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, float | None, bool | None]]:
+    """(what, target, measured, met) for the targets of issues 2 and 5."""
+    r3 = find(records, "raftps-3", size=HEAD_SIZE, clients=HEAD_CLIENTS)
+    r1 = find(records, "raftps-1", size=HEAD_SIZE, clients=HEAD_CLIENTS)
+    nv = find(records, "naive", size=HEAD_SIZE, clients=HEAD_CLIENTS)
+    lb = find(records, "loopback", op="copy", size=HEAD_SIZE)
+    small = find(records, "raftps-3", size=1024, clients=HEAD_CLIENTS)
+    pipe = find(records, "pysyncobj-pipelined")
+    rows: list[tuple[str, str, float | None, bool | None]] = []
+
+    def add(what: str, target: str, value: float | None, bound: float) -> None:
+        rows.append((what, target, value, None if value is None else value >= bound))
+
+    add("3-node / naive pysyncobj, 4 MiB x4 (pushes/s)", ">= 50x", _ratio(r3, nv, "ops_per_s"), 50)
+    add("3-node / 1-node raftps, 4 MiB x4", ">= 0.5x", _ratio(r3, r1, "ops_per_s"), 0.5)
+    lim = r3["MB_per_s"] / lb["limit_3node_MB_per_s"] if r3 and lb else None
+    add("3-node / physical limit (loopback / 3 hops), 4 MiB x4", ">= 0.25x", lim, 0.25)
+    add("3-node 4 MiB x4 pushes/s (absolute)", ">= 60/s", r3["ops_per_s"] if r3 else None, 60)
+    add("3-node 4 MiB x4 MB/s (absolute)", ">= 250 MB/s", r3["MB_per_s"] if r3 else None, 250)
+    add("3-node 1 KiB x4 / pysyncobj pipelined 1 KiB commands/s", ">= 0.5x", _ratio(small, pipe, "ops_per_s"), 0.5)
+    rss = [r for r in records if r.get("system", "").startswith("raftps") and "rss_target_ok" in r]
+    if rss:
+        worst = max(rss, key=lambda r: r["peak_rss_mb"] - 3 * r["model_state_mb"])
+        rows.append(("peak node RSS (worst run) vs 3x(model+state)+300 MB", "under",
+                     worst["peak_rss_mb"], all(r["rss_target_ok"] for r in rss)))
+    return rows
+
+
+def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    L: list[str] = [f"# raftps benchmark ({meta['mode']})", "",
+                    f"`{meta['command']}` on {meta['date']}, {meta['machine']}. {meta['durability']}", ""]
+    L += ["## Targets", "", "| what | target | measured | met |", "|---|---|---|---|"]
+    for what, tgt, val, ok in targets(records):
+        L.append(f"| {what} | {tgt} | {_f(val, 2)} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
+    L += ["", f"## Push, {size_label(HEAD_SIZE)}, {HEAD_CLIENTS} clients", "",
+          "| system | pushes/s | MB/s | p50 ms | p99 ms |", "|---|---|---|---|---|"]
+    for sysname, label in (("raftps-3", "raftps 3-node"), ("raftps-1", "raftps 1-node"), ("naive", "naive pysyncobj 3-node")):
+        r = find(records, sysname, size=HEAD_SIZE, clients=HEAD_CLIENTS)
+        if r:
+            L.append(f"| {label} | {_f(r['ops_per_s'], 2)} | {_f(r['MB_per_s'])} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} |")
+    lb = find(records, "loopback", op="copy", size=HEAD_SIZE)
+    if lb:
+        L.append(f"| physical limit (loopback {lb['MB_per_s']:,.0f} MB/s / 3 hops) | {_f(lb['limit_3node_pushes_per_s'], 1)} "
+                 f"| {_f(lb['limit_3node_MB_per_s'])} | – | – |")
+    L += ["", "## Push, all sizes", "",
+          "| payload | clients | 3-node /s | 3-node MB/s | p50 ms | p99 ms | 1-node /s | naive /s | 3n/naive | 3n/1n | 3n/limit | peak RSS MB (x model+state) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    sizes = sorted({r["size"] for r in records if r.get("op") == "push" and r.get("system") == "raftps-3"})
+    clients = sorted({r["clients"] for r in records if r.get("op") == "push" and r.get("system") == "raftps-3"})
+    for s in sizes:
+        lbs = find(records, "loopback", op="copy", size=s)
+        for n in clients:
+            r3, r1, nv = (find(records, k, size=s, clients=n) for k in ("raftps-3", "raftps-1", "naive"))
+            if not r3:
+                continue
+            lim = r3["MB_per_s"] / lbs["limit_3node_MB_per_s"] if lbs else None
+            L.append(f"| {size_label(s)} | {n} | {_f(r3['ops_per_s'])} | {_f(r3['MB_per_s'])} | {_f(r3['p50_ms'])} | "
+                     f"{_f(r3['p99_ms'])} | {_f(r1 and r1['ops_per_s'])} | {_f(nv and nv['ops_per_s'], 2)} | "
+                     f"{_f(_ratio(r3, nv, 'ops_per_s'))} | {_f(_ratio(r3, r1, 'ops_per_s'), 2)} | {_f(lim, 3)} | "
+                     f"{_f(r3['peak_rss_mb'], 0)} ({_f(r3['rss_ratio'])}) |")
+    extra = [r for r in records if r.get("system") == "naive" and not find(records, "raftps-3", size=r["size"], clients=r["clients"])]
+    for r in extra:
+        L.append(f"| {size_label(r['size'])} | {r['clients']} | – | – | – | – | – | {_f(r['ops_per_s'], 2)} | – | – | – | – |")
+    pulls = [r for r in records if str(r.get("op", "")).startswith("pull")]
+    if pulls:
+        L += ["", "## Pull, 4 MiB", "", "| system | from | linearizable | clients | pulls/s | MB/s | p50 ms | p99 ms |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in pulls:
+            L.append(f"| {r['system']} | {r['op'][5:]} | {r['linearizable']} | {r['clients']} | {_f(r['ops_per_s'])} | "
+                     f"{_f(r['MB_per_s'])} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} |")
+    L += ["", "## Baselines", ""]
+    pipe = find(records, "pysyncobj-pipelined")
+    if pipe:
+        L.append(f"- pysyncobj's own small-command rate (naive node, {pipe['ok']} pipelined async 1 KiB commands "
+                 f"submitted on the leader): {pipe['ops_per_s']:,.0f} commands/s.")
+    for r in records:
+        if r.get("system") == "loopback":
+            L.append(f"- loopback copy {size_label(r['size'])}: {r['MB_per_s']:,.0f} MB/s -> limit per replicated push "
+                     f"{r['limit_3node_MB_per_s']:,.0f} MB/s ({r['limit_3node_pushes_per_s']:,.1f} pushes/s) on 3 nodes")
+    for r in records:
+        if r.get("op") == "converged":
+            L.append(f"- {r['system']}: after the pushes all replicas reached the same applied index and digest: {r['ok']}")
+    for r in records:
+        if r.get("op") == "error":
+            L.append(f"- **{r['system']} failed**: {r['error']}")
+    L += ["", "Plots: push_mbps.png, push_latency.png, rss.png, pull.png.", ""]
+    return "\n".join(L)
+
+
+def plots(records: list[dict[str, Any]], out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    made: list[str] = []
+    series = [("raftps-3", "raftps 3-node", "C0"), ("raftps-1", "raftps 1-node", "C1"), ("naive", "naive pysyncobj", "C3")]
+
+    def line(ax: Any, sysname: str, op: str, key: str, n: int, **kw: Any) -> None:
+        pts = sorted((r["size"], r[key]) for r in records if r.get("system") == sysname and r.get("op") == op
+                     and r.get("clients") == n and r.get(key) is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", **kw)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sysname, label, col in series:
+        for n, style in ((4, "-"), (1, ":")):
+            line(ax, sysname, "push", "MB_per_s", n, color=col, linestyle=style, label=f"{label}, {n} client(s)")
+    line(ax, "loopback", "copy", "limit_3node_MB_per_s", 1, color="k", linestyle="--", label="physical limit (loopback / 3 hops)")
+    ax.set(xscale="log", yscale="log", xlabel="payload bytes", ylabel="committed MB/s", title="Push throughput")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "push_mbps.png"), dpi=110)
+    made.append("push_mbps.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sysname, label, col in series:
+        line(ax, sysname, "push", "p50_ms", 4, color=col, label=f"{label} p50")
+        line(ax, sysname, "push", "p99_ms", 4, color=col, linestyle="--", label=f"{label} p99")
+    ax.set(xscale="log", yscale="log", xlabel="payload bytes", ylabel="ms", title="Push latency, 4 clients")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "push_latency.png"), dpi=110)
+    made.append("push_latency.png")
+    plt.close(fig)
+
+    rss = [r for r in records if "peak_rss_mb" in r and r.get("op") == "push"]
+    if rss:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        labels = [f"{r['system']}\n{size_label(r['size'])} x{r['clients']}" for r in rss]
+        ax.bar(range(len(rss)), [r["peak_rss_mb"] for r in rss], color=["C3" if r["system"] == "naive" else "C0" for r in rss])
+        limits = [3 * r["model_state_mb"] + 300 for r in rss if "model_state_mb" in r]
+        if limits:
+            ax.axhline(max(limits), color="k", linestyle="--", label="3x(model+state)+300 MB")
+            ax.legend(fontsize=7)
+        ax.set_xticks(range(len(rss)), labels, fontsize=5, rotation=90)
+        ax.set(ylabel="peak node RSS (MB)", title="Peak RSS of the largest node during each push run")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "rss.png"), dpi=110)
+        made.append("rss.png")
+        plt.close(fig)
+
+    pulls = [r for r in records if str(r.get("op", "")).startswith("pull")]
+    if pulls:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(range(len(pulls)), [r["MB_per_s"] for r in pulls], color="C2")
+        ax.set_xticks(range(len(pulls)), [f"{r['system']} {r['op'][5:]}\nlin={r['linearizable']} x{r['clients']}" for r in pulls], fontsize=7)
+        ax.set(ylabel="MB/s", title="Pull 4 MiB")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "pull.png"), dpi=110)
+        made.append("pull.png")
+        plt.close(fig)
+    return made
+
+
+def write(records: list[dict[str, Any]], meta: dict[str, Any], out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    md = markdown(records, meta)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md)
+    slim = [{k: v for k, v in r.items() if k != "lat"} for r in records]
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "records": slim, "targets": targets(records)}, f, indent=1, default=str)
+    plots(records, out)
+    return md
