@@ -1,0 +1,73 @@
+"""A fix for pysyncobj 0.3.17's livelock of an ex-leader with a divergent tail of >= 2 entries.
+
+The bug (syncobj.py, pysyncobj 0.3.17):
+* Follower, ``__onMessageReceived`` 'append_entries' (L981-990): if ``prevLogIdx`` is past its log
+  end it replies ``next_node_idx = lastIndex + 1, reset=True``; if the term at ``prevLogIdx``
+  differs it replies ``next_node_idx = prevLogIdx, reset=True`` (one step back).
+* Leader, ``__sendAppendEntries`` (L1265-1273): each send moves ``nextIndex`` optimistically to
+  the end of the batch, and one round sends batch after batch; with ``appendEntriesUseBatch=False``
+  every new command starts another round.
+* Leader, 'next_node_idx' handling (L1071-1082): ``if reset: nextIndex = next_node_idx`` - the last
+  reply wins. The one-step-back reply of the first batch is always followed by "past my end"
+  replies (lastIndex + 1) of the later batches or rounds, so nextIndex returns to lastIndex + 1
+  and never gets below the divergent tail: the follower never matches again, across restarts.
+
+The fix, ``install(node)``, on every node right after ``SyncObj.__init__``:
+* leader side: per follower, the lowest ``next_node_idx`` a failed reset reply reported in this
+  term is a floor; a later failed reset reply above the floor is lowered to it, until a success
+  reply (or a new term) clears it. A lower nextIndex is always safe: the follower re-checks
+  prevLogTerm and overwrites only what does not match.
+* follower side: a failed reset reply never names more than ``commitIndex + 1`` (committed entries
+  are on the leader, so the leader can resume right after them), which jumps over the whole
+  divergent tail in one step instead of one entry per round.
+Either side alone stops the livelock (the leader side alone backs off one entry per round).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pysyncobj import SyncObj
+
+
+def install(node: SyncObj) -> None:
+    """Wrap ``node``'s transport so the back-off cannot be overwritten (see the module docstring)."""
+    transport = node._SyncObj__transport
+    deliver = transport._onMessageReceivedCallback
+    send = transport.send
+    floors: dict[Any, tuple[int, int]] = {}           # peer -> (term, floor)
+
+    def on_message(peer: Any, message: Any) -> None:
+        if isinstance(message, dict) and message.get("type") == "next_node_idx" and node._isLeader():
+            message = leader_filter(floors, peer, message, node.raftCurrentTerm)
+        deliver(peer, message)
+
+    def send_hinted(peer: Any, message: Any) -> Any:
+        if isinstance(message, dict) and message.get("type") == "next_node_idx":
+            message = follower_hint(message, node._SyncObj__raftCommitIndex)
+        return send(peer, message)
+
+    transport.setOnMessageReceivedCallback(on_message)
+    transport.send = send_hinted
+    node._raftps_backoff_fix = True
+
+
+def leader_filter(floors: dict, peer: Any, message: dict, term: int) -> dict:
+    """Leader side: never let a failed reset reply raise nextIndex above the lowest one seen."""
+    if message.get("success"):
+        floors.pop(peer, None)
+        return message
+    if not message.get("reset"):
+        return message
+    index = message["next_node_idx"]
+    seen_term, floor = floors.get(peer, (None, None))
+    if seen_term != term or index <= floor:
+        floors[peer] = (term, index)
+        return message
+    return dict(message, next_node_idx=floor)
+
+
+def follower_hint(message: dict, commit_index: int) -> dict:
+    """Follower side: a failed reset reply asks for at most commitIndex + 1."""
+    if message.get("reset") and not message.get("success") and message["next_node_idx"] > commit_index + 1:
+        return dict(message, next_node_idx=commit_index + 1)
+    return message

@@ -1,0 +1,126 @@
+"""The bounded one-hot workload: concurrent clients pushing and pulling, recorded in a History.
+
+Each client thread owns one raftps Client and runs operations one at a time: a push of ``-e_k``
+for a fresh k, or (every ``pull_every``-th op) a pull, linearizable or not. Bounded by wall time,
+by the tensor size (one push per element) and by ``max_ops``.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raftps import Client, RaftpsError, Unavailable
+
+from .history import FAILED, OK, PULL, PUSH, UNKNOWN, History, push_gradient
+
+NAME = "chaos"
+
+
+@dataclass
+class Workload:
+    addresses: str
+    n: int = 4096                  # elements = most pushes a run can make (32 KiB float64)
+    clients: int = 3
+    pull_every: int = 4            # every 4th op of a client is a pull
+    stale_every: int = 3           # every 3rd pull is linearizable=False with min_version
+    rate: float = 40.0             # ops per second per client (keeps 2 shared cores usable)
+    timeout: float = 5.0           # client timeout: Unavailable after this = unknown outcome
+    history: History = field(default_factory=History)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _ks: "itertools.count[int]" = field(default_factory=itertools.count)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def create(self, timeout: float = 20.0) -> None:
+        with Client(self.addresses, timeout=timeout) as c:
+            c.create(NAME, np.zeros(self.n, np.float64), optimizer={"name": "sgd", "lr": 1.0})
+
+    def start(self, seconds: float, max_ops: int = 100_000) -> None:
+        deadline = time.monotonic() + seconds
+        per_client = max(1, max_ops // self.clients)
+        for cid in range(self.clients):
+            t = threading.Thread(target=self._run, args=(cid, deadline, per_client),
+                                 name=f"workload-{cid}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self) -> None:
+        """Ask the clients to stop and wait for them (at most one client timeout + a margin)."""
+        self._stop.set()
+        self.join()
+
+    def join(self) -> None:
+        limit = time.monotonic() + self.timeout + 10.0
+        for t in self._threads:
+            t.join(max(0.0, limit - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            raise RuntimeError(f"workload threads did not stop: {alive}")
+
+    def _next_k(self) -> int | None:
+        with self._lock:
+            k = next(self._ks)
+        return k if k < self.n else None
+
+    def _run(self, cid: int, deadline: float, max_ops: int) -> None:
+        seen = 0
+        with Client(self.addresses, timeout=self.timeout, attempt_timeout=min(2.0, self.timeout)) as c:
+            for seq in range(max_ops):
+                started = time.monotonic()
+                if self._stop.is_set() or started >= deadline:
+                    return
+                if seq % self.pull_every == self.pull_every - 1:
+                    lin = (seq // self.pull_every) % self.stale_every != self.stale_every - 1
+                    op = self.history.begin(PULL, cid, seq, linearizable=lin)
+                    try:
+                        tensors, version = c.pull([NAME], min_version=None if lin else seen,
+                                                  linearizable=lin)
+                        History.finish(op, OK, version, values=tensors[NAME])
+                        seen = max(seen, version)
+                    except Unavailable as exc:
+                        History.finish(op, UNKNOWN, error=exc)
+                    except RaftpsError as exc:
+                        History.finish(op, FAILED, error=exc)
+                else:
+                    k = self._next_k()
+                    if k is None:
+                        return
+                    op = self.history.begin(PUSH, cid, seq, k=k)
+                    try:
+                        version = c.push({NAME: push_gradient(self.n, k)})
+                        History.finish(op, OK, version)
+                        seen = max(seen, version)
+                    except Unavailable as exc:
+                        History.finish(op, UNKNOWN, error=exc)
+                    except RaftpsError as exc:
+                        History.finish(op, FAILED, error=exc)
+                pause = started + 1.0 / self.rate - time.monotonic()
+                if pause > 0:
+                    self._stop.wait(pause)
+
+
+def settle(addresses: str, nodes: int, timeout: float = 30.0) -> tuple[np.ndarray | None, list[dict], float | None]:
+    """After healing: one linearizable pull of the final tensor, then wait until every node has
+    applied the same index. Returns (final tensor or None, last statuses, seconds to converge)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    final = None
+    statuses: list[dict] = []
+    with Client(addresses, timeout=5.0) as c:
+        while final is None and time.monotonic() < deadline:
+            try:
+                final = c.pull([NAME])[0][NAME]
+            except RaftpsError:
+                time.sleep(0.2)
+        while time.monotonic() < deadline:
+            statuses = c.status(timeout=1.0)
+            applied = {s.get("applied") for s in statuses}
+            if len(statuses) == nodes and None not in applied and len(applied) == 1 \
+                    and len({s.get("digest") for s in statuses}) == 1:
+                return final, statuses, time.monotonic() - t0
+            time.sleep(0.2)
+    return final, statuses, None
