@@ -1,22 +1,19 @@
 """Run a raftps node with fault-test settings: ``LocalCluster(command_prefix=...)`` puts this in
 front of the node's argv, so the node process is still ``python ... raftps serve ...``.
 
-    python -m raftps.chaos.launch [--compaction N] [--fallback S] [--backoff-fix] -- \
-        PYTHON -m raftps serve --id I ...
+    python -m raftps.chaos.launch [--backoff-fix] -- PYTHON -m raftps serve --id I ...
 
---compaction     log compaction after N entries (NodeConfig.compaction_entries, default 2000)
---fallback       leader_fallback seconds (a leader without a majority steps down after this)
 --backoff-fix    install raftps.chaos.backoff_fix on the node (until the node does it itself)
+Node settings (compaction, election timeout, leader fallback) are ``raftps serve`` flags.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 
 def prefix(*options: str, python: str = sys.executable) -> list[str]:
-    """argv to prepend to a node command, e.g. prefix('--backoff-fix', '--compaction', '300')."""
+    """argv to prepend to a node command, e.g. prefix('--backoff-fix')."""
     return [python, "-m", "raftps.chaos.launch", *options, "--"]
 
 
@@ -25,8 +22,6 @@ def main(argv: list[str]) -> int:
         raise SystemExit("usage: python -m raftps.chaos.launch [options] -- PYTHON -m raftps serve ...")
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="raftps.chaos.launch")
-    p.add_argument("--compaction", type=int, default=None)
-    p.add_argument("--fallback", type=float, default=None)
     p.add_argument("--backoff-fix", action="store_true")
     args = p.parse_args(argv[:cut])
     node_argv = argv[cut + 1:]
@@ -34,13 +29,6 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"expected 'PYTHON -m raftps ...' after --, got {node_argv[:3]}")
 
     from raftps import cli, node
-    overrides = {}
-    if args.compaction is not None:
-        overrides["compaction_entries"] = args.compaction
-    if args.fallback is not None:
-        overrides["leader_fallback"] = args.fallback
-    if overrides:
-        node.NodeConfig = functools.partial(node.NodeConfig, **overrides)
     if args.backoff_fix:
         from . import backoff_fix
 

@@ -1,0 +1,187 @@
+"""One fault case: a cluster (optionally in network namespaces), the workload, the check, the line.
+
+    with Harness("leader-kill", run_dir, base_port=7600) as h:
+        h.load(3.0)                      # workload runs in the background from here
+        t = h.event("kill leader"); h.cluster.kill(h.leader())
+        h.wait(4.0); h.cluster.start_node(n)
+        result, line = h.finish(failover_s=h.failover(t))
+Everything the harness started (node processes by PID, workload threads, namespaces, iptables
+rules) is stopped or removed on exit, whatever happened.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Sequence
+
+from raftps.localcluster import LocalCluster
+
+from . import launch
+from .checker import Result, check
+from .history import first_ack_after
+from .netns import Net
+from .workload import Workload, settle
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of a process (e.g. pysyncobj's forked snapshot writer)."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return out
+
+
+class Harness:
+    def __init__(self, case: str, run_dir: str, base_port: int, nodes: int = 3, netns: bool = False,
+                 launch_options: Sequence[str] = (), node_args: Sequence[str] = (), subnet: str = "10.77.0", **workload: Any) -> None:
+        self.case, self.nodes = case, nodes
+        self.net = Net(nodes, prefix=f"rps{base_port % 1000:03d}", subnet=subnet) if netns else None
+        opts = list(launch_options)
+
+        def prefix(i: int) -> list[str]:
+            head = self.net.command_prefix(i) if self.net else []
+            return head + (launch.prefix(*opts) if opts else [])
+        self.cluster = LocalCluster(run_dir, nodes=nodes, base_port=base_port,
+                                    hosts=self.net.hosts() if self.net else None,
+                                    command_prefix=prefix if (opts or self.net) else None,
+                                    extra_args=list(node_args))
+        self.workload_args = workload
+        self.workload: Workload | None = None
+
+    def __enter__(self) -> "Harness":
+        try:
+            if self.net:
+                self.net.up()
+            self.cluster.start(timeout=30.0)
+            self.workload = Workload(self.cluster.addresses, **self.workload_args)
+            self.workload.create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            if self.workload:
+                self.workload.stop()
+        finally:
+            try:
+                self.resume_all()
+                self.cluster.stop()
+            finally:
+                if self.net:
+                    left = self.net.down()
+                    if left:
+                        raise RuntimeError(f"teardown left {left}")
+
+    # -- driving --------------------------------------------------------------------------------
+    @property
+    def history(self):
+        return self.workload.history
+
+    def load(self, seconds: float, max_ops: int = 100_000) -> None:
+        """Start the workload for at most `seconds` (it runs in the background)."""
+        self.workload.start(seconds, max_ops)
+
+    def event(self, what: str) -> float:
+        return self.history.event(what)
+
+    @staticmethod
+    def wait(seconds: float) -> None:
+        time.sleep(seconds)
+
+    def leader(self, timeout: float = 15.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            n = self.cluster.leader()
+            if n is not None:
+                return n
+            time.sleep(0.1)
+        raise TimeoutError(f"no leader within {timeout} s")
+
+    def follower(self) -> int:
+        lead = self.leader()
+        return next(i for i in range(1, self.nodes + 1) if i != lead)
+
+    def status(self, node: int) -> dict:
+        return self.cluster.status()[node - 1]
+
+    def kill(self, node: int) -> None:
+        """SIGKILL a node and any child it forked (the snapshot writer), by PID."""
+        pid = self.cluster.pid(node)
+        kids = children(pid) if pid else []
+        self.cluster.kill(node, signal.SIGKILL)
+        for kid in kids:
+            try:
+                os.kill(kid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill_all(self) -> None:
+        """SIGKILL every running node at once, then wait until all are gone."""
+        up = [i for i in range(1, self.nodes + 1) if self.cluster.is_up(i)]
+        for i in up:
+            try:
+                self.cluster.send_signal(i, signal.SIGKILL)
+            except (RuntimeError, ProcessLookupError):
+                pass
+        deadline = time.monotonic() + 10.0
+        while any(self.cluster.is_up(i) for i in up) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def resume_all(self) -> None:
+        for i in range(1, self.nodes + 1):
+            if self.cluster.is_up(i):
+                try:
+                    self.cluster.resume(i)
+                except (RuntimeError, ProcessLookupError):
+                    pass
+
+    def failover(self, t: float) -> float | None:
+        return first_ack_after(self.history.completed(), t)
+
+    def wait_caught_up(self, node: int, timeout: float = 30.0) -> float | None:
+        """Seconds until `node` has applied what the leader had applied when this was called."""
+        t0 = time.monotonic()
+        target = None
+        while time.monotonic() - t0 < timeout:
+            rows = self.cluster.status()
+            if target is None:
+                lead = [r for r in rows if r["role"] == "leader"]
+                target = lead[0]["applied"] if lead else None
+            mine = rows[node - 1].get("applied")
+            if target is not None and mine is not None and mine >= target:
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        return None
+
+    def finish(self, settle_s: float = 30.0, **extra: Any) -> tuple[Result, str]:
+        """Stop the load, heal, let the nodes converge, check, and return (result, report line)."""
+        self.workload.join()
+        if self.net:
+            self.net.heal()
+        self.resume_all()
+        final, statuses, converge = settle(self.cluster.addresses, self.nodes, settle_s)
+        if final is None:
+            raise AssertionError(f"{self.case}: no linearizable read of the final state within {settle_s} s")
+        result = check(self.history, final, statuses, nodes=self.nodes)
+        extra = {k: (v() if callable(v) else v) for k, v in extra.items()}   # lazily: after the load
+        extra.setdefault("converge_s", converge)
+        line = result.line(self.case, **extra)
+        print(line, flush=True)
+        for p in result.problems:
+            print("  problem:", p, flush=True)
+        return result, line
+
+
+def assert_clean(result: Result, line: str) -> None:
+    """Fail a test unless every promise held; the message has the line and the problems."""
+    assert result.valid, line + "\n" + "\n".join(result.problems)
