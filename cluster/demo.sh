@@ -6,7 +6,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$HERE/setup.sh"
 export RAFTPS_RUN_DIR="${RAFTPS_RUN_DIR:-$(mktemp -d /tmp/raftps-demo.XXXXXX)}"
 source "$HERE/_env.sh"
-trap 'bash "$HERE/stop.sh" >/dev/null 2>&1 || true' EXIT
+trap '"$PY" -m raftps cluster wipe >/dev/null 2>&1 || true' EXIT
 echo "== starting a 3-node cluster in $RAFTPS_RUN_DIR"
 eval "$(bash "$HERE/start.sh" | tee /dev/stderr | tail -n 1 | sed 's/^/export /')"
 "$PY" - <<'PY'

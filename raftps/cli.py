@@ -23,6 +23,9 @@ def _status_table(rows: list[dict]) -> str:
 def serve(args: argparse.Namespace) -> int:
     from .node import NodeConfig, RaftNode
     from .server import ClientServer
+    from .tuning import keep_large_buffers_on_the_heap
+
+    keep_large_buffers_on_the_heap()
 
     logging.basicConfig(level=os.environ.get("RAFTPS_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s node{args.id} %(name)s %(levelname)s %(message)s")
@@ -36,7 +39,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"raftps serve: --id {args.id} is not in 1..{len(peers)}", file=sys.stderr)
         return 2
     config = NodeConfig(node_id=args.id, peers=peers, data_dir=args.data_dir, secret=secret,
-                        bind_host=args.bind_host, compaction_entries=args.compaction_entries,
+                        bind_host=args.bind_host, payload_dir=args.payload_dir, compaction_entries=args.compaction_entries,
                         payload_budget=args.payload_budget_mb << 20,
                         election_timeout=(args.election_timeout, 2 * args.election_timeout),
                         leader_fallback=args.leader_fallback or 2.5 * args.election_timeout,
@@ -74,6 +77,9 @@ def cluster(args: argparse.Namespace) -> int:
     elif args.action == "stop":
         cl.stop()
         print(f"stopped the nodes of {cl.run_dir}")
+    elif args.action == "wipe":
+        cl.wipe()
+        print(f"stopped the nodes and deleted {cl.run_dir} and their payloads")
     elif args.action == "kill":
         pid = cl.pid(args.node)
         cl.kill(args.node)
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--secret-file", required=True, help="file holding the cluster's peer secret")
     p.add_argument("--bind-host", default=None, help="address to bind (default: this node's host in --peers)")
+    p.add_argument("--payload-dir", default=None,
+                   help="where payloads wait for a snapshot (default: tmpfs /dev/shm if present, else DATA_DIR/payloads)")
     defaults = NodeConfig.__dataclass_fields__
     p.add_argument("--compaction-entries", type=int, default=defaults["compaction_entries"].default,
                    help="snapshot once the Raft log holds this many entries")
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=status)
 
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
-    p.add_argument("action", choices=["start", "stop", "kill", "status"])
+    p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])
     p.add_argument("node", type=int, nargs="?", help="node number for kill")
     p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
     p.add_argument("--run-dir", default=None)

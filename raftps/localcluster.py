@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,6 +200,14 @@ class LocalCluster:
                 proc.kill()
             proc.wait()
         self._procs.clear()
+
+    def wipe(self) -> None:
+        """Stop, then delete every node's data, payloads (tmpfs) included, and the run dir."""
+        from .node import default_payload_dir
+        self.stop()
+        for node in range(1, self.nodes + 1):
+            shutil.rmtree(default_payload_dir(self.data_dir(node)), ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self

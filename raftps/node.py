@@ -12,6 +12,7 @@ Snapshots use pysyncobj's serializer hooks with our codec (raw array bytes, no p
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -46,6 +47,7 @@ class NodeConfig:
     client_offset: int = 100                  # client port = Raft port + client_offset
     data_offset: int = 200                    # data-plane port = Raft port + data_offset
     bind_host: str | None = None              # default: the host of this node's Raft address
+    payload_dir: str | None = None            # default: default_payload_dir(data_dir)
     inline_bytes: int = 64 << 10              # payloads up to this size travel inside the entry
     payload_budget: int = 512 << 20           # payload bytes on disk that force a snapshot
     compaction_entries: int = 2000
@@ -68,6 +70,35 @@ class NodeConfig:
         return self.bind_host or host, int(port)
 
 
+def default_payload_dir(data_dir: str) -> str:
+    """Payloads live in tmpfs where there is one: they survive a process crash (the guarantee
+    pysyncobj's own unsynced journal gives) and need no disk bandwidth. Three nodes on one disk
+    writing every payload measured 117 MB/s of pushes, disk-bound; tmpfs writes 2 GB/s here.
+    A snapshot (taken every ``payload_budget`` bytes, and on graceful stop) makes the data dir
+    self-contained again."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        tag = hashlib.sha256(os.path.abspath(data_dir).encode()).hexdigest()[:16]
+        return f"/dev/shm/raftps-payloads-{tag}"
+    return os.path.join(data_dir, "payloads")
+
+
+def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:
+    """Remove tmpfs payload dirs whose node's data dir no longer exists (a wiped test run)."""
+    import shutil
+    try:
+        names = [n for n in os.listdir(root) if n.startswith("raftps-payloads-")]
+    except OSError:
+        return
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "OWNER")) as f:
+                owner = f.read().strip()
+        except OSError:
+            continue
+        if not os.path.isdir(owner):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 class PayloadMissing(Exception):
     """Raised inside an apply whose payload is not here yet; never escapes our applier."""
 
@@ -87,7 +118,9 @@ class RaftNode(SyncObj):
         self.machine = TensorStore()
         self.lock = threading.Lock()              # guards machine against readers in other threads
         self.applied = threading.Condition(self.lock)
-        self.payloads = PayloadStore(os.path.join(config.data_dir, "payloads"))
+        sweep_abandoned_payload_dirs()
+        self.payloads = PayloadStore(config.payload_dir or default_payload_dir(config.data_dir),
+                                     owner=os.path.abspath(config.data_dir))
         others = [n for n in range(1, len(config.peers) + 1) if n != config.node_id]
         self.peers = Peers([config.address(n, config.data_offset) for n in others], config.secret)
         self.data_server = DataPlaneServer(*config.bind(config.data_offset), config.secret,
@@ -336,7 +369,14 @@ class RaftNode(SyncObj):
             "pid": os.getpid(),
         }
 
-    def stop(self) -> None:
+    def stop(self, snapshot_timeout: float = 30.0) -> None:
+        """Stop gracefully: first a snapshot, so the data dir alone restores this node."""
+        target = self.raftLastApplied
+        if self._snapshot_index < target - 1:
+            self.forceLogCompaction()
+            deadline = time.monotonic() + snapshot_timeout
+            while self._snapshot_index < target - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
         self._stopped = True
         self._missing_event.set()
         self.data_server.close()

@@ -41,14 +41,19 @@ def verify(pid: str, tensors: dict[str, np.ndarray]) -> bool:
 
 
 class PayloadStore:
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, owner: str | None = None):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
+        if owner is not None:       # lets a sweep tell an abandoned tmpfs dir from a live one
+            with open(os.path.join(directory, "OWNER"), "w") as f:
+                f.write(owner + "\n")
         self._memory: dict[str, dict[str, np.ndarray]] = {}
         self._applied: dict[str, int] = {}          # payload id -> log index it was applied at
         self._disk_bytes = 0
         self._cond = threading.Condition()
         for name in os.listdir(directory):
+            if name == "OWNER":
+                continue
             if name.endswith(".tmp"):
                 os.unlink(os.path.join(directory, name))   # a write a crash interrupted
             else:
@@ -125,7 +130,7 @@ class PayloadStore:
         keep = set(keep)
         freed = 0
         for name in os.listdir(self.directory):
-            if name.endswith(".tmp") or name in keep:
+            if name.endswith(".tmp") or name in keep or name == "OWNER":
                 continue
             with self._cond:
                 if name in self._applied:

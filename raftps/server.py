@@ -119,6 +119,7 @@ class ClientServer:
                 check_name(name)
                 if not isinstance(arr, np.ndarray):
                     raise InvalidRequest(f"tensor {name!r}: value is not an array")
+                # Refused here so a NaN gradient costs no replication; the state machine checks again.
                 check_finite(name, arr, "initial value" if req["op"] == "create" else
                              "value" if req["op"] == "assign" else "gradient")
         try:

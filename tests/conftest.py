@@ -12,7 +12,7 @@ def start_cluster(run_dir, base_port: int, nodes: int = 3, **kwargs) -> LocalClu
     try:
         cluster.start(timeout=60)
     except BaseException:
-        cluster.stop()
+        cluster.wipe()
         raise
     return cluster
 
@@ -43,4 +43,4 @@ def make_cluster(tmp_path):
 
     yield make
     for cluster in made:
-        cluster.stop()
+        cluster.wipe()

@@ -17,7 +17,7 @@ BASE = 6000
 def cluster(tmp_path_factory):
     cl = start_cluster(tmp_path_factory.mktemp("cluster"), BASE)
     yield cl
-    cl.stop()
+    cl.wipe()
 
 
 @pytest.fixture
