@@ -16,7 +16,6 @@ import queue
 import socket
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import replace
 
 import numpy as np
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import codec, optim
-from .errors import (DtypeMismatch, InvalidGradient, InvalidOptimizer, InvalidRequest, RaftpsError,
+from .errors import (DtypeMismatch, InvalidGradient, InvalidRequest, RaftpsError,
                      SessionExpired, ShapeMismatch, TensorExists, UnknownTensor, error_result)
 
 TENSOR_DTYPES = ("float32", "float64")

@@ -27,7 +27,7 @@ from pysyncobj.node import TCPNode
 
 from . import codec
 from .dataplane import DataPlaneServer, Peers
-from .errors import RaftpsError, StepTimeout, error_result
+from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
 from .payloads import PayloadStore, payload_id
 
@@ -161,15 +161,21 @@ class RaftNode(SyncObj):
     @replicated
     def _entry(self, entry: bytes) -> dict:
         index = self.raftLastApplied + 1
-        command = msgpack.unpackb(entry, raw=False)
-        pid = command.pop("payload", None)
-        if pid is not None:
-            tensors = self.payloads.get(pid)
-            if tensors is None:
-                raise PayloadMissing(pid)
-            command["tensors"] = tensors
-        elif "inline" in command:
-            command["tensors"] = codec.decode(command.pop("inline"), self.config.limits)["tensors"]
+        pid = None
+        try:
+            command = msgpack.unpackb(entry, raw=False)
+            pid = command.pop("payload", None)
+            if pid is not None:
+                tensors = self.payloads.get(pid)
+                if tensors is None:
+                    raise PayloadMissing(pid)
+                command["tensors"] = tensors
+            elif "inline" in command:
+                command["tensors"] = codec.decode(command.pop("inline"), self.config.limits)["tensors"]
+        except PayloadMissing:
+            raise
+        except Exception as exc:    # same bytes on every replica, so the same error everywhere
+            command = {"op": "invalid", "reason": f"undecodable entry: {exc}"}
         with self.lock:
             result = self.machine.apply(index, command)
             self.applied.notify_all()

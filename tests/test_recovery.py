@@ -1,5 +1,4 @@
 """Kills and restarts of real node processes: nothing acknowledged is lost or applied twice."""
-import signal
 import socket
 import time
 
