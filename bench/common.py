@@ -102,6 +102,16 @@ class RssSampler:
             self._sample()
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process from /proc/PID/stat, in seconds (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def worker_cmd(args: dict[str, Any]) -> list[str]:
     """Command line of one client worker process (bench/worker.py) with its JSON arguments."""
     return [sys.executable, "-m", "bench.worker", json.dumps(args)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, RssSampler, log, size_label
+from .common import MiB, RssSampler, cpu_seconds, log, size_label
 from .naive_store import summarize
 from .worker import run_workers
 
@@ -51,6 +51,15 @@ def _rss_fields(rss: RssSampler, model_bytes: int) -> dict[str, Any]:
             "rss_target_ok": peak < 3 * model_bytes + 300 * MiB}
 
 
+def _cpu_fields(node_cpu: list[float], res: dict[str, Any]) -> dict[str, Any]:
+    """CPU ms per committed push: busiest node, all nodes, all clients; and machine CPU use."""
+    ok = max(res["ok"], 1)
+    total = sum(node_cpu) + res["client_cpu_s"]
+    return {"cpu_ms_per_push_max_node": max(node_cpu) / ok * 1e3, "cpu_ms_per_push_nodes": sum(node_cpu) / ok * 1e3,
+            "cpu_ms_per_push_clients": res["client_cpu_s"] / ok * 1e3,
+            "cores_busy": total / res["seconds"] if res["seconds"] else float("nan")}
+
+
 def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
             base_port: int, pull_clients: list[int] | None = None, long_4mib: float = 0.0) -> list[dict[str, Any]]:
     """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients)."""
@@ -77,14 +86,18 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
             args = [{"kind": "raftps", "op": "push", "addresses": addrs, "name": f"w{size}", "size": size,
                      "seed": 1000 * n + k, "duration": dur, "max_ops": max_ops if dur == duration else 10**9,
                      "timeout": 30.0} for k in range(n)]
+            cpu0 = [cpu_seconds(p) for p in pids]
             with RssSampler(pids) as rss:
                 res = run_workers(args)
+            node_cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
             rec = {"system": system, "op": "push", "size": size, "clients": n, "duration": dur,
-                   **summarize(res, size), **_rss_fields(rss, model_bytes)}
+                   **summarize(res, size), **_rss_fields(rss, model_bytes), **_cpu_fields(node_cpu, res)}
             out.append(rec)
             log(f"{system} push {size_label(size)} x{n} ({dur:.0f} s): {rec['ops_per_s']:.1f}/s {rec['MB_per_s']:.1f} MB/s "
                 f"p50 {rec['p50_ms']:.1f} ms p99 {rec['p99_ms']:.1f} ms, peak RSS {rec['peak_rss_mb']:.0f} MB "
-                f"({rec['errors']} errors)")
+                f"({rec['errors']} errors); CPU/push: nodes {rec['cpu_ms_per_push_nodes']:.1f} ms "
+                f"(busiest {rec['cpu_ms_per_push_max_node']:.1f}), clients {rec['cpu_ms_per_push_clients']:.1f} ms, "
+                f"{rec['cores_busy']:.2f} cores busy")
         converged = _wait_converged(admin)
         log(f"{system}: replicas converged (same applied index and digest): {converged}")
         out.append({"system": system, "op": "converged", "ok": converged})

@@ -53,6 +53,7 @@ def child(args: dict[str, Any]) -> None:
     lat: list[float] = []
     errors = 0
     t_start = time.time()
+    cpu0 = time.process_time()
     deadline = time.perf_counter() + args["duration"]
     i = 1
     while i <= args["max_ops"] and time.perf_counter() < deadline:
@@ -65,8 +66,10 @@ def child(args: dict[str, Any]) -> None:
             print(f"worker error: {e!r}", file=sys.stderr, flush=True)
         i += 1
     t_end = time.time()
+    cpu = time.process_time() - cpu0
     close()
-    print(json.dumps({"ok": len(lat), "errors": errors, "t_start": t_start, "t_end": t_end, "lat": lat}), flush=True)
+    print(json.dumps({"ok": len(lat), "errors": errors, "t_start": t_start, "t_end": t_end, "cpu": cpu, "lat": lat}),
+          flush=True)
 
 
 def _readline(proc: subprocess.Popen, deadline: float) -> str:
@@ -106,7 +109,8 @@ def run_workers(arg_list: list[dict[str, Any]], setup_timeout: float = 60.0) -> 
     ok = sum(r["ok"] for r in results)
     window = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
     return {"ok": ok, "errors": sum(r["errors"] for r in results), "seconds": window,
-            "ops_per_s": ok / window if window > 0 else 0.0, "lat": lat}
+            "ops_per_s": ok / window if window > 0 else 0.0, "lat": lat,
+            "client_cpu_s": sum(r.get("cpu", 0.0) for r in results)}
 
 
 if __name__ == "__main__":
