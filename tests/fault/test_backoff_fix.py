@@ -1,0 +1,28 @@
+"""The back-off fix's two rules on their own (the live reproduction is test_livelock.py)."""
+from raftps.chaos.backoff_fix import follower_hint, leader_filter
+
+
+def reply(idx: int, reset: bool = True, success: bool = False) -> dict:
+    return {"type": "next_node_idx", "next_node_idx": idx, "reset": reset, "success": success}
+
+
+def test_later_past_the_end_replies_cannot_undo_the_back_off() -> None:
+    floors: dict = {}
+    seq = [618, 617, 618, 618, 616, 618]            # the unpatched leader would end at 618
+    got = [leader_filter(floors, "f", reply(i), term=5)["next_node_idx"] for i in seq]
+    assert got == [618, 617, 617, 617, 616, 616]
+
+
+def test_success_or_new_term_clears_the_floor() -> None:
+    floors: dict = {}
+    leader_filter(floors, "f", reply(610), term=5)
+    assert leader_filter(floors, "f", reply(700, reset=False, success=True), term=5)["next_node_idx"] == 700
+    assert leader_filter(floors, "f", reply(720), term=5)["next_node_idx"] == 720
+    assert leader_filter(floors, "f", reply(730), term=6)["next_node_idx"] == 730
+    assert leader_filter(floors, "f", reply(5, reset=False), term=6)["next_node_idx"] == 5   # transmission acks
+
+
+def test_follower_asks_for_at_most_commit_plus_one() -> None:
+    assert follower_hint(reply(618), commit_index=609)["next_node_idx"] == 610
+    assert follower_hint(reply(605), commit_index=609)["next_node_idx"] == 605
+    assert follower_hint(reply(700, reset=False, success=True), 609)["next_node_idx"] == 700
