@@ -37,7 +37,7 @@ def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
 
 class Client:
     def __init__(self, addresses: str | Iterable[str] | None = None, timeout: float = 30.0,
-                 attempt_timeout: float = 6.0, limits: codec.Limits = codec.DEFAULT_LIMITS):
+                 attempt_timeout: float = 4.0, limits: codec.Limits = codec.DEFAULT_LIMITS):
         self.addresses = parse_addresses(addresses)
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
@@ -117,6 +117,11 @@ class Client:
                 if leader and leader != target and to_leader:
                     target = self._leader = leader
                     continue
+                target = self._next_address()
+            elif reply.get("unknown"):
+                # That node could not commit in its request timeout: likely cut off from the others.
+                if target == self._leader:
+                    self._leader = None
                 target = self._next_address()
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.5)
