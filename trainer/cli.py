@@ -1,0 +1,72 @@
+"""``python -m trainer train ...`` (also the ``raftps-train`` console script)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import DEFAULT_LR, Config
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    return tuple(int(w) for w in text.split(",") if w.strip())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model against a raftps cluster (or --local)")
+    t.add_argument("--cluster", help="client addresses host:port,... (default: $RAFTPS_CLUSTER)")
+    t.add_argument("--local", action="store_true", help="one process, no cluster: the baseline")
+    t.add_argument("--mode", choices=["async", "sync"], default="async")
+    t.add_argument("--workers", type=int, default=4)
+    t.add_argument("--model", choices=["mlp", "softmax"], default="mlp")
+    t.add_argument("--hidden", type=_widths, default=(1000, 1000), help="MLP widths, e.g. 1000,1000 (1.08M params)")
+    t.add_argument("--dataset", default="digits")
+    t.add_argument("--epochs", type=int, default=5)
+    t.add_argument("--steps", type=int, help="stop after this many applied updates")
+    t.add_argument("--batch", type=int, default=64, help="examples per applied update (sync: split over workers)")
+    t.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="sgd")
+    t.add_argument("--lr", type=float, help=f"learning rate (default per optimizer: {DEFAULT_LR})")
+    t.add_argument("--momentum", type=float, default=0.9)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--n-fetch", type=int, default=1, help="async: pull every N steps")
+    t.add_argument("--n-push", type=int, default=1, help="async: push every N steps")
+    t.add_argument("--step-timeout", type=float, default=10.0,
+                   help="sync: seconds to wait for the other workers before close_step")
+    t.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead worker")
+    t.add_argument("--max-time", type=float, default=1800.0, help="abort the run after this many seconds")
+    t.add_argument("--evals-per-epoch", type=int, default=2)
+    t.add_argument("--prefix", default="model", help="tensor names PREFIX/W0, ...")
+    t.add_argument("--out", default="runs/latest", help="directory for metrics.csv, plot.png, summary.json")
+    t.add_argument("--kill-leader-at", type=float, metavar="FRACTION",
+                   help="SIGKILL the leader when this fraction of the run is done (needs --run-dir)")
+    t.add_argument("--run-dir", help="the local cluster's run dir (pid files), for --kill-leader-at")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.kill_leader_at is not None and not args.run_dir:
+        parser().error("--kill-leader-at needs --run-dir (where the cluster's pid files are)")
+    if args.workers < 1 or args.batch < 1 or args.epochs < 1 or args.n_fetch < 1 or args.n_push < 1:
+        parser().error("--workers, --batch, --epochs, --n-fetch and --n-push must be >= 1")
+    if args.mode == "sync" and not args.local and args.batch % args.workers:
+        parser().error(f"sync mode needs --batch ({args.batch}) divisible by --workers ({args.workers})")
+    cfg = Config(cluster=args.cluster, local=args.local, mode=args.mode, workers=args.workers, model=args.model,
+                 hidden=args.hidden, dataset=args.dataset, epochs=args.epochs, steps=args.steps, batch=args.batch,
+                 optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                 n_fetch=args.n_fetch, n_push=args.n_push, step_timeout=args.step_timeout,
+                 max_restarts=args.max_restarts, max_time=args.max_time, evals_per_epoch=args.evals_per_epoch,
+                 prefix=args.prefix, out=args.out, kill_leader_at=args.kill_leader_at, run_dir=args.run_dir)
+    from .run import train
+    summary = train(cfg)
+    print(json.dumps({k: summary[k] for k in ("mode", "final_test_acc", "updates", "wall_s", "worker_restarts",
+                                              "events") if k in summary}))
+    print(f"final test accuracy {summary['final_test_acc']:.4f} after {summary['updates']} updates "
+          f"in {summary['wall_s']:.1f} s; plot: {summary['plot']}")
+    return 0 if not summary.get("failed_workers") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""One run's settings, shared by the coordinator and every worker process (picklable for spawn)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .data import steps_per_epoch
+
+DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adagrad": 0.05, "adam": 0.001}
+
+
+@dataclass
+class Config:
+    cluster: str | None = None          # "host:port,..."; None means RAFTPS_CLUSTER
+    local: bool = False
+    mode: str = "async"                 # async | sync
+    workers: int = 4
+    model: str = "mlp"
+    hidden: tuple[int, ...] = (1000, 1000)
+    dataset: str = "digits"
+    epochs: int = 5
+    steps: int | None = None            # cap on applied updates (overrides epochs when smaller)
+    batch: int = 64                     # examples per applied update (sync: split over the workers)
+    optimizer: str = "sgd"
+    lr: float | None = None
+    momentum: float = 0.9
+    seed: int = 0
+    n_fetch: int = 1                    # async: pull every n_fetch local steps (Downpour)
+    n_push: int = 1                     # async: push the summed gradient every n_push local steps
+    step_timeout: float = 10.0          # sync: wait this long for the other workers, then close_step
+    client_timeout: float = 30.0
+    max_restarts: int = 3               # per worker
+    max_time: float = 1800.0            # the whole run, in seconds
+    evals_per_epoch: int = 2
+    prefix: str = "model"               # tensor names are PREFIX/W0, PREFIX/b0, ...
+    step_offset: int = 0                # sync: store step of this run's step 0 (set by the coordinator)
+    out: str = "runs/latest"
+    kill_leader_at: float | None = None # fraction of the run at which to SIGKILL the leader
+    run_dir: str | None = None          # LocalCluster run dir (pid files) for --kill-leader-at
+    extra: dict = field(default_factory=dict)
+
+    def optimizer_spec(self) -> dict:
+        spec = {"name": self.optimizer, "lr": self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]}
+        if self.optimizer == "momentum":
+            spec["momentum"] = self.momentum
+        return spec
+
+    def worker_steps(self, n_train: int) -> int:
+        """Local steps of one async worker: its shard's epochs, capped by its share of --steps."""
+        from .data import async_shard
+        per_epoch = steps_per_epoch(len(async_shard(n_train, 0, self.workers)), self.batch)
+        total = self.epochs * per_epoch
+        return total if self.steps is None else min(total, -(-self.steps // self.workers))
+
+    def total_updates(self, n_train: int) -> int:
+        """Applied updates the whole run makes (sync and --local: steps; async: all workers' pushes)."""
+        if self.mode == "async" and not self.local:
+            return self.workers * (-(-self.worker_steps(n_train) // self.n_push))
+        total = self.epochs * steps_per_epoch(n_train, self.batch)
+        return total if self.steps is None else min(total, self.steps)
+
+    def updates_per_epoch(self, n_train: int) -> float:
+        if self.mode == "async" and not self.local:
+            from .data import async_shard
+            return self.workers * steps_per_epoch(len(async_shard(n_train, 0, self.workers)), self.batch) / self.n_push
+        return float(steps_per_epoch(n_train, self.batch))
