@@ -1,7 +1,8 @@
 """``python -m bench [--quick|--full] [--out bench/results] [--parts ...]``: run, print, write.
 
 Parts (in this order): loopback (physical limit), naive (pysyncobj carrying the payload),
-raftps3, raftps1 (pushes, pulls, node RSS). Each is bounded in count and time; a part that
+raftps3 (pushes, pulls, node RSS), rss60 (full mode: a 60 s 4 MiB run on a fresh cluster
+holding only that model, for the RSS target), raftps1. Each is bounded in count and time; a part that
 fails is reported as failed and the others still run.
 """
 from __future__ import annotations
@@ -41,12 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quick", action="store_true", help="a few minutes (default)")
     g.add_argument("--full", action="store_true", help="all sizes on every system, 60 s RSS run")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--parts", default="loopback,naive,raftps3,raftps1")
+    ap.add_argument("--parts", default="loopback,naive,raftps3,rss60,raftps1",
+                    help="rss60 (full mode only): 60 s of 4 MiB x4 on a fresh 3-node cluster, for the RSS target")
     ap.add_argument("--base-port", type=int, default=7900, help="raftps 3-node base port (1-node: +60)")
     a = ap.parse_args(argv)
     mode = "full" if a.full else "quick"
     m = MODES[mode]
-    parts = a.parts.split(",")
+    parts = [p for p in a.parts.split(",") if p != "rss60" or m["long"]]
     run_dir = tempfile.mkdtemp(prefix="raftps-bench-")
     t0 = time.monotonic()
     records: list[dict[str, Any]] = []
@@ -65,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     part("naive", lambda: [r for i, (sizes, clients) in enumerate(m["naive"]) for r in naive_store.measure(
         os.path.join(run_dir, f"naive{i}"), sizes, clients, m["naive_dur"], m["naive_max"], burst=m["burst"] if i == 0 else 0)])
     part("raftps3", lambda: push.measure(os.path.join(run_dir, "raftps3"), 3, SIZES, [1, 4], m["dur"], m["max_ops"],
-                                         a.base_port, pull_clients=m["pull_clients"], long_4mib=m["long"]))
+                                         a.base_port, pull_clients=m["pull_clients"]))
+    part("rss60", lambda: push.measure(os.path.join(run_dir, "rss60"), 3, [4 * MiB], [4], m["long"], 10**9,
+                                       a.base_port + 30))
     part("raftps1", lambda: push.measure(os.path.join(run_dir, "raftps1"), 1, SIZES, [1, 4], m["dur"], m["max_ops"],
                                          a.base_port + 60, pull_clients=m["pull_clients"]))
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -55,12 +55,13 @@ def stop_pid(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 
 def read_status_kb(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of a process from /proc/PID/status, in KiB ({} if it is gone)."""
+    """VmRSS, VmHWM and the RSS split (RssAnon, RssFile: e.g. the mmapped Raft journal, RssShmem)
+    of a process from /proc/PID/status, in KiB ({} if it is gone)."""
     out: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
+                if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssFile:", "RssShmem:")):
                     key, val = line.split(":", 1)
                     out[key] = int(val.split()[0])
     except OSError:
@@ -75,6 +76,7 @@ class RssSampler:
     period: float = 0.2
     peak_rss_kb: dict[int, int] = field(default_factory=dict)
     hwm_kb: dict[int, int] = field(default_factory=dict)
+    split_kb: dict[int, dict[str, int]] = field(default_factory=dict)   # the split at each PID's peak
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -92,8 +94,9 @@ class RssSampler:
     def _sample(self) -> None:
         for pid in self.pids:
             st = read_status_kb(pid)
-            if "VmRSS" in st:
-                self.peak_rss_kb[pid] = max(self.peak_rss_kb.get(pid, 0), st["VmRSS"])
+            if "VmRSS" in st and st["VmRSS"] >= self.peak_rss_kb.get(pid, 0):
+                self.peak_rss_kb[pid] = st["VmRSS"]
+                self.split_kb[pid] = {k: v for k, v in st.items() if k.startswith("Rss")}
             if "VmHWM" in st:
                 self.hwm_kb[pid] = st["VmHWM"]
 
@@ -102,14 +105,20 @@ class RssSampler:
             self._sample()
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc/PID/stat, in seconds (0.0 if it is gone)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process from /proc/PID/stat ((0, 0) if it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tck = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tck, int(fields[12]) / tck
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return 0.0, 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    return sum(cpu_times(pid))
 
 
 def worker_cmd(args: dict[str, Any]) -> list[str]:

@@ -127,8 +127,9 @@ def serve(store: NaiveStore, port: int, push_timeout: float) -> socketserver.Thr
                     try:
                         res = store.push(bytes(body), sync=True, timeout=push_timeout)
                         sock.sendall(RESULT.pack(0 if res >= 0 else 2, res))
-                    except SyncObjException:
-                        sock.sendall(RESULT.pack(1, -1))
+                    except SyncObjException as e:        # 'Timeout' or a FAIL_REASON code
+                        code = e.errorCode if isinstance(e.errorCode, int) else -1
+                        sock.sendall(RESULT.pack(1, code))
                 elif op == b"S":
                     st = store.getStatus()
                     leader = store._getLeader()
@@ -169,8 +170,12 @@ class NaiveClient:
 
     def push(self, blob: bytes) -> int:
         code, version = RESULT.unpack(self._call(b"P", blob))
+        if code == 1:
+            reason = "timeout" if version < 0 else f"pysyncobj FAIL_REASON {version}"
+            raise RuntimeError(f"naive push not committed: {reason} "
+                               "(3 DISCARDED, 5 LEADER_CHANGED, 7 UNKNOWN_OUTCOME: pysyncobj.config.FAIL_REASON)")
         if code != 0:
-            raise RuntimeError(f"naive push failed (code {code})")
+            raise RuntimeError("naive push rejected by the apply (undecodable gradient)")
         return version
 
     def status(self) -> dict[str, Any]:
@@ -265,8 +270,13 @@ def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float,
             for n in clients:
                 args = [{"kind": "naive", "op": "push", "addresses": leader, "size": size, "seed": 100 + k,
                          "duration": duration, "max_ops": max_ops, "timeout": 120.0} for k in range(n)]
-                with RssSampler(cluster.pids()) as rss:
-                    res = run_workers(args)
+                try:
+                    with RssSampler(cluster.pids()) as rss:
+                        res = run_workers(args)
+                except Exception as e:      # e.g. a leader change under 16 MiB entries: recorded, go on
+                    log(f"naive {size_label(size)} x{n} failed: {e}")
+                    out.append({"system": "naive", "op": "push-failed", "size": size, "clients": n, "error": str(e)})
+                    continue
                 rec = {"system": "naive", "op": "push", "size": size, "clients": n, **summarize(res, size),
                        "peak_rss_mb": max(rss.peak_rss_kb.values(), default=0) / 1024}
                 out.append(rec)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, RssSampler, cpu_seconds, log, size_label
+from .common import MiB, RssSampler, cpu_times, log, size_label
 from .naive_store import summarize
 from .worker import run_workers
 
@@ -46,22 +46,27 @@ def _wait_converged(client: Any, timeout: float = 20.0) -> bool:
 def _rss_fields(rss: RssSampler, model_bytes: int) -> dict[str, Any]:
     peak = max(rss.peak_rss_kb.values(), default=0) * 1024
     hwm = max(rss.hwm_kb.values(), default=0) * 1024
-    return {"peak_rss_mb": peak / MiB, "hwm_mb": hwm / MiB, "model_state_mb": model_bytes / MiB,
+    top = max(rss.peak_rss_kb, key=rss.peak_rss_kb.get, default=None)
+    split = {f"peak_{k}_mb": v / 1024 for k, v in rss.split_kb.get(top, {}).items()}
+    return {**split, "peak_rss_mb": peak / MiB, "hwm_mb": hwm / MiB, "model_state_mb": model_bytes / MiB,
             "rss_ratio": peak / model_bytes if model_bytes else float("nan"),
             "rss_target_ok": peak < 3 * model_bytes + 300 * MiB}
 
 
-def _cpu_fields(node_cpu: list[float], res: dict[str, Any]) -> dict[str, Any]:
-    """CPU ms per committed push: busiest node, all nodes, all clients; and machine CPU use."""
+def _cpu_fields(node_times: list[tuple[float, ...]], res: dict[str, Any]) -> dict[str, Any]:
+    """CPU ms per committed push (busiest node, all nodes and their kernel share, all clients)
+    and how many cores the nodes and clients kept busy."""
     ok = max(res["ok"], 1)
+    node_cpu = [sum(t) for t in node_times]
     total = sum(node_cpu) + res["client_cpu_s"]
     return {"cpu_ms_per_push_max_node": max(node_cpu) / ok * 1e3, "cpu_ms_per_push_nodes": sum(node_cpu) / ok * 1e3,
             "cpu_ms_per_push_clients": res["client_cpu_s"] / ok * 1e3,
+            "node_sys_share": sum(t[1] for t in node_times) / sum(node_cpu) if sum(node_cpu) else float("nan"),
             "cores_busy": total / res["seconds"] if res["seconds"] else float("nan")}
 
 
 def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
-            base_port: int, pull_clients: list[int] | None = None, long_4mib: float = 0.0) -> list[dict[str, Any]]:
+            base_port: int, pull_clients: list[int] | None = None) -> list[dict[str, Any]]:
     """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients)."""
     from raftps import Client
     from raftps.localcluster import LocalCluster
@@ -79,17 +84,15 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
         for size in sizes:
             admin.create(f"w{size}", np.zeros(max(size // 4, 1), np.float32), optimizer={"name": "sgd", "lr": 0.01})
             model_bytes += max(size // 4, 1) * 4
-        plan = [(s, n, duration) for s in sizes for n in clients]
-        if long_4mib and 4 * MiB in sizes:
-            plan.append((4 * MiB, max(clients), long_4mib))
-        for size, n, dur in plan:
+        for size, n in [(s, n) for s in sizes for n in clients]:
+            dur = duration
             args = [{"kind": "raftps", "op": "push", "addresses": addrs, "name": f"w{size}", "size": size,
-                     "seed": 1000 * n + k, "duration": dur, "max_ops": max_ops if dur == duration else 10**9,
+                     "seed": 1000 * n + k, "duration": dur, "max_ops": max_ops,
                      "timeout": 30.0} for k in range(n)]
-            cpu0 = [cpu_seconds(p) for p in pids]
+            cpu0 = [cpu_times(p) for p in pids]
             with RssSampler(pids) as rss:
                 res = run_workers(args)
-            node_cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
+            node_cpu = [tuple(b - a for a, b in zip(c, cpu_times(p))) for p, c in zip(pids, cpu0)]
             rec = {"system": system, "op": "push", "size": size, "clients": n, "duration": dur,
                    **summarize(res, size), **_rss_fields(rss, model_bytes), **_cpu_fields(node_cpu, res)}
             out.append(rec)
@@ -97,7 +100,8 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
                 f"p50 {rec['p50_ms']:.1f} ms p99 {rec['p99_ms']:.1f} ms, peak RSS {rec['peak_rss_mb']:.0f} MB "
                 f"({rec['errors']} errors); CPU/push: nodes {rec['cpu_ms_per_push_nodes']:.1f} ms "
                 f"(busiest {rec['cpu_ms_per_push_max_node']:.1f}), clients {rec['cpu_ms_per_push_clients']:.1f} ms, "
-                f"{rec['cores_busy']:.2f} cores busy")
+                f"{rec['cores_busy']:.2f} cores busy, kernel {100 * rec['node_sys_share']:.0f}% of node CPU; RSS split "
+                f"{ {k[5:-3]: round(v) for k, v in rec.items() if k.startswith('peak_Rss')} }")
         converged = _wait_converged(admin)
         log(f"{system}: replicas converged (same applied index and digest): {converged}")
         out.append({"system": system, "op": "converged", "ok": converged})

@@ -77,6 +77,10 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         r = find(records, sysname, size=HEAD_SIZE, clients=HEAD_CLIENTS)
         if r:
             L.append(f"| {label} | {_f(r['ops_per_s'], 2)} | {_f(r['MB_per_s'])} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} |")
+    for r in [r for r in records if r.get("system") == "raftps-3" and r.get("op") == "push" and r.get("size") == HEAD_SIZE
+              and r.get("clients") == HEAD_CLIENTS][1:]:
+        L.append(f"| raftps 3-node, {r.get('duration', 0):.0f} s run on a fresh cluster | {_f(r['ops_per_s'], 2)} | "
+                 f"{_f(r['MB_per_s'])} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} |")
     lb = find(records, "loopback", op="copy", size=HEAD_SIZE)
     if lb:
         L.append(f"| physical limit (loopback {lb['MB_per_s']:,.0f} MB/s / 3 hops) | {_f(lb['limit_3node_pushes_per_s'], 1)} "
@@ -127,6 +131,9 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in records:
         if r.get("op") == "converged":
             L.append(f"- {r['system']}: after the pushes all replicas reached the same applied index and digest: {r['ok']}")
+    for r in records:
+        if r.get("op") == "push-failed":
+            L.append(f"- **{r['system']} {size_label(r['size'])} x{r['clients']} did not complete**: {r['error']}")
     for r in records:
         if r.get("op") == "error":
             L.append(f"- **{r['system']} failed**: {r['error']}")
