@@ -165,6 +165,7 @@ def train_cluster(cfg: Config) -> dict:
     names = store_names(cfg, model)
     n = len(data.x_train)
     client = Client(cfg.cluster, timeout=cfg.client_timeout)
+    n_nodes = len(client.addresses)
     for k, value in model.init(cfg.seed).items():
         client.create(names[k], value, cfg.optimizer_spec())
     stats = client.stats()
@@ -202,7 +203,7 @@ def train_cluster(cfg: Config) -> dict:
         elif msg[0] == "done":
             done.add(rank)
         elif msg[0] == "error":
-            rec.event(f"worker {rank} error: {msg[2].strip().splitlines()[-1]}", updates)
+            rec.event(f"worker {rank} error: {msg[2].strip().splitlines()[-1]}", progress_updates())
             print(msg[2], file=sys.stderr)
 
     def drain(rank: int) -> None:
@@ -233,11 +234,11 @@ def train_cluster(cfg: Config) -> dict:
                 if workers.restarts[rank] < cfg.max_restarts:
                     workers.restarts[rank] += 1
                     start = 0 if cfg.mode == "sync" else last_step[rank] + 1
-                    rec.event(f"worker {rank} (pid {proc.pid}) died with exit code {code}; restarted", updates)
+                    rec.event(f"worker {rank} (pid {proc.pid}) died with exit code {code}; restarted", progress_updates())
                     workers.start(rank, start)
                 else:
                     failed.add(rank)
-                    rec.event(f"worker {rank} died with exit code {code}; out of restarts", updates)
+                    rec.event(f"worker {rank} died with exit code {code}; out of restarts", progress_updates())
             now = time.monotonic()
             if now >= poll_at:      # about once a second: store counters, roles, node failures
                 poll_at = now + 1.0
@@ -250,18 +251,17 @@ def train_cluster(cfg: Config) -> dict:
                 for row in rows:
                     up = row["role"] != "down"
                     if seen_up.get(row["node"]) and not up and row["node"] not in killed:
-                        rec.event(f"node {row['node']} down", updates)
+                        rec.event(f"node {row['node']} down", progress_updates())
                     elif seen_up.get(row["node"]) is False and up:
-                        rec.event(f"node {row['node']} up", updates)
+                        rec.event(f"node {row['node']} up", progress_updates())
                         killed.discard(row["node"])
                     seen_up[row["node"]] = up
-                if cfg.kill_leader_at is not None and not killed and leader is not None \
-                        and progress_updates() >= cfg.kill_leader_at * total:
-                    from raftps.localcluster import LocalCluster
-                    LocalCluster(cfg.run_dir, nodes=len(rows)).kill(leader)
-                    killed.add(leader)
-                    rec.event(f"kill node {leader} (leader)", updates)
-                    cfg.kill_leader_at = None
+            if cfg.kill_leader_at is not None and leader is not None and progress_updates() >= cfg.kill_leader_at * total:
+                from raftps.localcluster import LocalCluster
+                LocalCluster(cfg.run_dir, nodes=n_nodes).kill(leader)      # SIGKILL by the pid file's pid
+                killed.add(leader)
+                rec.event(f"kill node {leader} (leader)", progress_updates())
+                cfg.kill_leader_at, leader = None, None
             if progress_updates() >= next_eval:
                 next_eval += every
                 updates = client.stats()["pushes"] - pushes0
