@@ -42,11 +42,40 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--kill-leader-at", type=float, metavar="FRACTION",
                    help="SIGKILL the leader when this fraction of the run is done (needs --run-dir)")
     t.add_argument("--run-dir", help="the local cluster's run dir (pid files), for --kill-leader-at")
+    d = sub.add_parser("demo", help="start a local 3-node cluster, train with 4 async workers, SIGKILL the "
+                                     "leader halfway, print the final accuracy and the plot, stop the cluster")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--base-port", type=int, default=7100, help="as RAFTPS_BASE_PORT: raft BASE+1.., clients BASE+101..")
+    d.add_argument("--mode", choices=["async", "sync"], default="async")
+    d.add_argument("--workers", type=int, default=4)
+    d.add_argument("--epochs", type=int, default=10)
+    d.add_argument("--seed", type=int, default=0)
     return p
+
+
+def demo(args: argparse.Namespace) -> int:
+    import os
+
+    from raftps.localcluster import LocalCluster
+    run_dir = os.path.join(args.out, "cluster")
+    cluster = LocalCluster(run_dir, nodes=3, base_port=args.base_port)
+    try:
+        print(f"demo: starting 3 nodes in {run_dir}", file=sys.stderr, flush=True)
+        addresses = cluster.start(timeout=60)
+        print(f"demo: cluster up at {addresses}, leader node {cluster.leader()}", file=sys.stderr, flush=True)
+        argv = ["train", "--cluster", addresses, "--mode", args.mode, "--workers", str(args.workers),
+                "--model", "mlp", "--epochs", str(args.epochs), "--seed", str(args.seed),
+                "--kill-leader-at", "0.5", "--run-dir", run_dir, "--out", os.path.join(args.out, "train")]
+        return main(argv)
+    finally:
+        cluster.wipe()          # stops the nodes it started, by PID, and deletes their data
+        print("demo: cluster stopped", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "demo":
+        return demo(args)
     if args.kill_leader_at is not None and not args.run_dir:
         parser().error("--kill-leader-at needs --run-dir (where the cluster's pid files are)")
     if args.workers < 1 or args.batch < 1 or args.epochs < 1 or args.n_fetch < 1 or args.n_push < 1:
