@@ -21,6 +21,12 @@ The fix, ``install(node)``, on every node right after ``SyncObj.__init__``:
   are on the leader, so the leader can resume right after them), which jumps over the whole
   divergent tail in one step instead of one entry per round.
 Either side alone stops the livelock (the leader side alone backs off one entry per round).
+
+Also (a guard, from reading the code, not observed): an 'append_entries' without ``prevLogIdx``
+whose 'serialized' is None (the leader wants to send a snapshot but has no chunk ready) skips the
+log-matching check and still runs ``commitIndex = min(leader_commit, lastIndex)`` (L1027-1033), so
+a follower with a divergent tail could commit and apply it. ``commit_guard`` keeps such a message
+from raising the commit index.
 """
 from __future__ import annotations
 
@@ -37,8 +43,12 @@ def install(node: SyncObj) -> None:
     floors: dict[Any, tuple[int, int]] = {}           # peer -> (term, floor)
 
     def on_message(peer: Any, message: Any) -> None:
-        if isinstance(message, dict) and message.get("type") == "next_node_idx" and node._isLeader():
-            message = leader_filter(floors, peer, message, node.raftCurrentTerm)
+        if isinstance(message, dict):
+            kind = message.get("type")
+            if kind == "next_node_idx" and node._isLeader():
+                message = leader_filter(floors, peer, message, node.raftCurrentTerm)
+            elif kind == "append_entries":
+                message = commit_guard(message, node._SyncObj__raftCommitIndex)
         deliver(peer, message)
 
     def send_hinted(peer: Any, message: Any) -> Any:
@@ -70,4 +80,13 @@ def follower_hint(message: dict, commit_index: int) -> dict:
     """Follower side: a failed reset reply asks for at most commitIndex + 1."""
     if message.get("reset") and not message.get("success") and message["next_node_idx"] > commit_index + 1:
         return dict(message, next_node_idx=commit_index + 1)
+    return message
+
+
+def commit_guard(message: dict, commit_index: int) -> dict:
+    """An append_entries that proves nothing about the follower's log cannot raise its commit."""
+    if "prevLogIdx" in message or message.get("serialized") is not None:
+        return message
+    if message.get("commit_index", 0) > commit_index:
+        return dict(message, commit_index=commit_index)
     return message

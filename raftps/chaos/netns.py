@@ -39,6 +39,10 @@ def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return p
 
 
+def _exists(link: str) -> bool:
+    return os.path.exists(f"/sys/class/net/{link}")
+
+
 class Net:
     """N namespaces on a bridge; use as a context manager so teardown always runs."""
 
@@ -104,10 +108,15 @@ class Net:
                     pass
             if _run(["ip", "netns", "del", ns], check=False).returncode != 0:
                 left.append(f"namespace {ns}")
-        for link in [f"{self.prefix}v{i}" for i in range(1, self.nodes + 1)] + [self.bridge]:
-            if os.path.exists(f"/sys/class/net/{link}"):
-                if _run(["ip", "link", "del", link], check=False).returncode != 0:
-                    left.append(f"link {link}")
+        links = [f"{self.prefix}v{i}" for i in range(1, self.nodes + 1)] + [self.bridge]
+        deadline = time.monotonic() + 5.0            # the kernel drops a deleted namespace's veths
+        while time.monotonic() < deadline and any(_exists(l) for l in links[:-1]):
+            time.sleep(0.05)
+        for link in links:
+            if _exists(link):
+                _run(["ip", "link", "del", link], check=False)
+        time.sleep(0.05)
+        left += [f"link {l}" for l in links if _exists(l)]
         return left
 
     def __enter__(self) -> "Net":

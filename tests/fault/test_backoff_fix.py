@@ -1,5 +1,5 @@
 """The back-off fix's two rules on their own (the live reproduction is test_livelock.py)."""
-from raftps.chaos.backoff_fix import follower_hint, leader_filter
+from raftps.chaos.backoff_fix import commit_guard, follower_hint, leader_filter
 
 
 def reply(idx: int, reset: bool = True, success: bool = False) -> dict:
@@ -26,3 +26,13 @@ def test_follower_asks_for_at_most_commit_plus_one() -> None:
     assert follower_hint(reply(618), commit_index=609)["next_node_idx"] == 610
     assert follower_hint(reply(605), commit_index=609)["next_node_idx"] == 605
     assert follower_hint(reply(700, reset=False, success=True), 609)["next_node_idx"] == 700
+
+
+def test_snapshot_placeholder_cannot_raise_the_commit_index() -> None:
+    empty = {"type": "append_entries", "term": 5, "commit_index": 900, "serialized": None}
+    assert commit_guard(empty, 609)["commit_index"] == 609
+    checked = {"type": "append_entries", "term": 5, "commit_index": 900, "prevLogIdx": 899,
+               "prevLogTerm": 5, "entries": []}
+    assert commit_guard(checked, 609)["commit_index"] == 900
+    chunk = {"type": "append_entries", "term": 5, "commit_index": 900, "serialized": (b"x", True, False)}
+    assert commit_guard(chunk, 609)["commit_index"] == 900
