@@ -60,9 +60,16 @@ class Harness:
             self.cluster.start(timeout=30.0)
             self.workload = Workload(self.cluster.addresses, **self.workload_args)
             self.workload.create()
-        except BaseException:
+        except BaseException as exc:
+            tails = []
+            for i in range(1, self.nodes + 1):
+                try:
+                    with open(self.cluster.log_file(i), errors="replace") as f:
+                        tails.append(f"--- node{i}.log\n" + "".join(f.readlines()[-8:]))
+                except FileNotFoundError:
+                    pass
             self.close()
-            raise
+            raise RuntimeError(f"{self.case}: cluster did not start: {exc}\n" + "\n".join(tails)) from exc
         return self
 
     def __exit__(self, *exc: object) -> None:
