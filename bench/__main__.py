@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p for p in a.parts.split(",") if p != "rss60" or m["long"]]
     run_dir = tempfile.mkdtemp(prefix="raftps-bench-")
     t0 = time.monotonic()
+    load0 = os.getloadavg()
     records: list[dict[str, Any]] = []
 
     def part(name: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,
+            "loadavg_1m_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
             "durability": "Naive store: pysyncobj in-memory log. raftps: as LocalCluster configures it "
                           "(pysyncobj journal file, never fsynced)."}
     md = report.write(records, meta, a.out)

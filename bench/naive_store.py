@@ -272,7 +272,7 @@ def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float,
                          "duration": duration, "max_ops": max_ops, "timeout": 120.0} for k in range(n)]
                 try:
                     with RssSampler(cluster.pids()) as rss:
-                        res = run_workers(args)
+                        res = run_workers(args, setup_timeout=180.0)   # n concurrent warm-up pushes
                 except Exception as e:      # e.g. a leader change under 16 MiB entries: recorded, go on
                     log(f"naive {size_label(size)} x{n} failed: {e}")
                     out.append({"system": "naive", "op": "push-failed", "size": size, "clients": n, "error": str(e)})

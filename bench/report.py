@@ -67,7 +67,8 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, float | None,
 
 def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     L: list[str] = [f"# raftps benchmark ({meta['mode']})", "",
-                    f"`{meta['command']}` on {meta['date']}, {meta['machine']}. {meta['durability']}", ""]
+                    f"`{meta['command']}` on {meta['date']}, {meta['machine']}, 1-min load average at start/end "
+                    f"{meta.get('loadavg_1m_start_end', '?')} (the machine is shared). {meta['durability']}", ""]
     L += ["## Targets", "", "| what | target | measured | met |", "|---|---|---|---|"]
     for what, tgt, val, ok in targets(records):
         L.append(f"| {what} | {tgt} | {_f(val, 2)} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
