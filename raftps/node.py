@@ -30,6 +30,7 @@ from .dataplane import DataPlaneServer, Peers
 from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
 from .payloads import PayloadStore, payload_id
+from .pysyncobj_fixes import install as install_pysyncobj_fixes
 
 log = logging.getLogger("raftps.node")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
@@ -154,6 +155,7 @@ class RaftNode(SyncObj):
             commandsQueueSize=10_000,
         )
         super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
+        install_pysyncobj_fixes(self)
         self.addOnTickCallback(self._housekeeping)
 
     # ---- the replicated entry and our applier ----------------------------------------------

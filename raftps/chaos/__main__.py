@@ -22,7 +22,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--no-netns", action="store_true", help="process faults only (no root needed)")
-    p.add_argument("--no-fix", action="store_true", help="run the nodes without the back-off fix")
     p.add_argument("--base-port", type=int, default=7800)
     p.add_argument("--dump", default=None, help="write the history as JSON here")
     args = p.parse_args(argv)
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = tempfile.mkdtemp(prefix="raftps-chaos-")
     try:
         with Harness(f"nemesis-seed{args.seed}", run_dir, base_port=args.base_port, netns=network,
-                     launch_options=[] if args.no_fix else ["--backoff-fix"], subnet="10.77.8",
+                     subnet="10.77.8",
                      n=8000) as h:
             t0 = time.monotonic()
             h.load(args.seconds)

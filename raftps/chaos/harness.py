@@ -17,7 +17,6 @@ from typing import Any, Sequence
 
 from raftps.localcluster import LocalCluster
 
-from . import launch
 from .checker import Result, check
 from .history import first_ack_after
 from .netns import Net
@@ -38,17 +37,12 @@ def children(pid: int) -> list[int]:
 
 class Harness:
     def __init__(self, case: str, run_dir: str, base_port: int, nodes: int = 3, netns: bool = False,
-                 launch_options: Sequence[str] = (), node_args: Sequence[str] = (), subnet: str = "10.77.0", **workload: Any) -> None:
+                 node_args: Sequence[str] = (), subnet: str = "10.77.0", **workload: Any) -> None:
         self.case, self.nodes = case, nodes
         self.net = Net(nodes, prefix=f"rps{base_port % 1000:03d}", subnet=subnet) if netns else None
-        opts = list(launch_options)
-
-        def prefix(i: int) -> list[str]:
-            head = self.net.command_prefix(i) if self.net else []
-            return head + (launch.prefix(*opts) if opts else [])
         self.cluster = LocalCluster(run_dir, nodes=nodes, base_port=base_port,
                                     hosts=self.net.hosts() if self.net else None,
-                                    command_prefix=prefix if (opts or self.net) else None,
+                                    command_prefix=self.net.command_prefix if self.net else None,
                                     extra_args=list(node_args))
         self.workload_args = workload
         self.workload: Workload | None = None

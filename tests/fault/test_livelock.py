@@ -1,6 +1,6 @@
 """pysyncobj 0.3.17: an isolated ex-leader with >= 2 uncommitted entries never catches up after
 the heal (the leader's later replies overwrite the one-step back-off). Bare pysyncobj nodes with
-default settings, one per network namespace; see raftps/chaos/backoff_fix.py."""
+default settings, one per network namespace; see raftps/pysyncobj_fixes.py."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """Network partitions (case 5): iptables rules inside per-node namespaces; clients in the root
-namespace still reach every node. Nodes run with raftps.chaos.backoff_fix installed."""
+namespace still reach every node. Nodes run with raftps.pysyncobj_fixes installed, as always."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,6 @@ from raftps.chaos import netns
 from raftps.chaos.harness import Harness, assert_clean
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
-FIX = ["--backoff-fix"]
 
 
 def partition(h: Harness, kind: str) -> tuple[int, float]:
@@ -33,7 +32,7 @@ def partition(h: Harness, kind: str) -> tuple[int, float]:
 @pytest.mark.parametrize("kind", ["leader", "follower", "asymmetric", "bridge", "flap"])
 def test_partition(tmp_path, kind: str) -> None:
     port = 7650 + 10 * ["leader", "follower", "asymmetric", "bridge", "flap"].index(kind)
-    with Harness(f"{kind}-partition", str(tmp_path), base_port=port, netns=True, launch_options=FIX) as h:
+    with Harness(f"{kind}-partition", str(tmp_path), base_port=port, netns=True) as h:
         h.load(14.0)
         h.wait(2.0)
         target, t = partition(h, kind)

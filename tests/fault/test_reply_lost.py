@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.
 
 
 def test_reply_lost_after_commit(tmp_path) -> None:
-    with Harness("reply-lost", str(tmp_path), base_port=7710, netns=True, launch_options=["--backoff-fix"]) as h:
+    with Harness("reply-lost", str(tmp_path), base_port=7710, netns=True) as h:
         h.load(12.0)
         h.wait(2.0)
         lead = h.leader()

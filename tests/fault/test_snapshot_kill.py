@@ -42,7 +42,7 @@ def test_kill_while_writing_snapshot(tmp_path) -> None:
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 def test_kill_while_receiving_snapshot(tmp_path) -> None:
     with Harness("kill-receiving-snapshot", str(tmp_path), base_port=7750, netns=True,
-                 launch_options=["--backoff-fix"], node_args=["--compaction-entries", "100"]) as h:
+                 node_args=["--compaction-entries", "100"]) as h:
         with Client(h.cluster.addresses, timeout=10.0) as c:   # 4 MiB ballast: a multi-chunk snapshot
             c.create("ballast", np.zeros(1 << 19), optimizer={"name": "sgd", "lr": 1.0})
         h.load(18.0)
