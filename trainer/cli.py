@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--n-fetch", type=int, default=1, help="async: pull every N steps")
     t.add_argument("--n-push", type=int, default=1, help="async: push every N steps")
+    t.add_argument("--fresh-pull", action="store_true",
+                   help="async: pull through the leader (linearizable, newest) instead of any up-to-date node")
+    t.add_argument("--warmup", type=int, default=0,
+                   help="async: workers 1.. start after rank 0 alone has made this many updates (Downpour warm start)")
     t.add_argument("--step-timeout", type=float, default=10.0,
                    help="sync: seconds to wait for the other workers before close_step")
     t.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead worker")
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(cluster=args.cluster, local=args.local, mode=args.mode, workers=args.workers, model=args.model,
                  hidden=args.hidden, dataset=args.dataset, epochs=args.epochs, steps=args.steps, batch=args.batch,
                  optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                 n_fetch=args.n_fetch, n_push=args.n_push, step_timeout=args.step_timeout,
+                 n_fetch=args.n_fetch, n_push=args.n_push, warmup=args.warmup, fresh_pull=args.fresh_pull, step_timeout=args.step_timeout,
                  max_restarts=args.max_restarts, max_time=args.max_time, evals_per_epoch=args.evals_per_epoch,
                  prefix=args.prefix, out=args.out, kill_leader_at=args.kill_leader_at, run_dir=args.run_dir)
     from .run import train

@@ -25,6 +25,8 @@ class Config:
     momentum: float = 0.9
     seed: int = 0
     n_fetch: int = 1                    # async: pull every n_fetch local steps (Downpour)
+    fresh_pull: bool = False            # async: linearizable pulls (leader) instead of any up-to-date node
+    warmup: int = 0                     # async: other workers start once rank 0 has pushed this many updates
     n_push: int = 1                     # async: push the summed gradient every n_push local steps
     step_timeout: float = 10.0          # sync: wait this long for the other workers, then close_step
     client_timeout: float = 30.0

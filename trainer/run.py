@@ -39,6 +39,7 @@ class Recorder:
         self.last_loss = float("nan")     # the latest training loss a worker reported, for the progress line
         self.last = {"test_acc": float("nan"), "test_loss": float("nan")}
         self.reached: dict | None = None
+        self.first_step_s: float | None = None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -78,7 +79,7 @@ class Recorder:
                    "updates": updates, "wall_s": round(wall, 3),
                    "updates_per_s": round(updates / wall, 2) if wall > 0 else None,
                    f"reached_{TARGET_ACC}": self.reached, "events": [e["event"] for e in self.events.rows],
-                   "plot": plot, **extra}
+                   "first_step_s": self.first_step_s, "plot": plot, **extra}
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=str)
         return summary
@@ -158,6 +159,23 @@ def _leader(rows: list[dict]) -> int | None:
     return max(leaders, key=lambda r: r.get("term") or 0)["node"] if leaders else None
 
 
+def pull_counted(client, names: dict[str, str], tries: int = 5) -> tuple[Params, int, int]:
+    """(parameters, applied updates, store version) with the update count of exactly those
+    parameters. Every push updates all of a run's tensors, so a tensor's own version counts the
+    run's applied updates; it is read before and after the pull (pull returns only the store
+    version), and equal counts bracket the pulled state exactly. Bounded: after ``tries`` the
+    later count is used."""
+    probe = list(names.values())[-1]
+    count = lambda: next(t["version"] for t in client.tensors() if t["name"] == probe)
+    for _ in range(tries):
+        before = count()
+        tensors, version = client.pull(list(names.values()))
+        after = count()
+        if before == after:
+            break
+    return from_store(names, tensors), after, version
+
+
 def train_cluster(cfg: Config) -> dict:
     from raftps import Client
     data = load_dataset(cfg.dataset)
@@ -170,12 +188,13 @@ def train_cluster(cfg: Config) -> dict:
         client.create(names[k], value, cfg.optimizer_spec())
     stats = client.stats()
     pushes0 = stats["pushes"]       # the store may hold earlier runs: count only ours
+    stale0 = {int(k): v for k, v in stats.get("staleness", {}).items()}
     if cfg.mode == "sync":
         cfg.step_offset = stats["sync_applied"] + 1     # sync steps are numbered store-wide
     rec = Recorder(cfg, data, model)
     total, every, per_epoch = cfg.total_updates(n), eval_every(cfg, n), cfg.updates_per_epoch(n)
-    tensors, version = client.pull(list(names.values()))
-    rec.evaluate(from_store(names, tensors), 0, version, 0.0)
+    params, updates0, version = pull_counted(client, names)
+    rec.evaluate(params, 0, version, 0.0)
 
     workers = Workers(cfg)
     last_step = {r: -1 for r in range(cfg.workers)}
@@ -200,6 +219,8 @@ def train_cluster(cfg: Config) -> dict:
             closed[rank] = n_closed
             rec.losses.append(loss)
             rec.last_loss = loss
+            if rec.first_step_s is None:
+                rec.first_step_s = rec.elapsed()    # process spawn + imports + first pull + first step
         elif msg[0] == "done":
             done.add(rank)
         elif msg[0] == "error":
@@ -264,23 +285,24 @@ def train_cluster(cfg: Config) -> dict:
                 cfg.kill_leader_at, leader = None, None
             if progress_updates() >= next_eval:
                 next_eval += every
-                updates = client.stats()["pushes"] - pushes0
-                tensors, version = client.pull(list(names.values()))
-                rec.evaluate(from_store(names, tensors), updates, version, progress_updates() / per_epoch)
+                params, updates, version = pull_counted(client, names)
+                updates -= updates0
+                rec.evaluate(params, updates, version, progress_updates() / per_epoch)
             rec.progress.show(elapsed=rec.elapsed(), done=progress_updates(), total=total,
                               epoch=progress_updates() / per_epoch, loss=rec.last_loss,
                               acc=rec.last["test_acc"], rate=rate, version=version, leader=leader,
                               note=f"restarts {sum(workers.restarts.values())}" if any(workers.restarts.values()) else "")
     finally:
         workers.stop()
-    updates = client.stats()["pushes"] - pushes0
-    tensors, version = client.pull(list(names.values()))
-    params = from_store(names, tensors)
+    params, updates, version = pull_counted(client, names)
+    updates -= updates0
     if rec.last.get("updates") != updates:
         rec.evaluate(params, updates, version, progress_updates() / per_epoch)
     st = client.stats()
     client.close()
+    # The store's histogram counts every push since it started: report this run's share.
+    staleness = {int(k): v - stale0.get(int(k), 0) for k, v in st.get("staleness", {}).items()}
     return rec.finish(params, {"worker_restarts": sum(workers.restarts.values()), "failed_workers": sorted(failed),
                                "sync_close_step_calls": sum(closed.values()),
-                               "staleness": st.get("staleness", {}), "store_version": version,
+                               "staleness": {k: v for k, v in sorted(staleness.items()) if v}, "store_version": version,
                                "cluster": client.addresses})

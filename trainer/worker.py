@@ -74,19 +74,35 @@ def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client,
         conn.send(("step", rank, step, loss, version, closed))
 
 
+def wait_for_updates(client, names: dict[str, str], updates: int, timeout: float) -> None:
+    """Downpour's warm start: let rank 0 train alone until the store has applied ``updates``
+    pushes, so the others do not start from (and push stale gradients of) the random init."""
+    import time
+    probe = list(names.values())[-1]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if next(t["version"] for t in client.tensors() if t["name"] == probe) >= updates:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"warm-up: fewer than {updates} updates within {timeout} s")
+
+
 def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
     """DownpourSGD: pull every n_fetch steps, push the summed gradient every n_push steps, no
     coordination. Each push carries the version last pulled, so the store records staleness."""
     names = store_names(cfg, model)
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))
+    if rank and cfg.warmup and start_step == 0:
+        wait_for_updates(client, names, cfg.warmup, cfg.max_time)
     tensors, version = client.pull(list(names.values()))
     params = from_store(names, tensors)
     pushed, pending, count = version, None, 0
     for step in range(start_step, total):
         if step > start_step and step % cfg.n_fetch == 0:
-            # Any node that has applied my last push will do: spreads reads over the followers.
-            tensors, version = client.pull(list(names.values()), min_version=pushed, linearizable=False)
+            # Default: any node that has applied my last push (spreads reads over the followers);
+            # --fresh-pull reads through the leader's log: the newest state, less staleness.
+            tensors, version = client.pull(list(names.values()), min_version=pushed, linearizable=cfg.fresh_pull)
             params = from_store(names, tensors)
         idx = async_batch(shard, cfg.batch, step, cfg.seed, rank)
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
