@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--parts", default="loopback,naive,raftps3,rss60,raftps1",
                     help="rss60 (full mode only): 60 s of 4 MiB x4 on a fresh 3-node cluster, for the RSS target")
-    ap.add_argument("--base-port", type=int, default=7900, help="raftps 3-node base port (1-node: +60)")
+    ap.add_argument("--base-port", type=int, default=9500,
+                    help="raftps 3-node base port (+30: the 60 s RSS cluster, +60: 1-node); naive store 9401-9413")
     a = ap.parse_args(argv)
     mode = "full" if a.full else "quick"
     m = MODES[mode]

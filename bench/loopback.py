@@ -63,7 +63,7 @@ def _sender(port: int, size: int, count: int) -> None:
     print(json.dumps({"size": size, "count": count, "seconds": dt, "MB_per_s": size * count / dt / 1e6}), flush=True)
 
 
-def measure_one(size: int, port: int = 7850, target_bytes: int = 1 << 30, max_count: int = 100_000) -> dict[str, Any]:
+def measure_one(size: int, port: int = 9450, target_bytes: int = 1 << 30, max_count: int = 100_000) -> dict[str, Any]:
     """One sender/receiver pair for ``size``-byte payloads; bounded by bytes and count."""
     count = max(8, min(max_count, target_bytes // size))
     recv = subprocess.Popen([sys.executable, "-m", "bench.loopback", "recv", str(port)], stdout=subprocess.PIPE)

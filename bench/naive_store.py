@@ -189,9 +189,9 @@ class NaiveClient:
 
 
 class NaiveCluster:
-    """3 naive nodes as separate processes on 127.0.0.1: Raft base+1.., client ports base+11.."""
+    """3 naive nodes as separate processes on 127.0.0.1: Raft base+1.., client ports base+11.. (9401-9403, 9411-9413)"""
 
-    def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7800, max_payload: int = 4 * MiB) -> None:
+    def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 9400, max_payload: int = 4 * MiB) -> None:
         self.run_dir, self.n, self.base, self.max_payload = run_dir, nodes, base_port, max_payload
         self.procs: list[subprocess.Popen] = []
         self.raft = [f"127.0.0.1:{base_port + 1 + i}" for i in range(nodes)]
@@ -245,7 +245,7 @@ def summarize(res: dict[str, Any], size: int) -> dict[str, Any]:
 
 
 def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float, max_ops: int,
-            base_port: int = 7800, burst: int = 0) -> list[dict[str, Any]]:
+            base_port: int = 9400, burst: int = 0) -> list[dict[str, Any]]:
     """Push ``sizes`` x ``clients`` through a fresh tuned 3-node naive cluster; one record each.
 
     ``burst`` > 0 also measures pysyncobj's own pipelined small-command rate (1 KiB, on the leader).

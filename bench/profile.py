@@ -53,7 +53,7 @@ def summarize(raw_file: str, top: int = 12) -> dict[str, Any]:
     return {"samples": total, "threads": pct(threads), "self": pct(self_c), "inclusive": pct(incl)}
 
 
-def run(size: int, clients: int, seconds: float, out: str, base_port: int = 7700, rate: int = 100,
+def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580, rate: int = 100,
         gil: bool = False) -> dict[str, Any]:
     from raftps import Client
     from raftps.localcluster import LocalCluster
