@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--full", action="store_true", help="all sizes on every system, 60 s RSS run")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--parts", default="loopback,naive,raftps3,rss60,raftps1",
-                    help="rss60 (full mode only): 60 s of 4 MiB x4 on a fresh 3-node cluster, for the RSS target")
+                    help="comma list (default: all); rss60, full mode only: 60 s of 4 MiB x4 on a fresh 3-node cluster")
     ap.add_argument("--base-port", type=int, default=9500,
                     help="raftps 3-node base port (+30: the 60 s RSS cluster, +60: 1-node); naive store 9401-9413")
     a = ap.parse_args(argv)
