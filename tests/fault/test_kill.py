@@ -48,14 +48,14 @@ def test_follower_kill_catches_up_by_snapshot(tmp_path) -> None:
 def test_quorum_kill_fails_cleanly_then_resumes(tmp_path) -> None:
     timeout = 3.0
     with Harness("quorum-kill", str(tmp_path), base_port=7630, timeout=timeout) as h:
-        h.load(16.0)
+        h.load(19.0)
         h.wait(2.0)
         lead = h.leader()
         other = h.follower()
         t_kill = h.event(f"kill n{lead} and n{other}")
         h.kill(lead)
         h.kill(other)
-        h.wait(6.0)
+        h.wait(3 * timeout)        # room for at least one whole push attempt inside the outage
         t_back = h.event(f"restart n{other}")
         h.cluster.start_node(other)
         h.wait(5.0)

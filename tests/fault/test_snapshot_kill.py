@@ -43,19 +43,24 @@ def test_kill_while_writing_snapshot(tmp_path) -> None:
 def test_kill_while_receiving_snapshot(tmp_path) -> None:
     with Harness("kill-receiving-snapshot", str(tmp_path), base_port=7750, netns=True,
                  node_args=["--compaction-entries", "100"]) as h:
-        with Client(h.cluster.addresses, timeout=10.0) as c:   # 4 MiB ballast: a multi-chunk snapshot
-            c.create("ballast", np.zeros(1 << 19), optimizer={"name": "sgd", "lr": 1.0})
-        h.load(18.0)
+        with Client(h.cluster.addresses, timeout=10.0) as c:   # 16 MiB ballast: a long multi-chunk snapshot
+            c.create("ballast", np.zeros(1 << 21), optimizer={"name": "sgd", "lr": 1.0})
+        h.load(30.0)
         h.wait(1.0)
         f = h.follower()
-        h.kill(f)
-        h.wait(3.0)                                    # > 100 entries: it will need a snapshot
-        h.net.loss(f, 0.3)                             # stretch the transfer over TCP retransmits
-        h.cluster.start_node(f)
-        seen, deadline = False, time.monotonic() + 10.0
-        while not seen and time.monotonic() < deadline:
-            seen = any(p.endswith(".tmp") for p in os.listdir(h.cluster.data_dir(f)))
-            time.sleep(0.002)
+        seen = False
+        for _attempt in range(3):                      # the window is short: try again if we missed it
+            h.kill(f)
+            h.wait(4.0)                                # > 100 entries: it will need a snapshot
+            h.net.loss(f, 0.3)                         # stretch the transfer over TCP retransmits
+            h.cluster.start_node(f)
+            deadline = time.monotonic() + 10.0
+            while not seen and time.monotonic() < deadline:
+                seen = any(p.endswith(".tmp") for p in os.listdir(h.cluster.data_dir(f)))
+                time.sleep(0.002)
+            if seen:
+                break
+            h.net.heal(f)
         h.event(f"kill n{f} while receiving a snapshot")
         h.kill(f)
         h.net.heal(f)
