@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import platform
 import shutil
 import sys
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "loadavg_1m_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
             "durability": "Naive store: pysyncobj in-memory log. raftps: as LocalCluster configures it "
                           "(pysyncobj journal file, never fsynced)."}

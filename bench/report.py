@@ -67,7 +67,7 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, float | None,
 
 def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     L: list[str] = [f"# raftps benchmark ({meta['mode']})", "",
-                    f"`{meta['command']}` on {meta['date']}, {meta['machine']}, 1-min load average at start/end "
+                    f"`{meta['command']}` on {meta['date']} (commit {meta.get('commit', '?')}), {meta['machine']}, 1-min load average at start/end "
                     f"{meta.get('loadavg_1m_start_end', '?')} (the machine is shared). {meta['durability']}", ""]
     L += ["## Targets", "", "| what | target | measured | met |", "|---|---|---|---|"]
     for what, tgt, val, ok in targets(records):
