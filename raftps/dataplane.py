@@ -38,9 +38,10 @@ def _proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
 class DataPlaneServer:
     def __init__(self, host: str, port: int, secret: bytes, store: PayloadStore,
                  limits: codec.Limits = codec.DEFAULT_LIMITS, frame_timeout: float = 30.0,
-                 max_connections: int = 64):
+                 max_connections: int = 64, snapshot_file: str | None = None):
         self.key = data_key(secret)
         self.store = store
+        self.snapshot_file = snapshot_file
         self.limits = limits
         self.frame_timeout = frame_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -94,6 +95,11 @@ class DataPlaneServer:
         if not isinstance(msg, dict):
             return {"ok": False, "message": "expected a map"}
         op, pid = msg.get("op"), msg.get("pid")
+        if op == "snapshot":
+            try:
+                return {"ok": True, "found": True, "snapshot": codec.read_frame_file(self.snapshot_file, self.limits)}
+            except (OSError, TypeError, ProtocolError):
+                return {"ok": True, "found": False}
         if not isinstance(pid, str):
             return {"ok": False, "message": "missing payload id"}
         try:
@@ -198,6 +204,23 @@ class Peers:
             if reply.get("found") and isinstance(tensors, dict) and verify(pid, tensors):
                 return tensors
         return None
+
+    def fetch_snapshot(self, min_index: int) -> dict | None:
+        """The newest snapshot a peer has, if it covers ``min_index``."""
+        best = None
+        for address in self.addresses:
+            try:
+                reply = self._call(address, {"op": "snapshot"})
+            except (OSError, ConnectionError, ProtocolError):
+                continue
+            snap = reply.get("snapshot") if reply.get("found") else None
+            try:
+                index = snap["raft"][0][1]
+            except (TypeError, KeyError, IndexError):
+                continue
+            if index >= min_index and (best is None or index > best["raft"][0][1]):
+                best = snap
+        return best
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

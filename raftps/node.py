@@ -128,8 +128,10 @@ class RaftNode(SyncObj):
         others = [n for n in range(1, len(config.peers) + 1) if n != config.node_id]
         self.peers = Peers([config.address(n, config.data_offset) for n in others], config.secret)
         self.data_server = DataPlaneServer(*config.bind(config.data_offset), config.secret,
-                                           self.payloads, config.limits)
+                                           self.payloads, config.limits,
+                                           snapshot_file=os.path.join(config.data_dir, "raft.snapshot"))
         self._missing: str | None = None
+        self._install: dict | None = None         # a peer's snapshot for the tick thread to install
         self._missing_event = threading.Event()
         self._snapshot_index = 0                  # index of the newest snapshot we wrote or loaded
         self._collected_through = 0
@@ -192,6 +194,8 @@ class RaftNode(SyncObj):
         """pysyncobj's apply loop, except that an entry whose payload is missing ends the loop
         without being consumed (pysyncobj's own loop would drop its callbacks and retry it from
         inside the tick, never reading the socket that brings the heartbeats)."""
+        if self._install is not None:
+            self._install_peer_snapshot()
         commit = self._SyncObj__raftCommitIndex
         if commit <= self._SyncObj__raftLastApplied:
             return False
@@ -210,18 +214,44 @@ class RaftNode(SyncObj):
                 callback(*((result, FAIL_REASON.SUCCESS) if subscriber_term == term else (None, FAIL_REASON.DISCARDED)))
         return not self._SyncObj__conf.appendEntriesUseBatch
 
+    def _install_peer_snapshot(self) -> None:
+        """Jump the state machine to a peer's snapshot (tick thread). Our Raft log is untouched;
+        only entries the snapshot already covers are skipped."""
+        snap, self._install = self._install, None
+        last = snap["raft"][0][1]
+        if last <= self._SyncObj__raftLastApplied:
+            return
+        with self.lock:
+            self.machine.restore(snap["machine"])
+            self.applied.notify_all()
+        log.warning("installed a peer's snapshot at index %d (was stuck at %d: payload %s is gone everywhere)",
+                    last, self._SyncObj__raftLastApplied, self._missing)
+        self._SyncObj__raftLastApplied = last
+        self._missing = None
+
     def _fetch_loop(self) -> None:
+        failures = 0
         while not self._stopped:
             self._missing_event.wait(1.0)
             self._missing_event.clear()
             pid = self._missing
             if pid is None:
+                failures = 0
                 continue
             # It is usually in flight from the leader already; only then ask the peers.
             if not self.payloads.wait(pid, 0.2):
                 tensors = self.peers.fetch(pid)
                 if tensors is None:
+                    failures += 1
                     log.warning("payload %s of the next entry is on no reachable peer yet", pid)
+                    # Peers delete a payload once their snapshot covers its entry, so when none has
+                    # it, a peer's snapshot covers it: that committed state replaces the entry.
+                    if failures >= 3:
+                        snap = self.peers.fetch_snapshot(self.raftLastApplied + 1)
+                        if snap is not None:
+                            self._install = snap
+                            self._wake_tick()
+                            failures = 0
                     time.sleep(0.2)
                     self._missing_event.set()
                     continue

@@ -34,13 +34,14 @@ class Workload:
     _stop: threading.Event = field(default_factory=threading.Event)
     _ks: "itertools.count[int]" = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _deadline: float = 0.0
 
     def create(self, timeout: float = 20.0) -> None:
         with Client(self.addresses, timeout=timeout) as c:
             c.create(NAME, np.zeros(self.n, np.float64), optimizer={"name": "sgd", "lr": 1.0})
 
     def start(self, seconds: float, max_ops: int = 100_000) -> None:
-        deadline = time.monotonic() + seconds
+        deadline = self._deadline = time.monotonic() + seconds
         per_client = max(1, max_ops // self.clients)
         for cid in range(self.clients):
             t = threading.Thread(target=self._run, args=(cid, deadline, per_client),
@@ -54,7 +55,10 @@ class Workload:
         self.join()
 
     def join(self) -> None:
-        limit = time.monotonic() + self.timeout + 10.0
+        """Wait for the load to end by itself: its deadline, plus one client timeout and a margin."""
+        now = time.monotonic()
+        end = now if self._stop.is_set() else max(now, self._deadline)
+        limit = end + self.timeout + 10.0
         for t in self._threads:
             t.join(max(0.0, limit - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
