@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job in one command: set up, start a 3-node cluster, create a model, push gradients,
-# SIGKILL the leader, push again (the client fails over), show status, stop the cluster.
+# The main job in one command: set up; start a 3-node cluster, create a model, push gradients,
+# SIGKILL the leader, push again (the client fails over), show status, stop; then train an MLP with
+# 4 async workers while the leader is SIGKILLed halfway, print the test accuracy and the plot path.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$HERE/setup.sh"
@@ -45,3 +46,8 @@ with Client(timeout=30) as c:
 PY
 echo "== status"
 bash "$HERE/status.sh"
+"$PY" -m raftps cluster wipe >/dev/null
+trap - EXIT
+echo
+echo "== training: a 1.08M-parameter MLP on digits, 4 async workers, the leader SIGKILLed halfway"
+"$PY" -m trainer demo --base-port "$RAFTPS_BASE_PORT" --out "${RAFTPS_DEMO_OUT:-runs/demo}"
