@@ -21,7 +21,7 @@ import numpy as np
 
 from . import codec
 from .errors import ProtocolError
-from .payloads import PayloadStore, verify
+from .payloads import PAYLOAD_ID, PayloadStore, verify
 
 log = logging.getLogger("raftps.dataplane")
 HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
@@ -100,6 +100,19 @@ class DataPlaneServer:
                 return {"ok": True, "found": True, "snapshot": codec.read_frame_file(self.snapshot_file, self.limits)}
             except (OSError, TypeError, ProtocolError):
                 return {"ok": True, "found": False}
+        if op == "get_range":
+            first, last, budget = msg.get("first"), msg.get("last"), 64 << 20
+            if type(first) is not int or type(last) is not int:
+                return {"ok": False, "message": "get_range needs first and last (ints)"}
+            found: dict[str, dict] = {}
+            for other in self.store.applied_between(first, last):
+                tensors = self.store.get(other)
+                if tensors is not None:
+                    found[other] = tensors
+                    budget -= sum(a.nbytes for a in tensors.values())
+                    if budget <= 0:
+                        break
+            return {"ok": True, "payloads": found}
         if not isinstance(pid, str):
             return {"ok": False, "message": "missing payload id"}
         try:
@@ -204,6 +217,19 @@ class Peers:
             if reply.get("found") and isinstance(tensors, dict) and verify(pid, tensors):
                 return tensors
         return None
+
+    def fetch_range(self, first: int, last: int) -> dict[str, dict]:
+        """Payloads a peer applied at log indices first..last (up to 64 MiB), checked; {} if none."""
+        for address in self.addresses:
+            try:
+                reply = self._call(address, {"op": "get_range", "first": first, "last": last})
+            except (OSError, ConnectionError, ProtocolError):
+                continue
+            payloads = reply.get("payloads")
+            if isinstance(payloads, dict) and payloads:
+                return {pid: t for pid, t in payloads.items()
+                        if isinstance(pid, str) and PAYLOAD_ID.fullmatch(pid) and isinstance(t, dict) and verify(pid, t)}
+        return {}
 
     def fetch_snapshot(self, min_index: int) -> dict | None:
         """The newest snapshot a peer has, if it covers ``min_index``."""

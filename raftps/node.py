@@ -131,6 +131,7 @@ class RaftNode(SyncObj):
                                            self.payloads, config.limits,
                                            snapshot_file=os.path.join(config.data_dir, "raft.snapshot"))
         self._missing: str | None = None
+        self._missing_index = 0
         self._install: dict | None = None         # a peer's snapshot for the tick thread to install
         self._missing_event = threading.Event()
         self._snapshot_index = 0                  # index of the newest snapshot we wrote or loaded
@@ -205,6 +206,7 @@ class RaftNode(SyncObj):
             try:
                 result = self._SyncObj__doApplyCommand(command)
             except PayloadMissing as missing:
+                self._missing_index = index
                 if self._missing != str(missing):
                     self._missing = str(missing)
                     self._missing_event.set()
@@ -230,6 +232,14 @@ class RaftNode(SyncObj):
         self._missing = None
 
     def _fetch_loop(self) -> None:
+        while not self._stopped:
+            try:
+                self._fetch_missing()
+            except Exception:          # the fetcher must outlive any one bad reply
+                log.exception("payload fetch failed")
+                time.sleep(0.2)
+
+    def _fetch_missing(self) -> None:
         failures = 0
         while not self._stopped:
             self._missing_event.wait(1.0)
@@ -238,8 +248,13 @@ class RaftNode(SyncObj):
             if pid is None:
                 failures = 0
                 continue
-            # It is usually in flight from the leader already; only then ask the peers.
-            if not self.payloads.wait(pid, 0.2):
+            # At the head of the log it is usually in flight already; a node catching up asks at
+            # once, for the payloads of the next entries too (a peer knows them by log index).
+            behind = self._SyncObj__raftCommitIndex - self._missing_index > 2
+            if behind:
+                for other, tensors in self.peers.fetch_range(self._missing_index, self._missing_index + 256).items():
+                    self.payloads.put(other, tensors)
+            if not self.payloads.wait(pid, 0.0 if behind else 0.2):
                 tensors = self.peers.fetch(pid)
                 if tensors is None:
                     failures += 1

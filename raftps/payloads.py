@@ -112,6 +112,11 @@ class PayloadStore:
             self._memory.pop(pid, None)
             self._applied[pid] = index
 
+    def applied_between(self, first: int, last: int) -> list[str]:
+        """Ids of payloads applied here at log indices first..last, in log order."""
+        with self._cond:
+            return [pid for pid, index in sorted(self._applied.items(), key=lambda kv: kv[1]) if first <= index <= last]
+
     def collect(self, through_index: int) -> int:
         """Delete payloads applied at or below ``through_index``; returns bytes freed."""
         with self._cond:

@@ -234,4 +234,6 @@ def _check_replicas(statuses: Sequence[dict], nodes: int | None, r: Result) -> N
     if not r.replicas_identical:
         r.problem("replicas differ: " + ", ".join(f"nodes {v} applied={a} digest={str(d)[:12]}"
                                                    for (a, d), v in groups.items())
-                  + f" ({len(up)}/{r.replicas} up)")
+                  + f" ({len(up)}/{r.replicas} up); "
+                  + "; ".join(f"n{s.get('node')} {s.get('role')} commit={s.get('commit')} log_len={s.get('log_len')} "
+                              f"snapshot={s.get('snapshot_index')} missing={s.get('missing_payload')}" for s in up))
