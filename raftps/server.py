@@ -152,7 +152,13 @@ class ClientServer:
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
 
     def _tensors(self, req: dict) -> dict:
-        tensors, version = self.node.read(None)
+        redirect = self._not_leader()
+        if redirect:
+            return redirect
+        try:
+            tensors, version = self.node.linearizable_read(None)
+        except Outcome as outcome:
+            return _retry(str(outcome))
         return {"version": version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
              "optimizer": t.optimizer} for n, t in tensors.items()]}

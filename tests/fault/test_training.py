@@ -34,13 +34,13 @@ def test_async_training_survives_a_node_killed_every_few_seconds(tmp_path) -> No
         faulty = train(str(tmp_path / "faulty"), cluster.addresses)
         deadline = time.monotonic() + 170
         while faulty.poll() is None and time.monotonic() < deadline and len(kills) < 12:
-            time.sleep(2.0)
+            time.sleep(1.0)
             victim = rng.randint(1, 3)
             if faulty.poll() is not None:
                 break
             cluster.kill(victim)
             kills.append(victim)
-            time.sleep(1.5)
+            time.sleep(1.0)
             cluster.start_node(victim)
         assert faulty.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
     finally:
