@@ -64,6 +64,17 @@ def check_name(name: Any) -> str:
     return name
 
 
+def check_tensors(tensors: Any) -> dict[str, np.ndarray]:
+    """A non-empty map of valid names to arrays, in sorted order."""
+    if not isinstance(tensors, dict) or not tensors:
+        raise InvalidRequest("'tensors' must be a non-empty map of name -> array")
+    for name, arr in tensors.items():
+        check_name(name)
+        if not isinstance(arr, np.ndarray):
+            raise InvalidRequest(f"tensor {name!r}: value is not an array")
+    return {name: tensors[name] for name in sorted(tensors)}
+
+
 def check_finite(name: str, arr: np.ndarray, what: str = "gradient") -> None:
     # min and max propagate NaN and expose +-Inf without allocating a mask; only a failure pays for one.
     if arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
@@ -146,16 +157,6 @@ class TensorStore:
 
     # ---- operations ------------------------------------------------------------------------
 
-    def _tensors_arg(self, command: dict) -> dict[str, np.ndarray]:
-        tensors = command.get("tensors")
-        if not isinstance(tensors, dict) or not tensors:
-            raise InvalidRequest("'tensors' must be a non-empty dict of name -> array")
-        for name, arr in tensors.items():
-            check_name(name)
-            if not isinstance(arr, np.ndarray):
-                raise InvalidRequest(f"tensor {name!r}: value is not an array")
-        return {name: tensors[name] for name in sorted(tensors)}
-
     def _existing(self, name: str) -> Tensor:
         tensor = self.tensors.get(name)
         if tensor is None:
@@ -172,7 +173,7 @@ class TensorStore:
         return tensor
 
     def _create(self, index: int, command: dict) -> dict:
-        tensors = self._tensors_arg(command)
+        tensors = check_tensors(command.get("tensors"))
         specs = command.get("optimizer")
         created = {}
         for name, arr in tensors.items():
@@ -201,7 +202,7 @@ class TensorStore:
         self.tensors[name] = Tensor(_frozen(data), tensor.version + 1, tensor.optimizer, state)
 
     def _push(self, index: int, command: dict) -> dict:
-        grads = self._tensors_arg(command)
+        grads = check_tensors(command.get("tensors"))
         for name, grad in grads.items():
             self._check_like(name, grad, "gradient")
         base = command.get("base_version")
@@ -220,7 +221,7 @@ class TensorStore:
         return result
 
     def _assign(self, index: int, command: dict) -> dict:
-        values = self._tensors_arg(command)
+        values = check_tensors(command.get("tensors"))
         for name, value in values.items():
             self._check_like(name, value, "value")
         for name, value in values.items():
@@ -239,7 +240,7 @@ class TensorStore:
         return {"version": index}
 
     def _push_sync(self, index: int, command: dict) -> dict:
-        grads = self._tensors_arg(command)
+        grads = check_tensors(command.get("tensors"))
         step, workers = command.get("step"), command.get("workers")
         if type(step) is not int or step < 0 or type(workers) is not int or workers < 1:
             raise InvalidRequest("push_sync needs step (int >= 0) and workers (int >= 1)")

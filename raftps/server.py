@@ -11,11 +11,10 @@ import socket
 import threading
 from typing import Any, Callable
 
-import numpy as np
 
 from . import codec
 from .errors import InvalidRequest, ProtocolError, RaftpsError, error_result
-from .machine import check_finite, check_name
+from .machine import check_finite, check_tensors
 from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
@@ -113,12 +112,7 @@ class ClientServer:
         command = {k: v for k, v in req.items() if k not in ("tensors", "id")}
         tensors = req.get("tensors")
         if tensors is not None:
-            if not isinstance(tensors, dict) or not tensors:
-                raise InvalidRequest("'tensors' must be a non-empty map of name -> array")
-            for name, arr in tensors.items():
-                check_name(name)
-                if not isinstance(arr, np.ndarray):
-                    raise InvalidRequest(f"tensor {name!r}: value is not an array")
+            for name, arr in check_tensors(tensors).items():
                 # Refused here so a NaN gradient costs no replication; the state machine checks again.
                 check_finite(name, arr, "initial value" if req["op"] == "create" else
                              "value" if req["op"] == "assign" else "gradient")
@@ -132,13 +126,10 @@ class ClientServer:
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise InvalidRequest("'names' must be a list of tensor names or null")
         if req.get("linearizable", True):
-            redirect = self._not_leader()
-            if redirect:
-                return redirect
-            try:
-                tensors, version = self.node.linearizable_read(names)
-            except Outcome as outcome:
-                return _retry(str(outcome))
+            read = self._leader_read(names)
+            if isinstance(read, dict):
+                return read
+            tensors, version = read
         else:
             min_version = req.get("min_version") or 0
             if type(min_version) is not int:
@@ -151,14 +142,21 @@ class ClientServer:
                 "tensors": {name: t.data for name, t in tensors.items()},
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
 
-    def _tensors(self, req: dict) -> dict:
+    def _leader_read(self, names: list[str] | None) -> tuple[dict, int] | dict:
+        """(tensors, version) read through the leader's log, or the reply that sends the client on."""
         redirect = self._not_leader()
         if redirect:
             return redirect
         try:
-            tensors, version = self.node.linearizable_read(None)
+            return self.node.linearizable_read(names)
         except Outcome as outcome:
             return _retry(str(outcome))
+
+    def _tensors(self, req: dict) -> dict:
+        read = self._leader_read(None)
+        if isinstance(read, dict):
+            return read
+        tensors, version = read
         return {"version": version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
              "optimizer": t.optimizer} for n, t in tensors.items()]}
