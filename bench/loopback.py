@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from raftps.codec import recv_exactly
+
 from .common import MiB, log, size_label, stop_pid
 
 HEADER = struct.Struct("!QQ")
@@ -40,12 +42,7 @@ def _receiver(port: int) -> None:
     buf = bytearray(size)
     view = memoryview(buf)
     for _ in range(count):
-        got = 0
-        while got < size:
-            k = conn.recv_into(view[got:], size - got)
-            if k == 0:
-                raise ConnectionError("sender closed early")
-            got += k
+        recv_exactly(conn, view)
     conn.sendall(b"!")
     conn.close()
 

@@ -33,6 +33,8 @@ import numpy as np
 from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.syncobj import SyncObjException
 
+from raftps.codec import recv_exactly
+
 from .common import MiB, log, stop_pid
 
 HEAD = struct.Struct("!cI")
@@ -80,13 +82,7 @@ class NaiveStore(SyncObj):
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("peer closed")
-        got += k
+    recv_exactly(sock, memoryview(buf))
     return buf
 
 

@@ -21,6 +21,16 @@ def find(records: list[dict[str, Any]], system: str, op: str = "push", size: int
     return None
 
 
+def _finish(plt: Any, fig: Any, ax: Any, out: str, name: str, made: list[str]) -> None:
+    """Grid, legend, save as out/name, close."""
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=110)
+    made.append(name)
+    plt.close(fig)
+
+
 def _f(x: Any, nd: int = 1) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
@@ -161,24 +171,14 @@ def plots(records: list[dict[str, Any]], out: str) -> list[str]:
             line(ax, sysname, "push", "MB_per_s", n, color=col, linestyle=style, label=f"{label}, {n} client(s)")
     line(ax, "loopback", "copy", "limit_3node_MB_per_s", 1, color="k", linestyle="--", label="physical limit (loopback / 3 hops)")
     ax.set(xscale="log", yscale="log", xlabel="payload bytes", ylabel="committed MB/s", title="Push throughput")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "push_mbps.png"), dpi=110)
-    made.append("push_mbps.png")
-    plt.close(fig)
+    _finish(plt, fig, ax, out, "push_mbps.png", made)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for sysname, label, col in series:
         line(ax, sysname, "push", "p50_ms", 4, color=col, label=f"{label} p50")
         line(ax, sysname, "push", "p99_ms", 4, color=col, linestyle="--", label=f"{label} p99")
     ax.set(xscale="log", yscale="log", xlabel="payload bytes", ylabel="ms", title="Push latency, 4 clients")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "push_latency.png"), dpi=110)
-    made.append("push_latency.png")
-    plt.close(fig)
+    _finish(plt, fig, ax, out, "push_latency.png", made)
 
     rss = [r for r in records if "peak_rss_mb" in r and r.get("op") == "push"]
     if rss:

@@ -136,7 +136,8 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
     return _decode(bytes(view[PREFIX.size:start]), view[start:], limits)
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview, started: bool = True) -> None:
+def recv_exactly(sock: socket.socket, view: memoryview, started: bool = True) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first."""
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
@@ -158,17 +159,17 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
         frame_timeout = sock.gettimeout()
         sock.settimeout(first_byte_timeout)
         try:
-            _recv_exactly(sock, view[:1], started=False)
+            recv_exactly(sock, view[:1], started=False)
         finally:
             sock.settimeout(frame_timeout)
-        _recv_exactly(sock, view[1:])
+        recv_exactly(sock, view[1:])
     else:
-        _recv_exactly(sock, view, started=False)
+        recv_exactly(sock, view, started=False)
     header_len, blob_len = _parse_prefix(bytes(prefix), limits)
     header = bytearray(header_len)
-    _recv_exactly(sock, memoryview(header))
+    recv_exactly(sock, memoryview(header))
     blob = bytearray(blob_len)
-    _recv_exactly(sock, memoryview(blob))
+    recv_exactly(sock, memoryview(blob))
     return _decode(bytes(header), memoryview(blob), limits)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -88,7 +89,6 @@ def default_payload_dir(data_dir: str) -> str:
 
 def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:
     """Remove tmpfs payload dirs whose node's data dir no longer exists (a wiped test run)."""
-    import shutil
     try:
         names = [n for n in os.listdir(root) if n.startswith("raftps-payloads-")]
     except OSError:
