@@ -34,6 +34,12 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X") and b"raftps" in cmdline
 
 
+class NodeExited(RuntimeError):
+    def __init__(self, nodes: list[int], message: str):
+        super().__init__(message)
+        self.nodes = nodes
+
+
 class LocalCluster:
     def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7100, hosts: list[str] | None = None,
                  command_prefix: Callable[[int], list[str]] | None = None, extra_args: list[str] | None = None,
@@ -119,7 +125,17 @@ class LocalCluster:
         and every node answers."""
         for node in range(1, self.nodes + 1):
             self.start_node(node)
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except NodeExited as exited:
+            # Seen rarely under `ip netns exec`: the process dies before Python starts, with an
+            # empty log. Relaunch once, loudly; a second death is an error.
+            for node in exited.nodes:
+                code = self._procs[node].poll() if node in self._procs else None
+                print(f"localcluster: node {node} exited during start (code {code}); relaunching once",
+                      file=sys.stderr)
+                self.start_node(node)
+            self.wait_ready(timeout)
         return self.addresses
 
     def wait_ready(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:
@@ -130,7 +146,7 @@ class LocalCluster:
             while time.monotonic() < deadline:
                 dead = [n for n in want if not self.is_up(n)]
                 if dead:
-                    raise RuntimeError(f"node(s) {dead} exited during start; see {self.log_file(dead[0])}")
+                    raise NodeExited(dead, f"node(s) {dead} exited during start; see {self.log_file(dead[0])}")
                 last = client.status(timeout=1.0)
                 if all(last[n - 1]["role"] != "down" for n in want) and any(s["role"] == "leader" for s in last):
                     return
