@@ -4,7 +4,9 @@
 
 For every setting and seed: applied updates and wall time until the test accuracy first reaches
 0.95 (evaluated every 2 updates), and applied updates per second; then medians, ratios to
---local, and the raw push rate of the same 4 MiB tensor size on the same cluster.
+--local, and the raw push rate of the same 4 MiB tensor size on the same cluster. For async
+settings, ``sim`` is the median updates-to-0.95 of a zero-overhead store with staleness exactly
+K - 1 (trainer/delay_sim.py): the part of the cost that staleness alone explains.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 import numpy as np
 
 from .config import Config
+from .delay_sim import updates_to_target
 from .run import TARGET_ACC, train
 
 SETTINGS = [("local", 1), ("async", 1), ("async", 2), ("async", 4), ("sync", 4)]
@@ -32,6 +35,15 @@ def raw_push_rate(addresses: str, seconds: float = 5.0, max_pushes: int = 200) -
             c.push({"bench/raw": grad})
             n += 1
         return n / (time.monotonic() - t0)
+
+
+def simulated(mode: str, workers: int, seeds: int) -> float:
+    """Median updates to 0.95 of async SGD with staleness exactly workers - 1 and no store."""
+    if mode != "async":
+        return float("nan")
+    runs = [updates_to_target(Config(workers=workers, seed=s), delay=workers - 1) for s in range(seeds)]
+    hit = [r for r in runs if r is not None]
+    return statistics.median(hit) if hit else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,15 +75,16 @@ def main(argv: list[str] | None = None) -> int:
                      "updates": med([h["updates"] for h in hit]), "time_s": med([h["time_s"] for h in hit]),
                      "startup_s": med([r["first_step_s"] or 0.0 for r in runs]),
                      "upd_per_s": med([r["updates"] / max(r["wall_s"] - (r["first_step_s"] or 0.0), 1e-9) for r in runs]),
-                     "final_acc": med([r["final_test_acc"] for r in runs])})
+                     "final_acc": med([r["final_test_acc"] for r in runs]),
+                     "sim": simulated(mode, workers, args.seeds)})
     base = rows[0]
     print(f"raw 4 MB push rate (1 client, same cluster): {raw:.1f} pushes/s")
     print(f"{'setting':10} {'hit':>5} {'upd->0.95':>9} {'x local':>7} {'s->0.95':>8} {'x local':>7} "
-          f"{'startup s':>9} {'upd/s':>7} {'/raw':>5} {'final acc':>9}")
+          f"{'startup s':>9} {'upd/s':>7} {'/raw':>5} {'final acc':>9} {'sim upd':>7}")
     for r in rows:
         print(f"{r['setting']:10} {r['reached']:>5} {r['updates']:9.1f} {r['updates'] / base['updates']:7.2f} "
               f"{r['time_s']:8.2f} {r['time_s'] / base['time_s']:7.2f} {r['startup_s']:9.2f} {r['upd_per_s']:7.1f} "
-              f"{r['upd_per_s'] / raw:5.2f} {r['final_acc']:9.4f}")
+              f"{r['upd_per_s'] / raw:5.2f} {r['final_acc']:9.4f} {r['sim']:7.1f}")
     return 0
 
 

@@ -1,0 +1,68 @@
+"""The statistical cost of staleness on its own, with no cluster: async SGD with a fixed delay.
+
+K simulated workers take turns; each computes its gradient (on its own async shard, with the
+same batch schedule as a real async worker) at the parameters as they were ``delay`` updates
+ago, and the update is applied to the newest parameters with the store's own optimizer code.
+With K workers that each pull right before computing, the steady-state staleness is K - 1, so
+``delay=K-1`` is what a perfect parameter server (zero latency, zero overhead) would give.
+
+A real run that needs about as many applied updates as this simulation is paying only for
+staleness, not for the system. Closing the rest of the gap takes an algorithm (staleness-aware
+learning rates, AdaRevision), not a faster store.
+
+    python -m trainer.delay_sim --workers 4 --seeds 3
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from .config import Config
+from .data import async_batch, async_shard, load_dataset
+from .run import TARGET_ACC
+
+
+def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: float = TARGET_ACC) -> int | None:
+    """Applied updates until test accuracy first reaches ``target`` (checked after every update)."""
+    from raftps import optim
+    from .models import make_model
+    data = load_dataset(cfg.dataset)
+    model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
+    spec = optim.normalize(cfg.optimizer_spec())
+    params = model.init(cfg.seed)
+    state = {k: optim.init_state(spec, v) for k, v in params.items()}
+    history = [params]                 # history[-1 - d]: the parameters d updates ago
+    shards = [async_shard(len(data.x_train), r, cfg.workers) for r in range(cfg.workers)]
+    local_steps = [0] * cfg.workers
+    for update in range(1, max_updates + 1):
+        rank = (update - 1) % cfg.workers
+        seen = history[max(0, len(history) - 1 - delay)]
+        idx = async_batch(shards[rank], cfg.batch, local_steps[rank], cfg.seed, rank)
+        local_steps[rank] += 1
+        _, grads = model.loss_and_grads(seen, data.x_train[idx], data.y_train[idx])
+        params = dict(params)
+        for k in params:
+            params[k], state[k] = optim.step(spec, params[k], grads[k], state[k])
+        history = (history + [params])[-(delay + 1):]
+        if model.accuracy(params, data.x_test, data.y_test) >= target:
+            return update
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.delay_sim")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=None)
+    args = ap.parse_args(argv)
+    for delay in sorted({0, args.workers - 1}):
+        runs = [updates_to_target(Config(workers=args.workers if delay else 1, lr=args.lr, seed=s), delay)
+                for s in range(args.seeds)]
+        hit = [r for r in runs if r is not None]
+        median = statistics.median(hit) if hit else float("nan")
+        print(f"delay {delay}: updates to {TARGET_ACC}: {runs} (median {median})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
