@@ -163,6 +163,7 @@ class RaftNode(SyncObj):
         super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
         install_pysyncobj_fixes(self)
         self.addOnTickCallback(self._housekeeping)
+        self.addOnTickCallback(self._commit_alone)
 
     # ---- the replicated entry and our applier ----------------------------------------------
 
@@ -273,6 +274,16 @@ class RaftNode(SyncObj):
                 self.payloads.put(pid, tensors)
             if self._missing == pid:
                 self._missing = None
+            self._wake_tick()
+
+    def _commit_alone(self) -> None:
+        """A one-node leader commits what this tick appended on the next tick, at once.
+
+        pysyncobj's tick computes the commit index before it appends new commands, then sleeps
+        in poll() until a message arrives or its 50 ms tick ends. With peers, their replies wake
+        it; alone, every write and linearizable read waited >= 50 ms for nothing."""
+        if (not self._SyncObj__otherNodes and self._isLeader()
+                and self._SyncObj__getCurrentLogIndex() > self._SyncObj__raftCommitIndex):
             self._wake_tick()
 
     def _wake_tick(self) -> None:
