@@ -26,7 +26,7 @@ import numpy as np
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 
-from . import codec
+from . import codec, stored_zlib
 from .dataplane import DataPlaneServer, Peers
 from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
@@ -160,6 +160,7 @@ class RaftNode(SyncObj):
             recvBufferSize=1 << 20,
             commandsQueueSize=10_000,
         )
+        stored_zlib.install()                              # before SyncObj opens any peer connection
         super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
         install_pysyncobj_fixes(self)
         self.addOnTickCallback(self._housekeeping)
