@@ -34,6 +34,12 @@ def _make_op(args: dict[str, Any]) -> tuple[Any, Any]:
         c = NaiveClient(args["addresses"], timeout=args["timeout"])
         pool = _grad_pool(size, args["seed"])
         return (lambda i: c.push(msgpack.packb({"g": pool[i % len(pool)].tobytes(), "lr": 0.01, "step": i}))), c.close
+    if args["kind"] == "etcd":
+        from .etcd import EtcdKV
+        kv = EtcdKV(args["addresses"], timeout=args["timeout"])
+        values = [g.tobytes() for g in _grad_pool(size, args["seed"])]
+        key = f"w{size}"                # one key per size, as raftps pushes into one tensor per size
+        return (lambda i: kv.put(key, values[i % len(values)])), kv.close
     from raftps import Client
     c = Client(args["addresses"], timeout=args["timeout"])
     name = args["name"]
