@@ -2,12 +2,20 @@
 
 Parts (in this order): loopback (physical limit), naive (pysyncobj carrying the payload),
 raftps3 (pushes, pulls, node RSS), rss60 (full mode: a 60 s 4 MiB run on a fresh cluster
-holding only that model, for the RSS target), raftps1. Each is bounded in count and time; a part that
-fails is reported as failed and the others still run.
+holding only that model, for the RSS target), raftps1, etcd (etcd 3.4 puts of the same bytes),
+failover (10 leader SIGKILLs, raftps and etcd), catchup (a restarted follower through a compacted
+log, 4 and 64 MiB models), train (time to 0.95: --local, raftps workers, torch.distributed
+all-reduce). Each is bounded in count and time; a part that fails is reported as failed and the
+others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
+
+Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
+B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), each using +1..+3, +101..+103,
++201..+203; etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import platform
@@ -18,18 +26,38 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import loopback, naive_store, push, report
+from . import catchup, etcd, failover, loopback, naive_store, push, report, train
 from .common import KiB, MiB, log
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
 MODES: dict[str, dict[str, Any]] = {
     # quick: about 3-4 minutes; full: about 12-15 minutes on the 2-core machine
     "quick": dict(loop_bytes=1 << 30, dur=3.0, max_ops=20000, pull_clients=[4], long=0.0,
-                  naive=[([4 * MiB], [4])], naive_dur=15.0, naive_max=20, burst=5000),
+                  naive=[([4 * MiB], [4])], naive_dur=15.0, naive_max=20, burst=5000,
+                  kills=10, catchup_timeout=30.0, train=[("local", 1), ("async", 4), ("sync", 4)], seeds=1,
+                  torch_workers=[1, 4]),
     "full": dict(loop_bytes=2 << 30, dur=10.0, max_ops=200000, pull_clients=[1, 4], long=60.0,
                  naive=[([1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB], [1, 4]), ([16 * MiB], [1, 4])],
-                 naive_dur=20.0, naive_max=30, burst=20000),
+                 naive_dur=20.0, naive_max=30, burst=20000,
+                 kills=10, catchup_timeout=120.0, train=[("local", 1), ("async", 1), ("async", 2), ("async", 4),
+                                                         ("sync", 4)], seeds=2, torch_workers=[1, 2, 4]),
 }
+CATCHUP_SIZES = [4 * MiB, 64 * MiB]
+TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates with --local
+
+
+def setup_if_needed(parts: list[str]) -> None:
+    """Run bench/setup.sh once if a chosen part needs etcd or torch and it is missing."""
+    need = ({"etcd", "failover"} & set(parts) and etcd.etcd_binary() is None) or \
+        ("train" in parts and train.torch_version() is None)
+    if not need:
+        return
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "setup.sh")
+    log(f"etcd or torch missing: running {script}")
+    r = subprocess.run(["bash", script], timeout=900)
+    if r.returncode:
+        log(f"{script} exited {r.returncode}; parts that need what is missing will say so")
+    importlib.invalidate_caches()
 
 
 def machine() -> str:
@@ -43,17 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quick", action="store_true", help="a few minutes (default)")
     g.add_argument("--full", action="store_true", help="all sizes on every system, 60 s RSS run")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--parts", default="loopback,naive,raftps3,rss60,raftps1",
+    ap.add_argument("--parts", default="loopback,naive,raftps3,rss60,raftps1,etcd,failover,catchup,train",
                     help="comma list (default: all); rss60, full mode only: 60 s of 4 MiB x4 on a fresh 3-node cluster")
-    ap.add_argument("--base-port", type=int, default=9500,
-                    help="raftps 3-node base port (+30: the 60 s RSS cluster, +60: 1-node); naive store 9401-9413")
+    ap.add_argument("--base-port", type=int, default=9500, help="every port is derived from it (see above)")
+    ap.add_argument("--no-setup", action="store_true", help="never run bench/setup.sh (parts lacking etcd/torch say so)")
     a = ap.parse_args(argv)
     mode = "full" if a.full else "quick"
     m = MODES[mode]
     parts = [p for p in a.parts.split(",") if p != "rss60" or m["long"]]
     run_dir = tempfile.mkdtemp(prefix="raftps-bench-")
     t0 = time.monotonic()
+    if not a.no_setup:
+        setup_if_needed(parts)
     load0 = os.getloadavg()
+    B = a.base_port
     records: list[dict[str, Any]] = []
 
     def part(name: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
@@ -66,22 +97,32 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             records.append({"system": name, "op": "error", "error": f"{type(e).__name__}: {e}"})
 
-    part("loopback", lambda: loopback.measure(SIZES, target_bytes=m["loop_bytes"]))
+    part("loopback", lambda: loopback.measure(SIZES, target_bytes=m["loop_bytes"], port=B - 50))
     part("naive", lambda: [r for i, (sizes, clients) in enumerate(m["naive"]) for r in naive_store.measure(
-        os.path.join(run_dir, f"naive{i}"), sizes, clients, m["naive_dur"], m["naive_max"], burst=m["burst"] if i == 0 else 0)])
+        os.path.join(run_dir, f"naive{i}"), sizes, clients, m["naive_dur"], m["naive_max"], base_port=B - 100,
+        burst=m["burst"] if i == 0 else 0)])
     part("raftps3", lambda: push.measure(os.path.join(run_dir, "raftps3"), 3, SIZES, [1, 4], m["dur"], m["max_ops"],
                                          a.base_port, pull_clients=m["pull_clients"]))
     part("rss60", lambda: push.measure(os.path.join(run_dir, "rss60"), 3, [4 * MiB], [4], m["long"], 10**9,
                                        a.base_port + 30))
     part("raftps1", lambda: push.measure(os.path.join(run_dir, "raftps1"), 1, SIZES, [1, 4], m["dur"], m["max_ops"],
                                          a.base_port + 60, pull_clients=m["pull_clients"]))
+    part("etcd", lambda: etcd.measure(os.path.join(run_dir, "etcd"), SIZES, [1, 4], m["dur"], m["max_ops"], B + 400))
+    part("failover", lambda: failover.raftps(os.path.join(run_dir, "failover-raftps"), B + 90, m["kills"])
+         + failover.etcd(os.path.join(run_dir, "failover-etcd"), B + 420, m["kills"]))
+    part("catchup", lambda: catchup.measure(os.path.join(run_dir, "catchup"), CATCHUP_SIZES, B + 120,
+                                            timeout=m["catchup_timeout"]))
+    part("train", lambda: train.measure(os.path.join(run_dir, "train"), B + 150, m["train"], m["seeds"], TRAIN_EPOCHS,
+                                        m["torch_workers"], B + 440))
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "loadavg_1m_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
+            "etcd": etcd.etcd_version() if etcd.etcd_binary() else None, "torch": train.torch_version(),
             "durability": "Naive store: pysyncobj in-memory log. raftps: as LocalCluster configures it "
-                          "(pysyncobj journal file, never fsynced)."}
+                          "(pysyncobj journal file, never fsynced; payloads in tmpfs until a snapshot). "
+                          "etcd: fsyncs its WAL (and bbolt its backend) before it acknowledges a put, on disk."}
     md = report.write(records, meta, a.out)
     print(md)
     log(f"wrote {a.out}/results.md, results.json and plots in {meta['seconds']} s")

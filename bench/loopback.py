@@ -78,12 +78,12 @@ def measure_one(size: int, port: int = 9450, target_bytes: int = 1 << 30, max_co
                 stop_pid(p)
 
 
-def measure(sizes: list[int], target_bytes: int = 1 << 30, repeats: int = 3) -> list[dict[str, Any]]:
+def measure(sizes: list[int], target_bytes: int = 1 << 30, repeats: int = 3, port: int = 9450) -> list[dict[str, Any]]:
     """Best of ``repeats`` runs per size: a limit is what the machine can do, and on a shared
     machine a single sub-second copy is easily slowed by someone else's burst."""
     out = []
     for size in sizes:
-        r = max((measure_one(size, target_bytes=target_bytes) for _ in range(repeats)), key=lambda x: x["MB_per_s"])
+        r = max((measure_one(size, port=port, target_bytes=target_bytes) for _ in range(repeats)), key=lambda x: x["MB_per_s"])
         rec = {"system": "loopback", "op": "copy", "size": size, "clients": 1, "seconds": r["seconds"],
                "ok": r["count"], "MB_per_s": r["MB_per_s"], "ops_per_s": r["count"] / r["seconds"],
                "limit_3node_MB_per_s": r["MB_per_s"] / HOPS[3], "limit_3node_pushes_per_s": r["count"] / r["seconds"] / HOPS[3],
