@@ -202,6 +202,6 @@ def etcd(run_dir: str, base_port: int, kills: int) -> list[dict[str, Any]]:
             kv.close()
         return [_summary("etcd", rounds, kills, writer,
                          {"settings": f"default: heartbeat 100 ms, election timeout 1 s; client moves to the next "
-                                      "member on a failed put or after {ETCD_ATTEMPT_TIMEOUT} s"})]
+                                      f"member on a failed put or after {ETCD_ATTEMPT_TIMEOUT} s"})]
     finally:
         cl.wipe()

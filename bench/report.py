@@ -324,9 +324,12 @@ def plots(records: list[dict[str, Any]], out: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4))
         x = range(len(tr))
         ax.bar(x, [r["startup_s"] for r in tr], color="C7", label="start-up")
-        ax.bar(x, [max(r["time_s"] - r["startup_s"], 0) for r in tr], bottom=[r["startup_s"] for r in tr],
-               color=["C0" if r["exchange"] == "raftps" else "C1" if r["exchange"] == "none" else "C4" for r in tr],
-               label="training to 0.95")
+        for exchange, col, label in (("none", "C1", "--local"), ("raftps", "C0", "raftps workers"),
+                                     ("torch-gloo", "C4", "torch all-reduce (gloo)")):
+            idx = [i for i, r in enumerate(tr) if r["exchange"] == exchange]
+            if idx:
+                ax.bar(idx, [max(tr[i]["time_s"] - tr[i]["startup_s"], 0) for i in idx],
+                       bottom=[tr[i]["startup_s"] for i in idx], color=col, label=f"training, {label}")
         for i, r in enumerate(tr):
             ax.text(i, r["time_s"], f"{r['updates']:.0f} upd", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), [r["setting"].replace("torch all-reduce", "torch") for r in tr], fontsize=7)
