@@ -142,6 +142,7 @@ def raftps(run_dir: str, base_port: int, kills: int) -> list[dict[str, Any]]:
     """``kills`` leader SIGKILLs on a 3-node raftps cluster (default settings)."""
     from raftps import Client
     from raftps.localcluster import LocalCluster
+    from raftps.node import NodeConfig
     from .push import _wait_converged
     cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
     try:
@@ -159,7 +160,8 @@ def raftps(run_dir: str, base_port: int, kills: int) -> list[dict[str, Any]]:
         rounds = _rounds("raftps-3", kills, writer, cl.leader, cl.kill, restart_and_wait)
         client.close()
         return [_summary("raftps-3", rounds, kills, writer,
-                         {"settings": "default: election timeout 1-2 s (pysyncobj raftMinTimeout/raftMaxTimeout)"})]
+                         {"settings": "default: election timeout %g-%g s (raftps NodeConfig); raftps.Client retries"
+                                      % NodeConfig.election_timeout})]
     finally:
         cl.wipe()
 
