@@ -56,11 +56,12 @@ class Writer:
             i += 1
         self.idle.set()
 
-    def first_after(self, t: float, timeout: float) -> float | None:
-        """End time of the first successful write that started at or after t (bounded wait)."""
+    def first_after(self, t: float, timeout: float, mark: int = 0) -> float | None:
+        """End time of the first successful write that started at or after t (bounded wait);
+        ``mark``: how many writes had completed before t, so only later ones are scanned."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ends = [e for s, e in self.done[-50:] if s >= t]
+            ends = [e for s, e in self.done[mark:] if s >= t]
             if ends:
                 return min(ends)
             time.sleep(0.005)
@@ -112,12 +113,13 @@ def _rounds(system: str, kills: int, writer: Writer, leader: Callable[[], int | 
             if victim is None:
                 log(f"{system} failover round {r + 1}: no leader found; skipped")
                 continue
+            mark = len(writer.done)
             t_kill = time.monotonic()
             kill(victim)
             t_lead = _wait_new_leader(leader, victim, ROUND_TIMEOUT)
             if t_lead is not None:
                 elected.append(t_lead - t_kill)
-            t_next = writer.first_after(t_kill, ROUND_TIMEOUT)
+            t_next = writer.first_after(t_kill, ROUND_TIMEOUT, mark)
             if t_next is None:
                 log(f"{system} failover round {r + 1}: no write committed within {ROUND_TIMEOUT:.0f} s of the kill")
             else:
