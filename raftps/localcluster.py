@@ -219,11 +219,15 @@ class LocalCluster:
 
     def wipe(self) -> None:
         """Stop, then delete every node's data, payloads (tmpfs) included, and the run dir."""
-        from .node import default_payload_dir
         self.stop()
+        self.drop_payloads()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def drop_payloads(self) -> None:
+        """Delete the stopped nodes' tmpfs payload dirs (RAM that outlives the run dir otherwise)."""
+        from .node import default_payload_dir
         for node in range(1, self.nodes + 1):
             shutil.rmtree(default_payload_dir(self.data_dir(node)), ignore_errors=True)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self

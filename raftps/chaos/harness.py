@@ -77,6 +77,7 @@ class Harness:
             try:
                 self.resume_all()
                 self.cluster.stop()
+                self.cluster.drop_payloads()     # the run dir (logs) stays for post-mortems; tmpfs is RAM
             finally:
                 if self.net:
                     left = self.net.down()
