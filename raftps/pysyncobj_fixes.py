@@ -22,6 +22,13 @@ The fix, ``install(node)``, on every node right after ``SyncObj.__init__``:
   divergent tail in one step instead of one entry per round.
 Either side alone stops the livelock (the leader side alone backs off one entry per round).
 
+Also pipelining: on a success reply that raises matchIndex, the leader sets ``nextIndex`` to the
+reply's index (L1079-1082), below the batches already in flight, so the next round sends them
+again; the follower truncates on any ``prevLogIdx`` below its last index, matching or not
+(L991-1004), and appends them again ("truncating already-applied log entries": 20 times in 1,000
+pipelined 1 KiB pushes, tests/test_pipelined_replication.py). Raft's rule is nextIndex =
+max(nextIndex, matchIndex + 1) on success; ``keep_next_index`` restores it after each success.
+
 Also (a guard, from reading the code, not observed): an 'append_entries' without ``prevLogIdx``
 whose 'serialized' is None (the leader wants to send a snapshot but has no chunk ready) skips the
 log-matching check and still runs ``commitIndex = min(leader_commit, lastIndex)`` (L1027-1033), so
@@ -43,13 +50,18 @@ def install(node: SyncObj) -> None:
     floors: dict[Any, tuple[int, int]] = {}           # peer -> (term, floor)
 
     def on_message(peer: Any, message: Any) -> None:
+        in_flight_from = None
         if isinstance(message, dict):
             kind = message.get("type")
             if kind == "next_node_idx" and node._isLeader():
                 message = leader_filter(floors, peer, message, node.raftCurrentTerm)
+                if message.get("success") and not message.get("reset"):
+                    in_flight_from = node._SyncObj__raftNextIndex.get(peer)
             elif kind == "append_entries":
                 message = commit_guard(message, node._SyncObj__raftCommitIndex)
         deliver(peer, message)
+        if in_flight_from is not None:
+            keep_next_index(node._SyncObj__raftNextIndex, peer, in_flight_from)
 
     def send_hinted(peer: Any, message: Any) -> Any:
         if isinstance(message, dict) and message.get("type") == "next_node_idx":
@@ -74,6 +86,12 @@ def leader_filter(floors: dict, peer: Any, message: dict, term: int) -> dict:
         floors[peer] = (term, index)
         return message
     return dict(message, next_node_idx=floor)
+
+
+def keep_next_index(next_index: dict, peer: Any, before: int) -> None:
+    """Leader side: a success reply never moves nextIndex back below what is already in flight."""
+    if peer in next_index and next_index[peer] < before:
+        next_index[peer] = before
 
 
 def follower_hint(message: dict, commit_index: int) -> dict:

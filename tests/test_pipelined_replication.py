@@ -1,0 +1,55 @@
+"""Pipelined small pushes must not make a healthy follower truncate and re-append its log.
+
+pysyncobj 0.3.17's leader sends batch after batch without waiting (nextIndex moves to the end of
+each batch), but on every success reply that raises matchIndex it sets nextIndex back to the
+reply's index: the entries already in flight are sent again. The follower truncates on any
+append_entries whose prevLogIdx is below its last index, even when the entries match, and appends
+them again; when the truncated entries were applied it logs "truncating already-applied log
+entries". Without faults, no follower should ever do that (raftps/pysyncobj_fixes.py).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from raftps import Client
+
+CLIENTS = 4
+PUSHES = 250          # per client; bounded further by DEADLINE
+
+
+def test_no_truncation_of_applied_entries_under_pipelined_load(make_cluster) -> None:
+    cluster = make_cluster(9320)
+    with Client(cluster.addresses) as c:
+        for i in range(CLIENTS):
+            c.create(f"w{i}", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.5})
+    deadline = time.monotonic() + 60.0
+    done = [0] * CLIENTS
+    errors: list[BaseException] = []
+
+    def pusher(i: int) -> None:
+        try:
+            with Client(cluster.addresses) as c:
+                grad = {f"w{i}": np.ones(256, np.float32)}
+                while done[i] < PUSHES and time.monotonic() < deadline:
+                    c.push(grad)
+                    done[i] += 1
+        except BaseException as exc:     # reported below; a thread must not hide it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90.0)
+    assert not errors, errors
+    assert sum(done) >= CLIENTS * 50, f"only {done} pushes in 60 s"
+    with Client(cluster.addresses) as c:
+        tensors, _ = c.pull([f"w{i}" for i in range(CLIENTS)])
+    for i in range(CLIENTS):                      # each push applied exactly once: w = -0.5 * n
+        assert np.array_equal(tensors[f"w{i}"], np.full(256, -0.5 * done[i], np.float32))
+    truncations = {n: open(cluster.log_file(n)).read().count("truncating already-applied")
+                   for n in (1, 2, 3)}
+    assert not any(truncations.values()), f"followers truncated applied entries: {truncations}"
