@@ -449,6 +449,7 @@ class RaftNode(SyncObj):
             "model_bytes": model_bytes,
             "payload_disk_bytes": self.payloads.disk_bytes,
             "payloads_in_memory": self.payloads.in_memory,
+            "payload_spare_bytes": self.payloads.spare_bytes_held,
             "missing_payload": self._missing,
             "fetched_payloads": self.fetched[0],      # payloads this node had to fetch from peers
             "fetched_bytes": self.fetched[1],
@@ -468,3 +469,4 @@ class RaftNode(SyncObj):
         self.data_server.close()
         self.peers.close()
         self.destroy()
+        self.payloads.drop_spares()

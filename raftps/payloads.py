@@ -5,6 +5,11 @@ can be applied after any number of process crashes (pysyncobj's own journal has 
 durability: the page cache, no fsync). The copy in memory is dropped once the entry is applied;
 the file stays until a snapshot of this node covers the entry, because a lagging peer may still
 need it.
+
+Files of collected payloads are kept as spares (up to ``spare_bytes``) and overwritten by the next
+payloads: in tmpfs a new file costs page allocation and zeroing, 4.9 ms per 4 MiB against 1.6 ms
+for overwriting a spare (measured here, under load). A spare is never a valid payload id, and a
+payload appears under its id only once completely written (rename), as with a new file.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import numpy as np
 from . import codec
 
 PAYLOAD_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}-[0-9]{1,20}-[0-9a-f]{8}")
+SPARE_SUFFIX = ".spare"
 
 
 def checksum(tensors: dict[str, np.ndarray]) -> int:
@@ -41,8 +47,9 @@ def verify(pid: str, tensors: dict[str, np.ndarray]) -> bool:
 
 
 class PayloadStore:
-    def __init__(self, directory: str, owner: str | None = None):
+    def __init__(self, directory: str, owner: str | None = None, spare_bytes: int = 256 << 20):
         self.directory = directory
+        self.spare_bytes = spare_bytes
         os.makedirs(directory, exist_ok=True)
         if owner is not None:       # lets a sweep tell an abandoned tmpfs dir from a live one
             with open(os.path.join(directory, "OWNER"), "w") as f:
@@ -50,12 +57,15 @@ class PayloadStore:
         self._memory: dict[str, dict[str, np.ndarray]] = {}
         self._applied: dict[str, int] = {}          # payload id -> log index it was applied at
         self._disk_bytes = 0
+        self._spares: list[tuple[str, int]] = []    # (path, size) of files free for reuse
+        self._spare_total = 0
+        self._spare_serial = 0
         self._cond = threading.Condition()
         for name in os.listdir(directory):
             if name == "OWNER":
                 continue
-            if name.endswith(".tmp"):
-                os.unlink(os.path.join(directory, name))   # a write a crash interrupted
+            if name.endswith((".tmp", SPARE_SUFFIX)):
+                os.unlink(os.path.join(directory, name))   # a write a crash interrupted, or a spare
             else:
                 self._disk_bytes += os.path.getsize(os.path.join(directory, name))
 
@@ -67,9 +77,10 @@ class PayloadStore:
     def put(self, pid: str, tensors: dict[str, np.ndarray]) -> None:
         path = self._path(pid)
         if not os.path.exists(path):
-            tmp = f"{path}.{threading.get_ident()}.tmp"
-            with open(tmp, "wb") as f:
+            tmp = self._take_spare() or f"{path}.{threading.get_ident()}.tmp"
+            with open(tmp, "r+b" if tmp.endswith(SPARE_SUFFIX) else "wb") as f:
                 size = codec.write_frame(f, {"tensors": tensors})
+                f.truncate()
             os.replace(tmp, path)
             with self._cond:
                 self._disk_bytes += size
@@ -135,7 +146,7 @@ class PayloadStore:
         keep = set(keep)
         freed = 0
         for name in os.listdir(self.directory):
-            if name.endswith(".tmp") or name in keep or name == "OWNER":
+            if name.endswith((".tmp", SPARE_SUFFIX)) or name in keep or name == "OWNER":
                 continue
             with self._cond:
                 if name in self._applied:
@@ -150,19 +161,56 @@ class PayloadStore:
         return freed
 
     def _unlink(self, pid: str) -> int:
+        """Remove a payload: its file becomes a spare while spares stay under ``spare_bytes``."""
         try:
             path = self._path(pid)
             size = os.path.getsize(path)
-            os.unlink(path)
+            with self._cond:
+                keep = self._spare_total + size <= self.spare_bytes
+                if keep:
+                    self._spare_serial += 1
+                    spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
+                    self._spare_total += size      # reserved before the rename, released if it fails
+            if keep:
+                try:
+                    os.replace(path, spare)
+                except OSError:
+                    with self._cond:
+                        self._spare_total -= size
+                    raise
+                with self._cond:
+                    self._spares.append((spare, size))
+            else:
+                os.unlink(path)
         except (FileNotFoundError, ValueError):
             return 0
         with self._cond:
             self._disk_bytes -= size
         return size
 
+    def _take_spare(self) -> str | None:
+        with self._cond:
+            if not self._spares:
+                return None
+            spare, size = self._spares.pop()
+            self._spare_total -= size
+            return spare
+
+    def drop_spares(self) -> None:
+        """Free the spares' memory (tmpfs) when the node stops."""
+        while (spare := self._take_spare()) is not None:
+            try:
+                os.unlink(spare)
+            except FileNotFoundError:
+                pass
+
     @property
     def disk_bytes(self) -> int:
         return self._disk_bytes
+
+    @property
+    def spare_bytes_held(self) -> int:
+        return self._spare_total
 
     @property
     def in_memory(self) -> int:

@@ -1,0 +1,64 @@
+"""PayloadStore: files of collected payloads are reused, never read as payloads, bounded."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from raftps.payloads import SPARE_SUFFIX, PayloadStore, payload_id
+
+
+def payload(seq: int, n: int = 1 << 16) -> tuple[str, dict]:
+    tensors = {"w": np.full(n, float(seq), np.float32)}
+    return payload_id("c", seq, tensors), tensors
+
+
+def spares(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(SPARE_SUFFIX))
+
+
+def test_collected_payload_files_are_overwritten_by_new_payloads(tmp_path) -> None:
+    store = PayloadStore(str(tmp_path))
+    pid1, t1 = payload(1)
+    store.put(pid1, t1)
+    inode = os.stat(tmp_path / pid1).st_ino
+    store.applied(pid1, index=5)
+    assert store.collect(through_index=5) > 0
+    assert not store.has(pid1) and store.get(pid1) is None
+    assert len(spares(str(tmp_path))) == 1 and store.disk_bytes == 0
+
+    pid2, t2 = payload(2, n=1000)                  # smaller than the spare: the tail is cut off
+    store.put(pid2, t2)
+    assert os.stat(tmp_path / pid2).st_ino == inode and spares(str(tmp_path)) == []
+    assert store.spare_bytes_held == 0
+    store.applied(pid2, index=6)                   # drops the copy in memory: read the file
+    assert np.array_equal(store.get(pid2)["w"], t2["w"])
+    assert store.disk_bytes == os.path.getsize(tmp_path / pid2)
+
+
+def test_spares_stay_under_their_budget_and_do_not_survive_a_restart(tmp_path) -> None:
+    pid, t = payload(1)
+    size_guess = t["w"].nbytes
+    store = PayloadStore(str(tmp_path), spare_bytes=int(2.5 * size_guess))
+    for seq in range(1, 6):
+        pid, t = payload(seq)
+        store.put(pid, t)
+        store.applied(pid, index=seq)
+    store.collect(through_index=5)
+    assert len(spares(str(tmp_path))) == 2          # the other three were deleted
+    assert store.spare_bytes_held <= store.spare_bytes
+    assert sorted(os.listdir(tmp_path)) == spares(str(tmp_path))
+
+    restarted = PayloadStore(str(tmp_path))        # a spare may hold half a write: never kept
+    assert spares(str(tmp_path)) == [] and restarted.disk_bytes == 0
+    store.drop_spares()                             # the files are gone already: no error
+
+
+def test_drop_spares_frees_them(tmp_path) -> None:
+    store = PayloadStore(str(tmp_path))
+    pid, t = payload(1)
+    store.put(pid, t)
+    store.applied(pid, index=1)
+    store.collect(through_index=1)
+    store.drop_spares()
+    assert os.listdir(tmp_path) == [] and store.spare_bytes_held == 0
