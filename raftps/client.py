@@ -40,6 +40,17 @@ def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
     return out
 
 
+def _refusal(sock: socket.socket, limits: codec.Limits) -> dict | None:
+    """The error a node sent before it stopped reading our request (a frame over one of its
+    limits, say), if it is there to read."""
+    try:
+        sock.settimeout(1.0)
+        reply = codec.recv_frame(sock, limits)
+    except (OSError, ConnectionError, ProtocolError):
+        return None
+    return reply if isinstance(reply, dict) and (reply.get("error") or reply.get("retry")) else None
+
+
 class Client:
     """``token``: the cluster's client token (default $RAFTPS_TOKEN, else the file named by
     $RAFTPS_TOKEN_FILE). ``tls``: a CA file to verify the nodes' certificates against (or True
@@ -89,8 +100,14 @@ class Client:
             except ssl.SSLError as exc:
                 raise AuthenticationFailed(f"node {address}: TLS handshake failed ({exc.reason}); does the "
                                            "node serve TLS on its client port (serve --tls-cert)?") from None
-        codec.send_frame(sock, {"op": auth.HELLO, "token": self.token})
-        reply = codec.recv_frame(sock, self.limits)
+        try:
+            codec.send_frame(sock, {"op": auth.HELLO, "token": self.token})
+        except OSError:
+            reply = _refusal(sock, self.limits)     # refused at accept (connection limits)
+            if reply is None:
+                raise
+        else:
+            reply = codec.recv_frame(sock, self.limits)
         if not isinstance(reply, dict):
             raise ProtocolError(f"node {address} answered the hello with something that is not a map")
         if reply.get("retry"):
@@ -107,7 +124,14 @@ class Client:
         sock = self._conn(address)
         try:
             sock.settimeout(timeout)
-            codec.send_frame(sock, message)
+            try:
+                codec.send_frame(sock, message)
+            except OSError:
+                reply = _refusal(sock, self.limits)
+                if reply is None:
+                    raise
+                self._drop(address)
+                return reply
             reply = codec.recv_frame(sock, self.limits)
         except BaseException:
             self._drop(address)      # a half-read reply leaves the stream unusable

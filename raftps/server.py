@@ -14,6 +14,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from typing import Any, Callable
 
 
@@ -104,6 +105,7 @@ class ClientServer:
                                                frame_timeout=self.frame_timeout)
                 except ProtocolError as exc:
                     codec.send_frame(conn, error_result(type(exc), str(exc)))
+                    _linger(conn)
                     return                        # the stream cannot be resynchronised
                 except ConnectionError as exc:
                     if "mid-frame" in str(exc):   # a sender that half-closed may still read
@@ -253,6 +255,22 @@ class ClientServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _linger(conn: socket.socket, max_bytes: int = 8 << 20, seconds: float = 1.0) -> None:
+    """After an error reply: read and drop what the client is still sending (bounded), so that
+    closing does not reset the connection before the client has read why."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + seconds
+        while max_bytes > 0 and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            chunk = conn.recv(min(max_bytes, 1 << 20))
+            if not chunk:
+                return
+            max_bytes -= len(chunk)
+    except OSError:
+        pass
 
 
 def _refuse(conn: socket.socket, reply: dict) -> None:

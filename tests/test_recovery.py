@@ -30,6 +30,8 @@ def test_retry_after_the_leader_dies_with_the_reply_unsent_is_applied_once(make_
         request = {"op": "push", "client": c.client_id, "seq": 500, "ack": 500, "tensors": {"ctr": one_hot(7)}}
         host, port = cl.client_address(leader).rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as raw:
+            codec.send_frame(raw, {"op": "hello", "token": cl.token})
+            assert codec.recv_frame(raw) == {"ok": True}
             codec.send_frame(raw, request)
             time.sleep(0.05)       # long enough to commit on loopback, too short to matter otherwise
             cl.kill(leader)        # the reply, if any, dies with the leader
