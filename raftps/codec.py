@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import mmap
 import socket
 import struct
 import time
@@ -33,6 +34,10 @@ ARRAY_EXT = 1
 DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int32": "<i4", "int64": "<i8"}
 _DTYPE_NAMES = {np.dtype(v).str: k for k, v in DTYPES.items()}
 MAX_NDIM = 8
+# A larger blob is received into anonymous mmap memory, whose pages cost RAM only once bytes
+# arrive: bytearray(n) zero-fills all n at once, so a sender declaring 1 GiB and sending 16 bytes
+# would cost 1 GiB until the frame deadline. Below this, the heap is faster (see tuning.py).
+EAGER_BLOB_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,7 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
             header_len, blob_len = _parse_prefix(bytes(prefix), limits)
             header = bytearray(header_len)
             recv_exactly(sock, memoryview(header), deadline=deadline)
-            blob = bytearray(blob_len)
+            blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
             recv_exactly(sock, memoryview(blob), deadline=deadline)
             if mac is not None:
                 tag = bytearray(FrameMac.TAG)

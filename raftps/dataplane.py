@@ -79,7 +79,7 @@ class DataPlaneServer:
             while True:
                 msg = codec.recv_frame(conn, self.limits, first_byte_timeout=3600.0,
                                        frame_timeout=self.frame_timeout, mac=mac)
-                codec.send_frame(conn, self._handle(msg), mac=mac)
+                codec.send_frame(conn, self._handle_safely(msg), mac=mac)
         except (ConnectionError, OSError, ProtocolError) as exc:
             log.debug("data-plane connection closed: %s", exc)
         finally:
@@ -103,6 +103,13 @@ class DataPlaneServer:
         codec.send_frame(conn, {"ok": True})
         return _session_macs(self.key, hello["nonce"], nonce)[1]
 
+    def _handle_safely(self, msg: object) -> dict:
+        try:
+            return self._handle(msg)
+        except Exception as exc:     # a bug must cost one request, not the connection
+            log.exception("data-plane request failed")
+            return {"ok": False, "message": f"internal error: {exc!r}"}
+
     def _handle(self, msg: object) -> dict:
         if not isinstance(msg, dict):
             return {"ok": False, "message": "expected a map"}
@@ -125,12 +132,13 @@ class DataPlaneServer:
                     if budget <= 0:
                         break
             return {"ok": True, "payloads": found}
-        if not isinstance(pid, str):
-            return {"ok": False, "message": "missing payload id"}
+        if not isinstance(pid, str) or not PAYLOAD_ID.fullmatch(pid):
+            return {"ok": False, "message": f"bad or missing payload id {pid!r}"}
         try:
             if op == "put":
                 tensors = msg.get("tensors")
-                if not isinstance(tensors, dict) or not all(isinstance(v, np.ndarray) for v in tensors.values()) \
+                if not isinstance(tensors, dict) or not tensors \
+                        or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in tensors.items()) \
                         or not verify(pid, tensors):
                     return {"ok": False, "message": f"payload {pid}: content does not match its checksum"}
                 self.store.put(pid, tensors)

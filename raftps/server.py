@@ -214,7 +214,7 @@ class ClientServer:
             min_version = req.get("min_version") or 0
             if type(min_version) is not int:
                 raise InvalidRequest("min_version must be an int")
-            if not self.node.wait_version(min_version, timeout=min(float(req.get("wait", 2.0)), 10.0)):
+            if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
                 return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
                               behind=True)
             tensors, version = self.node.read(names)
@@ -248,13 +248,20 @@ class ClientServer:
         redirect = self._not_leader()
         if redirect:
             return redirect
-        step, timeout = req.get("step"), req.get("timeout", 10.0)
-        if type(step) is not int or not isinstance(timeout, (int, float)):
+        step = req.get("step")
+        if type(step) is not int:
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
-        return {"version": self.node.wait_step(step, min(float(timeout), 300.0))}
+        return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))}
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _seconds(value: Any, field: str) -> float:
+    """A duration from a request: a finite number >= 0 (NaN would make a wait never end)."""
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):
+        raise InvalidRequest(f"{field!r} must be a finite number of seconds >= 0, not {value!r}")
+    return float(value)
 
 
 def _linger(conn: socket.socket, max_bytes: int = 8 << 20, seconds: float = 1.0) -> None:
