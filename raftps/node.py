@@ -32,6 +32,7 @@ from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
+from .pysyncobj_fixes import limit_peer_reads
 
 log = logging.getLogger("raftps.node")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
@@ -170,6 +171,7 @@ class RaftNode(SyncObj):
             commandsQueueSize=10_000,
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
+        limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
         super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
         install_pysyncobj_fixes(self)
         self.addOnTickCallback(self._housekeeping)
