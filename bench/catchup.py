@@ -44,7 +44,6 @@ def _last_error(log_file: str) -> str | None:
 
 
 def _one(cl: Any, client: Any, size: int, case: str, timeout: float) -> dict[str, Any]:
-    from raftps import Client
     from raftps.node import default_payload_dir
     name = f"m{size}"
     follower = next(r["node"] for r in client.status() if r["role"] == "follower")
@@ -64,7 +63,7 @@ def _one(cl: Any, client: Any, size: int, case: str, timeout: float) -> dict[str
     t0 = time.monotonic()
     cl.start_node(follower)
     answered = matched = None
-    with Client([cl.client_address(follower)], timeout=2.0) as probe:
+    with cl.client([cl.client_address(follower)], timeout=2.0) as probe:
         deadline = t0 + timeout
         while time.monotonic() < deadline:
             try:
@@ -92,14 +91,13 @@ def _one(cl: Any, client: Any, size: int, case: str, timeout: float) -> dict[str
 def measure(run_dir: str, sizes: list[int], base_port: int, cases: tuple[str, ...] = ("behind", "wiped"),
             timeout: float = TIMEOUT) -> list[dict[str, Any]]:
     """One fresh cluster per model size; one record per (size, case)."""
-    from raftps import Client
     from raftps.localcluster import LocalCluster
     out: list[dict[str, Any]] = []
     for i, size in enumerate(sizes):
         cl = LocalCluster(os.path.join(run_dir, f"catchup{i}"), nodes=3, base_port=base_port, extra_args=COMPACTION)
         try:
             cl.start()
-            with Client(cl.addresses, timeout=60.0) as client:
+            with cl.client(timeout=60.0) as client:
                 client.create(f"m{size}", np.zeros(size // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
                 client.create("tick", np.zeros(KiB // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
                 for case in cases:

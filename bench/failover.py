@@ -142,21 +142,20 @@ def _rounds(system: str, kills: int, writer: Writer, leader: Callable[[], int | 
 
 def raftps(run_dir: str, base_port: int, kills: int) -> list[dict[str, Any]]:
     """``kills`` leader SIGKILLs on a 3-node raftps cluster (default settings)."""
-    from raftps import Client
     from raftps.localcluster import LocalCluster
     from raftps.node import NodeConfig
     from .push import _wait_converged
     cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
     try:
         cl.start()
-        client = Client(cl.addresses, timeout=ROUND_TIMEOUT)
+        client = cl.client(timeout=ROUND_TIMEOUT)
         client.create("failover", np.zeros(KiB // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
         grad = np.full(KiB // 4, 1e-3, np.float32)
         writer = Writer(lambda i: client.push({"failover": grad}))
 
         def restart_and_wait(node: int) -> bool:
             cl.start_node(node)
-            with Client(cl.addresses, timeout=5.0) as probe:
+            with cl.client(timeout=5.0) as probe:
                 return _wait_converged(probe, timeout=CATCHUP_TIMEOUT)
 
         rounds = _rounds("raftps-3", kills, writer, cl.leader, cl.kill, restart_and_wait)

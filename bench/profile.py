@@ -55,17 +55,17 @@ def summarize(raw_file: str, top: int = 12) -> dict[str, Any]:
 
 def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580, rate: int = 100,
         gil: bool = False) -> dict[str, Any]:
-    from raftps import Client
     from raftps.localcluster import LocalCluster
     if not shutil.which("py-spy"):
         raise RuntimeError("py-spy not found: pip install py-spy")
     os.makedirs(out, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
     cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
+    os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     cl.start()
     spies: list[tuple[str, subprocess.Popen, str]] = []
     try:
-        with Client(cl.addresses, timeout=30.0) as c:
+        with cl.client(timeout=30.0) as c:
             c.create("w", np.zeros(size // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
         leader = cl.leader()
         follower = next(n for n in range(1, 4) if n != leader)

@@ -9,6 +9,7 @@ through the leader, and ``linearizable=False`` from the followers.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -68,10 +69,10 @@ def _cpu_fields(node_times: list[tuple[float, ...]], res: dict[str, Any]) -> dic
 def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
             base_port: int, pull_clients: list[int] | None = None) -> list[dict[str, Any]]:
     """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients)."""
-    from raftps import Client
     from raftps.localcluster import LocalCluster
     system = f"raftps-{nodes}"
     cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port)
+    os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
     cl.start()
@@ -79,7 +80,7 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
         addrs = _addresses(cl)
         pids = _node_pids(cl, nodes)
         log(f"{system}: cluster up in {time.monotonic() - t0:.1f} s, clients at {addrs}, pids {pids}")
-        admin = Client(addrs, timeout=30.0)
+        admin = cl.client(addrs, timeout=30.0)
         model_bytes = 0
         for size in sizes:
             admin.create(f"w{size}", np.zeros(max(size // 4, 1), np.float32), optimizer={"name": "sgd", "lr": 0.01})

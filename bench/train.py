@@ -153,6 +153,7 @@ def measure(run_dir: str, base_port: int, settings: list[tuple[str, int]], seeds
     from trainer.run import train
     out: list[dict[str, Any]] = []
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port)
+    os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
     try:
         addresses = cluster.start(timeout=60)
         raw = raw_push_rate(addresses)

@@ -8,7 +8,9 @@ import signal
 import sys
 import threading
 
+from . import auth, codec
 from .client import Client
+from .errors import RaftpsError
 
 
 def _status_table(rows: list[dict]) -> str:
@@ -20,6 +22,33 @@ def _status_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
+def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str | None]:
+    """The peer secret and the client token, or ValueError saying why the node must not start."""
+    secret = auth.read_secret_file(args.secret_file).encode() if args.secret_file else b""
+    if not secret:
+        if not (args.insecure and loopback):
+            raise ValueError("refusing to start without a peer secret: the Raft port speaks pickle, so without "
+                             "one anyone who reaches it can run code in this node. Give --secret-file (>= 16 "
+                             "bytes; cluster/start.sh makes one), or --insecure for a cluster bound to loopback.")
+        print("raftps serve: --insecure: no peer secret, peer traffic unauthenticated (loopback only)", file=sys.stderr)
+    elif len(secret) < auth.MIN_SECRET_BYTES:
+        raise ValueError(f"the secret in {args.secret_file} is shorter than {auth.MIN_SECRET_BYTES} bytes")
+    else:
+        from pysyncobj.encryptor import HAS_CRYPTO
+        if not HAS_CRYPTO:
+            raise ValueError("the peer secret needs the 'cryptography' package (pysyncobj encrypts and "
+                             "authenticates peer traffic with it); run cluster/setup.sh or pip install cryptography")
+    token = auth.read_secret_file(args.token_file) if args.token_file else None
+    if args.token_file and not token:
+        raise ValueError(f"the token file {args.token_file} is empty")
+    if token is None and not (loopback or args.insecure):
+        raise ValueError("refusing to serve clients on a non-loopback address without a client token: give "
+                         "--token-file (cluster/start.sh makes one), or --insecure to allow any client")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return secret, token
+
+
 def serve(args: argparse.Namespace) -> int:
     from .node import NodeConfig, RaftNode
     from .server import ClientServer
@@ -29,21 +58,27 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=os.environ.get("RAFTPS_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s node{args.id} %(name)s %(levelname)s %(message)s")
-    with open(args.secret_file, "rb") as f:
-        secret = f.read().strip()
-    if len(secret) < 16:
-        print(f"raftps serve: the secret in {args.secret_file} is shorter than 16 bytes", file=sys.stderr)
-        return 2
     peers = args.peers.split(",")
     if not 1 <= args.id <= len(peers):
         print(f"raftps serve: --id {args.id} is not in 1..{len(peers)}", file=sys.stderr)
         return 2
+    bind_host = args.bind_host or peers[args.id - 1].rsplit(":", 1)[0]
+    try:
+        secret, token = _credentials(args, auth.is_loopback(bind_host))
+    except ValueError as exc:
+        print(f"raftps serve: {exc}", file=sys.stderr)
+        return 2
+    limits = codec.Limits(max_blob_bytes=args.max_frame_mb << 20, max_tensor_bytes=args.max_tensor_mb << 20)
     config = NodeConfig(node_id=args.id, peers=peers, data_dir=args.data_dir, secret=secret,
                         bind_host=args.bind_host, payload_dir=args.payload_dir, compaction_entries=args.compaction_entries,
                         payload_budget=args.payload_budget_mb << 20,
                         election_timeout=(args.election_timeout, 2 * args.election_timeout),
                         leader_fallback=args.leader_fallback or 2.5 * args.election_timeout,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout, limits=limits, client_token=token,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key, max_connections=args.max_connections,
+                        max_connections_per_ip=args.max_connections_per_ip,
+                        max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
+                        idle_timeout=args.idle_timeout)
     node = RaftNode(config)
     server = ClientServer(node, *config.bind(config.client_offset))
     stop = threading.Event()
@@ -73,6 +108,7 @@ def cluster(args: argparse.Namespace) -> int:
     if args.action == "start":
         addresses = cl.start(timeout=args.timeout)
         print(_status_table(cl.status()))
+        print(f"RAFTPS_TOKEN_FILE={cl.token_file}")
         print(f"RAFTPS_CLUSTER={addresses}")
     elif args.action == "stop":
         cl.stop()
@@ -90,8 +126,13 @@ def cluster(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    with Client(args.cluster) as client:
-        print(_status_table(client.status()))
+    token = auth.read_secret_file(args.token_file) if args.token_file else None
+    try:
+        with Client(args.cluster, token=token, tls=args.tls_ca) as client:
+            print(_status_table(client.status()))
+    except RaftpsError as exc:
+        print(f"raftps status: {exc.code}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -105,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", required=True, help="every node's Raft address host:port, comma-separated, in node order"
                    " (client port = Raft port + 100, data-plane port = Raft port + 200)")
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--secret-file", required=True, help="file holding the cluster's peer secret")
+    p.add_argument("--secret-file", default=None, help="file holding the cluster's peer secret (>= 16 bytes)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the client token; when given, every client must present it")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow no peer secret (loopback binds only) and no client token")
+    p.add_argument("--tls-cert", default=None, help="serve the client port over TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     p.add_argument("--bind-host", default=None, help="address to bind (default: this node's host in --peers)")
     p.add_argument("--payload-dir", default=None,
                    help="where payloads wait for a snapshot (default: tmpfs /dev/shm if present, else DATA_DIR/payloads)")
@@ -120,10 +167,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="a leader that hears from no majority for this long steps down (default 2.5 x election timeout)")
     p.add_argument("--request-timeout", type=float, default=defaults["request_timeout"].default,
                    help="how long a node waits for one write to replicate and commit")
+    limits = codec.Limits()
+    p.add_argument("--max-frame-mb", type=int, default=limits.max_blob_bytes >> 20,
+                   help="most tensor bytes in one frame, MiB (max_blob_bytes)")
+    p.add_argument("--max-tensor-mb", type=int, default=limits.max_tensor_bytes >> 20,
+                   help="most bytes of one tensor, MiB (max_tensor_bytes)")
+    for flag, key, what in [("--max-tensors-per-push", "max_tensors_per_push", "tensors in one write"),
+                            ("--max-connections", "max_connections", "client connections in total"),
+                            ("--max-connections-per-ip", "max_connections_per_ip", "client connections from one IP"),
+                            ("--frame-timeout", "frame_timeout", "seconds a frame may take from its first byte"),
+                            ("--idle-timeout", "idle_timeout", "seconds an idle client connection stays open")]:
+        p.add_argument(flag, type=type(defaults[key].default), default=defaults[key].default, help=what)
     p.set_defaults(func=serve)
 
     p = sub.add_parser("status", help="a table of every node's role, term, applied index and digest")
     p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
+    p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
+    p.add_argument("--tls-ca", default=None, help="CA file for nodes serving TLS (default: $RAFTPS_TLS_CA)")
     p.set_defaults(func=status)
 
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")

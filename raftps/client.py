@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -16,8 +17,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import codec
-from .errors import ProtocolError, StepTimeout, Unavailable, raise_for
+from . import auth, codec
+from .errors import AuthenticationFailed, ProtocolError, StepTimeout, Unavailable, raise_for
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
 # at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
@@ -39,10 +40,28 @@ def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
     return out
 
 
+def _refusal(sock: socket.socket, limits: codec.Limits) -> dict | None:
+    """The error a node sent before it stopped reading our request (a frame over one of its
+    limits, say), if it is there to read."""
+    try:
+        sock.settimeout(1.0)
+        reply = codec.recv_frame(sock, limits)
+    except (OSError, ConnectionError, ProtocolError):
+        return None
+    return reply if isinstance(reply, dict) and (reply.get("error") or reply.get("retry")) else None
+
+
 class Client:
+    """``token``: the cluster's client token (default $RAFTPS_TOKEN, else the file named by
+    $RAFTPS_TOKEN_FILE). ``tls``: a CA file to verify the nodes' certificates against (or True
+    for the system CAs; default $RAFTPS_TLS_CA), for nodes serving TLS."""
+
     def __init__(self, addresses: str | Iterable[str] | None = None, timeout: float = 30.0,
-                 attempt_timeout: float = 4.0, limits: codec.Limits = codec.DEFAULT_LIMITS):
+                 attempt_timeout: float = 4.0, limits: codec.Limits = codec.DEFAULT_LIMITS,
+                 token: str | None = None, tls: str | bool | ssl.SSLContext | None = None):
         self.addresses = parse_addresses(addresses)
+        self.token = auth.client_token(token)
+        self.tls = auth.client_tls_context(tls)
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.limits = limits
@@ -61,7 +80,39 @@ class Client:
             host, port = address.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=min(2.0, self.attempt_timeout))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock = self._hello(sock, address, host)
+            except BaseException:
+                sock.close()
+                raise
             self._conns[address] = sock
+        return sock
+
+    def _hello(self, sock: socket.socket, address: str, host: str) -> socket.socket:
+        """TLS (if asked for) and the hello every connection starts with. A refusal raises
+        AuthenticationFailed (definite: retrying with the same token cannot help)."""
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_hostname=host)
+            except ssl.SSLCertVerificationError as exc:
+                raise AuthenticationFailed(f"node {address}: its TLS certificate does not verify "
+                                           f"against the CA given as tls=: {exc.verify_message}") from None
+            except ssl.SSLError as exc:
+                raise AuthenticationFailed(f"node {address}: TLS handshake failed ({exc.reason}); does the "
+                                           "node serve TLS on its client port (serve --tls-cert)?") from None
+        try:
+            codec.send_frame(sock, {"op": auth.HELLO, "token": self.token})
+        except OSError:
+            reply = _refusal(sock, self.limits)     # refused at accept (connection limits)
+            if reply is None:
+                raise
+        else:
+            reply = codec.recv_frame(sock, self.limits)
+        if not isinstance(reply, dict):
+            raise ProtocolError(f"node {address} answered the hello with something that is not a map")
+        if reply.get("retry"):
+            raise ConnectionError(f"node {address}: {reply.get('message', 'retry')}")
+        raise_for(reply)
         return sock
 
     def _drop(self, address: str) -> None:
@@ -73,7 +124,14 @@ class Client:
         sock = self._conn(address)
         try:
             sock.settimeout(timeout)
-            codec.send_frame(sock, message)
+            try:
+                codec.send_frame(sock, message)
+            except OSError:
+                reply = _refusal(sock, self.limits)
+                if reply is None:
+                    raise
+                self._drop(address)
+                return reply
             reply = codec.recv_frame(sock, self.limits)
         except BaseException:
             self._drop(address)      # a half-read reply leaves the stream unusable

@@ -12,16 +12,20 @@ range are checked against the blob before it is built. Nothing here ever unpickl
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
+import mmap
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import msgpack
 import numpy as np
 
-from .errors import ProtocolError
+from .errors import LimitExceeded, ProtocolError
 
 MAGIC = b"RPS1"
 PREFIX = struct.Struct("!4sIQ")
@@ -30,6 +34,10 @@ ARRAY_EXT = 1
 DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int32": "<i4", "int64": "<i8"}
 _DTYPE_NAMES = {np.dtype(v).str: k for k, v in DTYPES.items()}
 MAX_NDIM = 8
+# A larger blob is received into anonymous mmap memory, whose pages cost RAM only once bytes
+# arrive: bytearray(n) zero-fills all n at once, so a sender declaring 1 GiB and sending 16 bytes
+# would cost 1 GiB until the frame deadline. Below this, the heap is faster (see tuning.py).
+EAGER_BLOB_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class Limits:
     max_header_bytes: int = 1 << 20
     max_blob_bytes: int = 1 << 30          # 1 GiB of tensor bytes in one frame
     max_arrays: int = 4096
+    max_tensor_bytes: int = 1 << 30        # one array's bytes
 
 
 DEFAULT_LIMITS = Limits()
@@ -79,9 +88,9 @@ def _parse_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a raftps peer")
     if header_len > limits.max_header_bytes:
-        raise ProtocolError(f"frame header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}")
+        raise LimitExceeded(f"frame header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}")
     if blob_len > limits.max_blob_bytes:
-        raise ProtocolError(f"frame of {blob_len} tensor bytes exceeds max_blob_bytes={limits.max_blob_bytes}")
+        raise LimitExceeded(f"frame of {blob_len} tensor bytes exceeds max_blob_bytes={limits.max_blob_bytes}")
     return header_len, blob_len
 
 
@@ -95,7 +104,7 @@ def _decode(header: bytes, blob: memoryview, limits: Limits) -> Any:
             raise ProtocolError(f"unknown msgpack extension type {code}")
         count += 1
         if count > limits.max_arrays:
-            raise ProtocolError(f"frame holds more than max_arrays={limits.max_arrays} arrays")
+            raise LimitExceeded(f"frame holds more than max_arrays={limits.max_arrays} arrays")
         meta = msgpack.unpackb(data, raw=False)
         if not (isinstance(meta, list) and len(meta) == 2 and isinstance(meta[1], list)):
             raise ProtocolError("malformed array descriptor")
@@ -109,6 +118,9 @@ def _decode(header: bytes, blob: memoryview, limits: Limits) -> Any:
         if offset + nbytes > len(blob):
             raise ProtocolError(f"array of shape {tuple(shape)} {name} needs {nbytes} bytes, "
                                 f"but only {len(blob) - offset} remain in the frame")
+        if nbytes > limits.max_tensor_bytes:
+            raise LimitExceeded(f"array of shape {tuple(shape)} {name} ({nbytes} bytes) exceeds "
+                                f"max_tensor_bytes={limits.max_tensor_bytes}")
         arr = np.frombuffer(blob, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
         offset += nbytes
         return arr
@@ -136,45 +148,93 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
     return _decode(bytes(view[PREFIX.size:start]), view[start:], limits)
 
 
-def recv_exactly(sock: socket.socket, view: memoryview, started: bool = True) -> None:
-    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first."""
+def recv_exactly(sock: socket.socket, view: memoryview, started: bool = True, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first. With ``deadline``
+    (time.monotonic()), each recv waits only for what is left of it."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("frame deadline passed")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError("peer closed the connection" + (" mid-frame" if got or started else ""))
         got += n
 
 
-def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None) -> Any:
+class FrameMac:
+    """Authenticates every frame of one connection: HMAC-SHA256 over a per-direction counter and
+    the frame's bytes, with a key per direction. A frame that was altered, dropped, replayed or
+    reordered fails the check before its header is parsed."""
+    TAG = 32
+
+    def __init__(self, send_key: bytes, recv_key: bytes):
+        self._send_key, self._recv_key = send_key, recv_key
+        self._sent = self._received = 0
+
+    @staticmethod
+    def _tag(key: bytes, counter: int, parts: list) -> bytes:
+        mac = hmac.new(key, counter.to_bytes(8, "big"), hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
+
+    def sign(self, buffers: list) -> bytes:
+        self._sent += 1
+        return self._tag(self._send_key, self._sent, buffers)
+
+    def verify(self, parts: list, tag: bytes) -> None:
+        self._received += 1
+        if not hmac.compare_digest(tag, self._tag(self._recv_key, self._received, parts)):
+            raise ProtocolError("frame failed authentication (bad HMAC): altered, replayed or not from a peer")
+
+
+def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
+               frame_timeout: float | None = None, mac: FrameMac | None = None) -> Any:
     """Read and decode one frame. Raises ConnectionError on EOF, ProtocolError on bad bytes.
 
     ``first_byte_timeout`` lets an idle connection wait longer for the next request than a
-    half-sent frame may take to finish (the socket's own timeout), so a stalled sender cannot
-    hold a server thread forever.
+    half-sent frame may take to finish. ``frame_timeout`` is that bound: the whole frame must
+    arrive within it of its first byte (LimitExceeded otherwise), however slowly the bytes
+    trickle, so a stalled sender cannot hold a server thread for long. Without it, the socket's
+    own timeout applies to each recv. ``mac`` checks the frame's tag before it is decoded.
     """
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
-    if first_byte_timeout is not None:
-        frame_timeout = sock.gettimeout()
-        sock.settimeout(first_byte_timeout)
+    own_timeout = sock.gettimeout()          # restored for the reply's send
+    try:
+        if first_byte_timeout is not None:
+            sock.settimeout(first_byte_timeout)
+        recv_exactly(sock, view[:1], started=False)
+        sock.settimeout(own_timeout)
+        deadline = None if frame_timeout is None else time.monotonic() + frame_timeout
         try:
-            recv_exactly(sock, view[:1], started=False)
-        finally:
-            sock.settimeout(frame_timeout)
-        recv_exactly(sock, view[1:])
-    else:
-        recv_exactly(sock, view, started=False)
-    header_len, blob_len = _parse_prefix(bytes(prefix), limits)
-    header = bytearray(header_len)
-    recv_exactly(sock, memoryview(header))
-    blob = bytearray(blob_len)
-    recv_exactly(sock, memoryview(blob))
+            recv_exactly(sock, view[1:], deadline=deadline)
+            header_len, blob_len = _parse_prefix(bytes(prefix), limits)
+            header = bytearray(header_len)
+            recv_exactly(sock, memoryview(header), deadline=deadline)
+            blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
+            recv_exactly(sock, memoryview(blob), deadline=deadline)
+            if mac is not None:
+                tag = bytearray(FrameMac.TAG)
+                recv_exactly(sock, memoryview(tag), deadline=deadline)
+                mac.verify([prefix, header, blob], bytes(tag))
+        except socket.timeout:
+            if frame_timeout is None:
+                raise
+            raise LimitExceeded(f"frame not complete within frame_timeout={frame_timeout:g} s "
+                                "of its first byte") from None
+    finally:
+        sock.settimeout(own_timeout)
     return _decode(bytes(header), memoryview(blob), limits)
 
 
-def send_frame(sock: socket.socket, message: Any) -> int:
+def send_frame(sock: socket.socket, message: Any, mac: FrameMac | None = None) -> int:
     buffers = encode(message)
+    if mac is not None:
+        buffers.append(mac.sign(buffers))
     for buf in buffers:
         sock.sendall(buf)
     return sum(len(b) for b in buffers)

@@ -3,8 +3,10 @@
 Each node serves a data-plane port. A peer connection starts with a mutual challenge-response
 (HMAC-SHA256 over fresh nonces with a key derived from the cluster secret); until it succeeds the
 server accepts only tiny frames, so an unauthenticated sender can make it allocate nothing.
-After that, frames are codec frames: ``put`` stores a payload and acknowledges once it is on
-disk; ``get`` returns a payload or ``found: False``.
+After that, frames are codec frames each followed by an HMAC tag (codec.FrameMac, keys derived
+from both nonces, one per direction, frames counted): a frame injected into or replayed on an
+authenticated connection is refused before it is decoded. ``put`` stores a payload and
+acknowledges once it is on disk; ``get`` returns a payload or ``found: False``.
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ def data_key(secret: bytes) -> bytes:
 
 def _proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, role + nonce, hashlib.sha256).digest()
+
+
+def _session_macs(key: bytes, client_nonce: bytes, server_nonce: bytes) -> tuple[codec.FrameMac, codec.FrameMac]:
+    """(the client's FrameMac, the server's): fresh keys per connection and per direction."""
+    c2s = hmac.new(key, b"c2s" + client_nonce + server_nonce, hashlib.sha256).digest()
+    s2c = hmac.new(key, b"s2c" + client_nonce + server_nonce, hashlib.sha256).digest()
+    return codec.FrameMac(send_key=c2s, recv_key=s2c), codec.FrameMac(send_key=s2c, recv_key=c2s)
 
 
 class DataPlaneServer:
@@ -64,32 +73,42 @@ class DataPlaneServer:
         try:
             conn.settimeout(self.frame_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._handshake(conn):
+            mac = self._handshake(conn)
+            if mac is None:
                 return
             while True:
-                msg = codec.recv_frame(conn, self.limits, first_byte_timeout=3600.0)
-                codec.send_frame(conn, self._handle(msg))
+                msg = codec.recv_frame(conn, self.limits, first_byte_timeout=3600.0,
+                                       frame_timeout=self.frame_timeout, mac=mac)
+                codec.send_frame(conn, self._handle_safely(msg), mac=mac)
         except (ConnectionError, OSError, ProtocolError) as exc:
             log.debug("data-plane connection closed: %s", exc)
         finally:
             conn.close()
             self._slots.release()
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        hello = codec.recv_frame(conn, HANDSHAKE_LIMITS)
+    def _handshake(self, conn: socket.socket) -> codec.FrameMac | None:
+        """The connection's FrameMac once the peer proved it holds the secret, else None."""
+        hello = codec.recv_frame(conn, HANDSHAKE_LIMITS, frame_timeout=self.frame_timeout)
         if not (isinstance(hello, dict) and isinstance(hello.get("nonce"), bytes) and len(hello["nonce"]) == 16):
             codec.send_frame(conn, {"ok": False, "error": "ProtocolError", "message": "expected a data-plane hello"})
-            return False
+            return None
         nonce = os.urandom(16)
         codec.send_frame(conn, {"nonce": nonce, "proof": _proof(self.key, b"server", hello["nonce"])})
-        answer = codec.recv_frame(conn, HANDSHAKE_LIMITS)
+        answer = codec.recv_frame(conn, HANDSHAKE_LIMITS, frame_timeout=self.frame_timeout)
         if not (isinstance(answer, dict) and isinstance(answer.get("proof"), bytes)
                 and hmac.compare_digest(answer["proof"], _proof(self.key, b"client", nonce))):
-            codec.send_frame(conn, {"ok": False, "error": "Unauthorized",
+            codec.send_frame(conn, {"ok": False, "error": "AuthenticationFailed",
                                     "message": "data-plane authentication failed: wrong cluster secret"})
-            return False
+            return None
         codec.send_frame(conn, {"ok": True})
-        return True
+        return _session_macs(self.key, hello["nonce"], nonce)[1]
+
+    def _handle_safely(self, msg: object) -> dict:
+        try:
+            return self._handle(msg)
+        except Exception as exc:     # a bug must cost one request, not the connection
+            log.exception("data-plane request failed")
+            return {"ok": False, "message": f"internal error: {exc!r}"}
 
     def _handle(self, msg: object) -> dict:
         if not isinstance(msg, dict):
@@ -113,12 +132,13 @@ class DataPlaneServer:
                     if budget <= 0:
                         break
             return {"ok": True, "payloads": found}
-        if not isinstance(pid, str):
-            return {"ok": False, "message": "missing payload id"}
+        if not isinstance(pid, str) or not PAYLOAD_ID.fullmatch(pid):
+            return {"ok": False, "message": f"bad or missing payload id {pid!r}"}
         try:
             if op == "put":
                 tensors = msg.get("tensors")
-                if not isinstance(tensors, dict) or not all(isinstance(v, np.ndarray) for v in tensors.values()) \
+                if not isinstance(tensors, dict) or not tensors \
+                        or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in tensors.items()) \
                         or not verify(pid, tensors):
                     return {"ok": False, "message": f"payload {pid}: content does not match its checksum"}
                 self.store.put(pid, tensors)
@@ -146,7 +166,7 @@ class PeerLink:
         nonce = os.urandom(16)
         codec.send_frame(self.sock, {"nonce": nonce})
         reply = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
-        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes)
+        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes) and isinstance(reply.get("nonce"), bytes)
                 and hmac.compare_digest(reply["proof"], _proof(self.key, b"server", nonce))):
             self.sock.close()
             raise ConnectionError(f"data plane {address}: peer failed authentication")
@@ -154,10 +174,11 @@ class PeerLink:
         if codec.recv_frame(self.sock, HANDSHAKE_LIMITS).get("ok") is not True:
             self.sock.close()
             raise ConnectionError(f"data plane {address}: peer refused our cluster secret")
+        self.mac = _session_macs(self.key, nonce, reply["nonce"])[0]
 
     def call(self, msg: dict) -> dict:
-        codec.send_frame(self.sock, msg)
-        return codec.recv_frame(self.sock)
+        codec.send_frame(self.sock, msg, mac=self.mac)
+        return codec.recv_frame(self.sock, mac=self.mac)
 
     def close(self) -> None:
         self.sock.close()

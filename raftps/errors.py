@@ -46,6 +46,23 @@ class ProtocolError(RaftpsError):
     code = "ProtocolError"
 
 
+class LimitExceeded(ProtocolError):
+    """A frame, tensor, push or connection beyond one of the node's limits; the message names
+    the limit (its config key) and its value."""
+    code = "LimitExceeded"
+
+
+class AuthenticationFailed(RaftpsError):
+    """A missing or wrong client token, or a TLS problem: the node served nothing else and
+    closed the connection. Retrying with the same credentials cannot succeed."""
+    code = "AuthenticationFailed"
+
+
+class TLSRequired(AuthenticationFailed):
+    """A plain connection to a node that serves its client port over TLS only."""
+    code = "TLSRequired"
+
+
 class SessionExpired(RaftpsError):
     """The store forgot this client's session, so a retry could not be deduplicated."""
     code = "SessionExpired"
@@ -72,7 +89,7 @@ ERRORS: dict[str, type[RaftpsError]] = {
     cls.code: cls
     for cls in (RaftpsError, UnknownTensor, TensorExists, ShapeMismatch, DtypeMismatch,
                 InvalidGradient, InvalidOptimizer, InvalidRequest, ProtocolError,
-                SessionExpired, StepTimeout, Unavailable, Internal)
+                LimitExceeded, AuthenticationFailed, TLSRequired, SessionExpired, StepTimeout, Unavailable, Internal)
 }
 
 

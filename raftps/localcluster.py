@@ -4,13 +4,13 @@ The cluster scripts (cluster/*.sh), the tests, the benchmarks and the fault inje
 this one class, so there is one place that knows the run-directory layout:
 
     RUN_DIR/secret          the peer secret (mode 600), made on first start
+    RUN_DIR/token           the client token (mode 600), made on first start: what clients need
     RUN_DIR/nodeI/          node I's data (journal, snapshot, payloads)
     RUN_DIR/nodeI.pid       its process id;  RUN_DIR/nodeI.log  its log
 """
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Callable
 
+from . import auth
 from .client import Client
 
 CLIENT_OFFSET, DATA_OFFSET = 100, 200
@@ -43,7 +44,9 @@ class NodeExited(RuntimeError):
 class LocalCluster:
     def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7100, hosts: list[str] | None = None,
                  command_prefix: Callable[[int], list[str]] | None = None, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, tls_dir: str | None = None):
+        """``tls_dir``: a directory made by cluster/make-certs.sh (ca.pem, node.pem, node.key);
+        the nodes then serve their client ports over TLS only."""
         self.run_dir = os.path.abspath(run_dir)
         self.nodes = nodes
         self.base_port = base_port
@@ -53,6 +56,7 @@ class LocalCluster:
         self.command_prefix = command_prefix
         self.extra_args = extra_args or []
         self.env = env or {}
+        self.tls_dir = os.path.abspath(tls_dir) if tls_dir else None
         self._procs: dict[int, subprocess.Popen] = {}
         os.makedirs(self.run_dir, exist_ok=True)
 
@@ -71,12 +75,31 @@ class LocalCluster:
 
     @property
     def secret_file(self) -> str:
-        path = os.path.join(self.run_dir, "secret")
-        if not os.path.exists(path):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-        return path
+        return auth.make_secret_file(os.path.join(self.run_dir, "secret"))
+
+    @property
+    def token_file(self) -> str:
+        return auth.make_secret_file(os.path.join(self.run_dir, "token"))
+
+    @property
+    def token(self) -> str:
+        return auth.read_secret_file(self.token_file)
+
+    @property
+    def tls_ca(self) -> str | None:
+        return os.path.join(self.tls_dir, "ca.pem") if self.tls_dir else None
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a client process needs in its environment to reach this cluster."""
+        env = {"RAFTPS_CLUSTER": self.addresses, "RAFTPS_TOKEN_FILE": self.token_file}
+        if self.tls_ca:
+            env["RAFTPS_TLS_CA"] = self.tls_ca
+        return env
+
+    def client(self, addresses: str | list[str] | None = None, **kwargs) -> Client:
+        """A Client of this cluster (all nodes, or ``addresses``) with its token (and TLS CA)."""
+        return Client(addresses or self.addresses, token=self.token, tls=self.tls_ca or False, **kwargs)
 
     def data_dir(self, node: int) -> str:
         return os.path.join(self.run_dir, f"node{node}")
@@ -111,7 +134,8 @@ class LocalCluster:
         if self.is_up(node):
             return self.pid(node)
         argv = [sys.executable, "-m", "raftps", "serve", "--id", str(node), "--peers", ",".join(self.peers),
-                "--data-dir", self.data_dir(node), "--secret-file", self.secret_file, *self.extra_args]
+                "--data-dir", self.data_dir(node), "--secret-file", self.secret_file,
+                "--token-file", self.token_file, *self._tls_args(), *self.extra_args]
         if self.command_prefix is not None:
             argv = self.command_prefix(node) + argv
         env = {**os.environ, **self.env}
@@ -122,6 +146,11 @@ class LocalCluster:
         with open(self._pid_file(node), "w") as f:
             f.write(f"{proc.pid}\n")
         return proc.pid
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls_dir:
+            return []
+        return ["--tls-cert", os.path.join(self.tls_dir, "node.pem"), "--tls-key", os.path.join(self.tls_dir, "node.key")]
 
     def start(self, timeout: float = 60.0) -> str:
         """Start every node that is down; return the client addresses once a leader is elected
@@ -135,7 +164,7 @@ class LocalCluster:
         want = nodes or [n for n in range(1, self.nodes + 1) if self.is_up(n)]
         deadline = time.monotonic() + timeout
         last: list[dict] = []
-        with Client(self.addresses, timeout=2.0) as client:
+        with self.client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 dead = [n for n in want if not self.is_up(n)]
                 if dead:
@@ -179,12 +208,12 @@ class LocalCluster:
         self.send_signal(node, signal.SIGCONT)
 
     def leader(self) -> int | None:
-        with Client(self.addresses, timeout=2.0) as client:
+        with self.client(timeout=2.0) as client:
             leaders = [s for s in client.status(timeout=1.0) if s["role"] == "leader"]
         return max(leaders, key=lambda s: s["term"])["node"] if leaders else None
 
     def status(self) -> list[dict]:
-        with Client(self.addresses, timeout=2.0) as client:
+        with self.client(timeout=2.0) as client:
             rows = client.status(timeout=1.0)
         for row in rows:
             row["pid"] = self.pid(row["node"]) if self.is_up(row["node"]) else None

@@ -32,6 +32,7 @@ from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
+from .pysyncobj_fixes import limit_peer_reads
 
 log = logging.getLogger("raftps.node")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
@@ -62,7 +63,16 @@ class NodeConfig:
     heartbeat: float = 0.1
     leader_fallback: float = 1.875            # a leader without a majority steps down after this (2.5x election)
     request_timeout: float = 3.0              # one write's wait for replication and commit
-    limits: codec.Limits = field(default_factory=codec.Limits)
+    limits: codec.Limits = field(default_factory=codec.Limits)   # frame, tensor and array-count limits
+    # The client port (see README, Security). No token: any client that reaches the port is served.
+    client_token: str | None = None
+    tls_cert: str | None = None               # serve the client port over TLS with this cert + key
+    tls_key: str | None = None
+    max_connections: int = 256                # client connections in total (a thread each)
+    max_connections_per_ip: int = 64
+    max_tensors_per_push: int = 1024
+    frame_timeout: float = 30.0               # a frame must complete within this of its first byte
+    idle_timeout: float = 600.0               # an idle client connection is closed after this
 
     def address(self, node: int, offset: int = 0) -> str:
         host, port = self.peers[node - 1].rsplit(":", 1)
@@ -143,7 +153,7 @@ class RaftNode(SyncObj):
         self._stopped = False
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
         conf = SyncObjConf(
-            password=config.secret.hex(),
+            password=config.secret.hex() if config.secret else None,   # None: `serve --insecure`, loopback only
             bindAddress=":".join(map(str, config.bind(0))),
             journalFile=os.path.join(config.data_dir, "raft.journal"),
             fullDumpFile=os.path.join(config.data_dir, "raft.snapshot"),
@@ -164,6 +174,7 @@ class RaftNode(SyncObj):
             commandsQueueSize=10_000,
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
+        limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
         super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
         install_pysyncobj_fixes(self)
         self.addOnTickCallback(self._housekeeping)

@@ -108,3 +108,48 @@ def commit_guard(message: dict, commit_index: int) -> dict:
     if message.get("commit_index", 0) > commit_index:
         return dict(message, commit_index=commit_index)
     return message
+
+
+# ---- the Raft port's reads before authentication ---------------------------------------------
+# pysyncobj (tcp_connection.py, __processRead / __processParseMessage) appends whatever arrives to
+# the connection's read buffer until the 4-byte length prefix is satisfied, for any length up to
+# 2 GiB, and only then checks the message's Fernet token. So anyone who can reach the Raft port
+# could make a node hold 2 GiB per connection and spend its tick thread re-copying the growing
+# buffer (`readBuffer += incoming` is quadratic), stalling heartbeats. A message that declares
+# more than the limit is refused at its prefix: the first message of a connection (before it
+# proved the secret) may be small only; later ones as large as a legitimate peer sends.
+FIRST_MESSAGE_LIMIT = 64 << 10
+MESSAGE_LIMIT = 256 << 20          # largest legit: an append_entries batch (4 MiB) or snapshot chunk
+
+
+def limit_peer_reads() -> None:
+    """Patch pysyncobj's TcpConnection (all connections of this process) to refuse oversized
+    length prefixes before buffering them. Idempotent."""
+    import struct
+
+    from pysyncobj.tcp_connection import TcpConnection
+
+    if getattr(TcpConnection, "_raftps_read_limit", False):
+        return
+    read, parse = TcpConnection._TcpConnection__processRead, TcpConnection._TcpConnection__processParseMessage
+
+    def process_read(self: TcpConnection) -> bool:
+        more = read(self)
+        buffer = self._TcpConnection__readBuffer
+        if len(buffer) >= 4:
+            declared = struct.unpack("i", buffer[:4])[0]
+            limit = MESSAGE_LIMIT if getattr(self, "_raftps_parsed", 0) else FIRST_MESSAGE_LIMIT
+            if not 0 <= declared <= limit:
+                self.disconnect()
+                return False
+        return more
+
+    def process_parse(self: TcpConnection) -> Any:
+        message = parse(self)
+        if message is not None:
+            self._raftps_parsed = getattr(self, "_raftps_parsed", 0) + 1
+        return message
+
+    TcpConnection._TcpConnection__processRead = process_read
+    TcpConnection._TcpConnection__processParseMessage = process_parse
+    TcpConnection._raftps_read_limit = True

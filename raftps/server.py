@@ -1,25 +1,34 @@
 """The client port of a node: length-prefixed codec frames, one request and one reply at a time
-per connection, a thread per connection (bounded). Writes and linearizable reads are served by
-the leader; a follower answers them with the leader's address. Bad bytes close the connection
-with an error frame and touch nothing else.
+per connection, a thread per connection (bounded in total and per client IP). Writes and
+linearizable reads are served by the leader; a follower answers them with the leader's address.
+Bad bytes close the connection with an error frame and touch nothing else.
+
+Every connection starts (after TLS, if the node serves it) with a hello frame carrying the
+client token. Until the hello passes, the node reads only tiny frames and serves nothing, so a
+client without the token can make it allocate nothing and learns nothing but the refusal.
 """
 from __future__ import annotations
 
 import logging
 import re
 import socket
+import ssl
 import threading
+import time
 from typing import Any, Callable
 
 
-from . import codec
-from .errors import InvalidRequest, ProtocolError, RaftpsError, error_result
+from . import auth, codec
+from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
+                     TLSRequired, error_result)
 from .machine import check_finite, check_tensors
 from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
 CLIENT_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step")
+HELLO_LIMITS = codec.Limits(max_header_bytes=4096, max_blob_bytes=0, max_arrays=0)
+TLS_RECORD_HANDSHAKE = 0x16          # the first byte of every TLS ClientHello
 
 
 def _retry(message: str, **extra: Any) -> dict:
@@ -27,13 +36,19 @@ def _retry(message: str, **extra: Any) -> dict:
 
 
 class ClientServer:
-    def __init__(self, node: RaftNode, host: str, port: int, max_connections: int = 256,
-                 frame_timeout: float = 30.0, idle_timeout: float = 600.0):
+    def __init__(self, node: RaftNode, host: str, port: int):
         self.node = node
-        self.limits = node.config.limits
-        self.frame_timeout = frame_timeout
-        self.idle_timeout = idle_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
+        config = node.config
+        self.limits = config.limits
+        self.token = config.client_token
+        self.frame_timeout = config.frame_timeout
+        self.idle_timeout = config.idle_timeout
+        self.max_connections = config.max_connections
+        self.max_connections_per_ip = config.max_connections_per_ip
+        self.max_tensors_per_push = config.max_tensors_per_push
+        self.tls = auth.server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self._open: dict[str, int] = {}           # client IP -> open connections
+        self._open_lock = threading.Lock()
         self.sock = socket.create_server((host, port), backlog=128)
         self._handlers: dict[str, Callable[[dict], dict]] = {
             "status": lambda req: self.node.status(),
@@ -45,29 +60,52 @@ class ClientServer:
         }
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
 
+    def _admit(self, ip: str) -> dict | None:
+        """Count a new connection from ``ip``, or the refusal to send it."""
+        with self._open_lock:
+            if sum(self._open.values()) >= self.max_connections:
+                return _retry(f"node is at max_connections={self.max_connections}; try another node")
+            if self._open.get(ip, 0) >= self.max_connections_per_ip:
+                return error_result(LimitExceeded, f"{ip} already has max_connections_per_ip="
+                                                   f"{self.max_connections_per_ip} connections open to this node")
+            self._open[ip] = self._open.get(ip, 0) + 1
+        return None
+
+    def _release(self, ip: str) -> None:
+        with self._open_lock:
+            self._open[ip] -= 1
+            if not self._open[ip]:
+                del self._open[ip]
+
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                try:
-                    codec.send_frame(conn, _retry("node is at max_connections; try another node"))
-                finally:
-                    conn.close()
+            refusal = self._admit(peer[0])
+            if refusal is not None:
+                _refuse(conn, refusal)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="client-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer[0]), name="client-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, ip: str) -> None:
         try:
             conn.settimeout(self.frame_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn = self._start_tls(conn)
+                if conn is None:
+                    return
+            if not self._hello(conn):
+                return
             while True:
                 try:
-                    request = codec.recv_frame(conn, self.limits, first_byte_timeout=self.idle_timeout)
+                    request = codec.recv_frame(conn, self.limits, first_byte_timeout=self.idle_timeout,
+                                               frame_timeout=self.frame_timeout)
                 except ProtocolError as exc:
-                    codec.send_frame(conn, error_result(ProtocolError, str(exc)))
+                    codec.send_frame(conn, error_result(type(exc), str(exc)))
+                    _linger(conn)
                     return                        # the stream cannot be resynchronised
                 except ConnectionError as exc:
                     if "mid-frame" in str(exc):   # a sender that half-closed may still read
@@ -78,7 +116,46 @@ class ClientServer:
             log.debug("client connection closed: %s", exc)
         finally:
             conn.close()
-            self._slots.release()
+            self._release(ip)
+
+    def _start_tls(self, conn: socket.socket) -> ssl.SSLSocket | None:
+        """The TLS handshake, or a plain-text refusal to a client that did not start one."""
+        first = conn.recv(1, socket.MSG_PEEK)
+        if not first:
+            return None
+        if first[0] != TLS_RECORD_HANDSHAKE:
+            codec.send_frame(conn, error_result(TLSRequired, "this node serves its client port over TLS only: "
+                                                "connect with Client(..., tls=CA_FILE) or set RAFTPS_TLS_CA"))
+            return None
+        try:
+            return self.tls.wrap_socket(conn, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            log.info("TLS handshake failed: %s", exc)
+            return None
+
+    def _hello(self, conn: socket.socket) -> bool:
+        """Read the hello (tiny frames only) and check the token; refuse with a reason otherwise."""
+        try:
+            hello = codec.recv_frame(conn, HELLO_LIMITS, frame_timeout=self.frame_timeout)
+        except ProtocolError as exc:
+            codec.send_frame(conn, error_result(AuthenticationFailed, f"expected a hello frame first: {exc}"))
+            return False
+        except ConnectionError as exc:
+            if "mid-frame" in str(exc):       # a sender that half-closed may still read
+                codec.send_frame(conn, error_result(AuthenticationFailed, f"expected a hello frame first: "
+                                                    f"truncated frame: {exc}"))
+            return False
+        if not (isinstance(hello, dict) and hello.get("op") == auth.HELLO):
+            codec.send_frame(conn, error_result(AuthenticationFailed, "the first frame on a connection must be "
+                                                "{'op': 'hello', 'token': ...}"))
+            return False
+        if self.token is not None and not auth.token_matches(self.token, hello.get("token")):
+            why = "no client token given" if hello.get("token") is None else "wrong client token"
+            codec.send_frame(conn, error_result(AuthenticationFailed, f"{why}: pass Client(..., token=...) or set "
+                                                "RAFTPS_TOKEN / RAFTPS_TOKEN_FILE to the cluster's token"))
+            return False
+        codec.send_frame(conn, {"ok": True})
+        return True
 
     def handle(self, request: Any) -> dict:
         try:
@@ -111,6 +188,9 @@ class ClientServer:
             raise InvalidRequest("seq and ack must be ints with 1 <= ack <= seq")
         command = {k: v for k, v in req.items() if k not in ("tensors", "id")}
         tensors = req.get("tensors")
+        if isinstance(tensors, dict) and len(tensors) > self.max_tensors_per_push:
+            raise LimitExceeded(f"{len(tensors)} tensors in one {req['op']} exceeds "
+                                f"max_tensors_per_push={self.max_tensors_per_push}")
         if tensors is not None:
             for name, arr in check_tensors(tensors).items():
                 # Refused here so a NaN gradient costs no replication; the state machine checks again.
@@ -134,7 +214,7 @@ class ClientServer:
             min_version = req.get("min_version") or 0
             if type(min_version) is not int:
                 raise InvalidRequest("min_version must be an int")
-            if not self.node.wait_version(min_version, timeout=min(float(req.get("wait", 2.0)), 10.0)):
+            if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
                 return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
                               behind=True)
             tensors, version = self.node.read(names)
@@ -168,10 +248,47 @@ class ClientServer:
         redirect = self._not_leader()
         if redirect:
             return redirect
-        step, timeout = req.get("step"), req.get("timeout", 10.0)
-        if type(step) is not int or not isinstance(timeout, (int, float)):
+        step = req.get("step")
+        if type(step) is not int:
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
-        return {"version": self.node.wait_step(step, min(float(timeout), 300.0))}
+        return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))}
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _seconds(value: Any, field: str) -> float:
+    """A duration from a request: a finite number >= 0 (NaN would make a wait never end)."""
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):
+        raise InvalidRequest(f"{field!r} must be a finite number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def _linger(conn: socket.socket, max_bytes: int = 8 << 20, seconds: float = 1.0) -> None:
+    """After an error reply: read and drop what the client is still sending (bounded), so that
+    closing does not reset the connection before the client has read why."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + seconds
+        while max_bytes > 0 and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            chunk = conn.recv(min(max_bytes, 1 << 20))
+            if not chunk:
+                return
+            max_bytes -= len(chunk)
+    except OSError:
+        pass
+
+
+def _refuse(conn: socket.socket, reply: dict) -> None:
+    """Tell a connection we will not serve why, without letting it stall the accept thread."""
+    try:
+        conn.settimeout(1.0)
+        codec.send_frame(conn, reply)
+        conn.shutdown(socket.SHUT_WR)
+        conn.setblocking(False)
+        conn.recv(1 << 16)          # its hello, if here: closing with unread bytes would send RST
+    except OSError:                 # and the client could lose the refusal
+        pass
+    finally:
+        conn.close()

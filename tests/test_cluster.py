@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import raftps
-from raftps import Client, codec
+from raftps import codec
 from raftps.dataplane import PeerLink
 from tests.conftest import start_cluster, wait_converged
 
@@ -22,7 +22,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def client(cluster):
-    with Client(cluster.addresses, timeout=20) as c:
+    with cluster.client(timeout=20) as c:
         yield c
 
 
@@ -48,7 +48,7 @@ def test_every_node_serves_reads_that_name_their_version(client, cluster):
     client.create("api.r", np.zeros(3), optimizer={"name": "sgd", "lr": 1.0})
     version = client.push({"api.r": -np.ones(3)})
     for address in cluster.addresses.split(","):
-        with Client([address], timeout=10) as one:
+        with cluster.client([address], timeout=10) as one:
             tensors, v = one.pull(["api.r"], min_version=version, linearizable=False)
             assert v >= version and tensors["api.r"].tolist() == [1.0, 1.0, 1.0]
             tensors, v = one.pull(["api.r"])          # a follower redirects to the leader

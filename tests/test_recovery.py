@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from raftps import Client, Unavailable, codec
+from raftps import Unavailable, codec
 from tests.conftest import wait_converged
 
 N = 1 << 18          # 1 MiB float32: above the inline limit, so payloads take the data plane
@@ -24,12 +24,14 @@ def one_hot(k, n=N):
 
 def test_retry_after_the_leader_dies_with_the_reply_unsent_is_applied_once(make_cluster):
     cl = make_cluster(6300)
-    with Client(cl.addresses, timeout=30) as c:
+    with cl.client(timeout=30) as c:
         counter(c)
         leader = cl.leader()
         request = {"op": "push", "client": c.client_id, "seq": 500, "ack": 500, "tensors": {"ctr": one_hot(7)}}
         host, port = cl.client_address(leader).rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as raw:
+            codec.send_frame(raw, {"op": "hello", "token": cl.token})
+            assert codec.recv_frame(raw) == {"ok": True}
             codec.send_frame(raw, request)
             time.sleep(0.05)       # long enough to commit on loopback, too short to matter otherwise
             cl.kill(leader)        # the reply, if any, dies with the leader
@@ -43,7 +45,7 @@ def test_retry_after_the_leader_dies_with_the_reply_unsent_is_applied_once(make_
 def test_pushes_acknowledged_around_a_leader_kill_are_all_there_once(make_cluster):
     cl = make_cluster(6600)
     acked, unknown = [], []
-    with Client(cl.addresses, timeout=20) as c:
+    with cl.client(timeout=20) as c:
         counter(c)
         for k in range(40):
             if k == 15:
@@ -64,7 +66,7 @@ def test_pushes_acknowledged_around_a_leader_kill_are_all_there_once(make_cluste
 
 def test_killed_follower_restarts_and_catches_up_through_a_snapshot(make_cluster):
     cl = make_cluster(6900, extra_args=FAST_COMPACTION)
-    with Client(cl.addresses, timeout=30) as c:
+    with cl.client(timeout=30) as c:
         counter(c)
         c.create("opt", np.ones(1000), optimizer={"name": "adam", "lr": 0.01})
         follower = next(r["node"] for r in c.status() if r["role"] == "follower")
@@ -76,14 +78,14 @@ def test_killed_follower_restarts_and_catches_up_through_a_snapshot(make_cluster
         cl.start()
         rows = wait_converged(c, 3, timeout=60)
         assert rows[0]["version"] >= leader_row["version"]
-        with Client([cl.client_address(follower)], timeout=10) as one:
+        with cl.client([cl.client_address(follower)], timeout=10) as one:
             tensors, _ = one.pull(["ctr"], min_version=leader_row["version"], linearizable=False)
         assert tensors["ctr"][:60].tolist() == [1.0] * 60
 
 
 def test_full_cluster_sigkill_and_restart_keeps_everything(make_cluster):
     cl = make_cluster(8400, extra_args=FAST_COMPACTION)
-    with Client(cl.addresses, timeout=30) as c:
+    with cl.client(timeout=30) as c:
         counter(c)
         c.create("mom", np.zeros(100), optimizer={"name": "momentum", "lr": 0.1})
         for k in range(45):             # past two compactions, and a journal tail after the last
@@ -103,7 +105,7 @@ def test_full_cluster_sigkill_and_restart_keeps_everything(make_cluster):
 
 def test_two_nodes_down_fails_cleanly_then_recovers(make_cluster):
     cl = make_cluster(8100)
-    with Client(cl.addresses, timeout=5) as c:
+    with cl.client(timeout=5) as c:
         counter(c)
         c.push({"ctr": one_hot(0)})
         leader = cl.leader()

@@ -4,7 +4,6 @@ import time
 
 import numpy as np
 
-from raftps import Client
 
 BASE = 9100
 
@@ -14,7 +13,7 @@ def test_single_node_commit_does_not_wait_for_the_next_tick(make_cluster):
     # poll() until a message or its 50 ms tick; one node gets no messages, so every write and
     # linearizable read waited >= 50 ms (measured: 51.9 ms per push). 25 ms leaves 10x headroom.
     cl = make_cluster(BASE, nodes=1)
-    with Client(cl.addresses, timeout=20) as c:
+    with cl.client(timeout=20) as c:
         c.create("one.t", np.zeros(256, np.float32), {"name": "sgd", "lr": 0.5})
         pushes, reads = [], []
         for _ in range(20):

@@ -4,7 +4,6 @@ Found by bench/catchup.py: on 25f6771 the follower received the 64 MiB snapshot 
 and failed forever with ``ProtocolError: truncated frame`` (random gradients; 3 of 3 tries)."""
 import numpy as np
 
-from raftps import Client
 from tests.conftest import wait_converged
 
 N = 16 * 1024 * 1024          # float32: 64 MiB
@@ -12,7 +11,7 @@ N = 16 * 1024 * 1024          # float32: 64 MiB
 
 def test_follower_behind_a_compacted_log_catches_up_on_a_64_mib_model(make_cluster):
     cl = make_cluster(12700, extra_args=["--compaction-entries", "20"])
-    with Client(cl.addresses, timeout=60) as c:
+    with cl.client(timeout=60) as c:
         c.create("big", np.zeros(N, np.float32), optimizer={"name": "sgd", "lr": 0.01})
         c.create("tick", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.01})
         follower = next(r["node"] for r in c.status() if r["role"] == "follower")

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from raftps.localcluster import LocalCluster
     cluster = LocalCluster(os.path.join(args.out, "cluster"), nodes=3, base_port=args.base_port)
+    os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
     results: dict[tuple[str, int], list[dict]] = {}
     try:
         addresses = cluster.start(timeout=60)

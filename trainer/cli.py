@@ -63,6 +63,7 @@ def demo(args: argparse.Namespace) -> int:
     from raftps.localcluster import LocalCluster
     run_dir = os.path.join(args.out, "cluster")
     cluster = LocalCluster(run_dir, nodes=3, base_port=args.base_port)
+    os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
     try:
         print(f"demo: starting 3 nodes in {run_dir}", file=sys.stderr, flush=True)
         addresses = cluster.start(timeout=60)

@@ -52,7 +52,7 @@ class Harness:
             if self.net:
                 self.net.up()
             self.cluster.start(timeout=30.0)
-            self.workload = Workload(self.cluster.addresses, **self.workload_args)
+            self.workload = Workload(self.cluster.addresses, token=self.cluster.token, **self.workload_args)
             self.workload.create()
         except BaseException as exc:
             tails = []
@@ -171,7 +171,7 @@ class Harness:
         if self.net:
             self.net.heal()
         self.resume_all()
-        final, statuses, converge = settle(self.cluster.addresses, self.nodes, settle_s)
+        final, statuses, converge = settle(self.cluster.addresses, self.nodes, settle_s, token=self.cluster.token)
         if final is None:
             raise AssertionError(f"{self.case}: no linearizable read of the final state within {settle_s} s")
         result = check(self.history, final, statuses, nodes=self.nodes)

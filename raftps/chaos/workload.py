@@ -23,6 +23,7 @@ NAME = "chaos"
 @dataclass
 class Workload:
     addresses: str
+    token: str | None = None       # the cluster's client token
     n: int = 4096                  # elements = most pushes a run can make (32 KiB float64)
     clients: int = 3
     pull_every: int = 4            # every 4th op of a client is a pull
@@ -37,7 +38,7 @@ class Workload:
     _deadline: float = 0.0
 
     def create(self, timeout: float = 20.0) -> None:
-        with Client(self.addresses, timeout=timeout) as c:
+        with Client(self.addresses, timeout=timeout, token=self.token) as c:
             c.create(NAME, np.zeros(self.n, np.float64), optimizer={"name": "sgd", "lr": 1.0})
 
     def start(self, seconds: float, max_ops: int = 100_000) -> None:
@@ -72,7 +73,8 @@ class Workload:
 
     def _run(self, cid: int, deadline: float, max_ops: int) -> None:
         seen = 0
-        with Client(self.addresses, timeout=self.timeout, attempt_timeout=min(2.0, self.timeout)) as c:
+        with Client(self.addresses, timeout=self.timeout, attempt_timeout=min(2.0, self.timeout),
+                    token=self.token) as c:
             for seq in range(max_ops):
                 started = time.monotonic()
                 if self._stop.is_set() or started >= deadline:
@@ -107,14 +109,14 @@ class Workload:
                     self._stop.wait(pause)
 
 
-def settle(addresses: str, nodes: int, timeout: float = 30.0) -> tuple[np.ndarray | None, list[dict], float | None]:
+def settle(addresses: str, nodes: int, timeout: float = 30.0, token: str | None = None) -> tuple[np.ndarray | None, list[dict], float | None]:
     """After healing: one linearizable pull of the final tensor, then wait until every node has
     applied the same index. Returns (final tensor or None, last statuses, seconds to converge)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     final = None
     statuses: list[dict] = []
-    with Client(addresses, timeout=5.0) as c:
+    with Client(addresses, timeout=5.0, token=token) as c:
         while final is None and time.monotonic() < deadline:
             try:
                 final = c.pull([NAME])[0][NAME]

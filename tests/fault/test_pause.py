@@ -4,7 +4,7 @@ from __future__ import annotations
 import signal
 import time
 
-from raftps import Client, RaftpsError, Unavailable
+from raftps import RaftpsError, Unavailable
 from raftps.chaos.harness import Harness, assert_clean
 from raftps.chaos.history import FAILED, OK, PULL, PUSH, UNKNOWN, History
 from raftps.chaos.workload import NAME
@@ -21,7 +21,7 @@ def test_paused_leader_serves_nothing_stale(tmp_path) -> None:
         h.event(f"SIGCONT n{old}")
         h.cluster.resume(old)
         # Straight after the resume, read and write through the old leader only (client 98).
-        with Client([h.cluster.client_address(old)], timeout=3.0, attempt_timeout=1.0) as c:
+        with h.cluster.client([h.cluster.client_address(old)], timeout=3.0, attempt_timeout=1.0) as c:
             for seq in range(20):
                 op = h.history.begin(PULL, client=98, seq=seq)
                 try:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from raftps import Client, RaftpsError, Unavailable
+from raftps import RaftpsError, Unavailable
 from raftps.chaos import netns
 from raftps.chaos.harness import Harness, assert_clean
 from raftps.chaos.history import FAILED, OK, PUSH, UNKNOWN, History, push_gradient
@@ -34,7 +34,7 @@ def test_reply_lost_after_commit(tmp_path) -> None:
         box: dict = {}
 
         def push() -> None:
-            with Client(h.cluster.client_address(lead), timeout=20.0, attempt_timeout=6.0) as c:
+            with h.cluster.client([h.cluster.client_address(lead)], timeout=20.0, attempt_timeout=6.0) as c:
                 c.addresses = [h.cluster.client_address(i) for i in (lead, *h.net.others(lead))]
                 try:
                     History.finish(op, OK, c.push({NAME: push_gradient(h.workload.n, k)}))
@@ -45,7 +45,7 @@ def test_reply_lost_after_commit(tmp_path) -> None:
         t = threading.Thread(target=push, daemon=True)
         t.start()
         committed = False
-        with Client(h.cluster.client_address(follower), timeout=1.0) as probe:
+        with h.cluster.client([h.cluster.client_address(follower)], timeout=1.0) as probe:
             deadline = time.monotonic() + 5.0
             while not committed and time.monotonic() < deadline:
                 try:
@@ -60,7 +60,7 @@ def test_reply_lost_after_commit(tmp_path) -> None:
         h.net.heal(lead)
         h.cluster.start_node(lead)
         result, line = h.finish(retried_push=op.outcome, committed_before_kill=committed)
-        final = Client(h.cluster.addresses, timeout=5.0).pull([NAME])[0][NAME]
+        final = h.cluster.client(timeout=5.0).pull([NAME])[0][NAME]
     assert committed and not answered_before_kill, "the setup did not lose the reply of a committed push"
     assert op.outcome == OK, f"the retry did not get a definite answer: {op.error}"
     assert final[k] == 1.0

@@ -7,7 +7,6 @@ import time
 import numpy as np
 import pytest
 
-from raftps import Client
 from raftps.chaos import netns
 from raftps.chaos.harness import Harness, assert_clean
 
@@ -15,7 +14,7 @@ from raftps.chaos.harness import Harness, assert_clean
 def test_kill_while_writing_snapshot(tmp_path) -> None:
     with Harness("kill-writing-snapshot", str(tmp_path), base_port=7740,
                  node_args=["--compaction-entries", "100"]) as h:
-        with Client(h.cluster.addresses, timeout=10.0) as c:   # 8 MiB ballast: a write that lasts
+        with h.cluster.client(timeout=10.0) as c:   # 8 MiB ballast: a write that lasts
             c.create("ballast", np.zeros(1 << 20), optimizer={"name": "sgd", "lr": 1.0})
         h.load(14.0)
         h.wait(1.0)
@@ -43,7 +42,7 @@ def test_kill_while_writing_snapshot(tmp_path) -> None:
 def test_kill_while_receiving_snapshot(tmp_path) -> None:
     with Harness("kill-receiving-snapshot", str(tmp_path), base_port=7750, netns=True,
                  node_args=["--compaction-entries", "100"]) as h:
-        with Client(h.cluster.addresses, timeout=10.0) as c:   # 16 MiB ballast: a long multi-chunk snapshot
+        with h.cluster.client(timeout=10.0) as c:   # 16 MiB ballast: a long multi-chunk snapshot
             c.create("ballast", np.zeros(1 << 21), optimizer={"name": "sgd", "lr": 1.0})
         h.load(30.0)
         h.wait(1.0)

@@ -9,7 +9,6 @@ import signal
 import numpy as np
 import pytest
 
-from raftps import Client
 from raftps.localcluster import LocalCluster
 from trainer_helpers import finish, metric_rows, run_trainer, start_trainer, wait_for
 
@@ -42,7 +41,7 @@ def local_baseline(tmp_path, steps: int) -> str:
 def test_sync_four_workers_equals_local_full_batch_sgd(cluster, tmp_path):
     out = str(tmp_path / "sync")
     summary = run_trainer(["--cluster", cluster.addresses, "--mode", "sync", "--workers", "4", *SMALL,
-                           "--steps", "50", "--seed", "5", "--prefix", "parity"], out)
+                           "--steps", "50", "--seed", "5", "--prefix", "parity"], out, env=cluster.client_env)
     assert summary["updates"] == 50 and summary["worker_restarts"] == 0
     assert summary["sync_close_step_calls"] == 0         # every step had all 4 contributions
     diff = max_abs_diff(out, local_baseline(tmp_path, 50))
@@ -55,7 +54,8 @@ def test_sync_parity_survives_leader_kill(cluster, tmp_path):
     try:
         summary = run_trainer(["--cluster", cluster.addresses, "--mode", "sync", "--workers", "4", *SMALL,
                                "--steps", "50", "--seed", "5", "--prefix", "parity-kill",
-                               "--kill-leader-at", "0.4", "--run-dir", cluster.run_dir], out)
+                               "--kill-leader-at", "0.4", "--run-dir", cluster.run_dir], out,
+                              env=cluster.client_env)
     finally:
         cluster.start(timeout=60)         # bring the killed node back for the next tests
     assert any(e.startswith("kill node") for e in summary["events"]), summary["events"]
@@ -69,7 +69,8 @@ def test_async_1m_mlp_survives_leader_kill(cluster, tmp_path):
     try:
         summary = run_trainer(["--cluster", cluster.addresses, "--mode", "async", "--workers", "4",
                                "--model", "mlp", "--epochs", "5", "--seed", "1", "--prefix", "async",
-                               "--kill-leader-at", "0.4", "--run-dir", cluster.run_dir], out, timeout=150)
+                               "--kill-leader-at", "0.4", "--run-dir", cluster.run_dir], out, timeout=150,
+                              env=cluster.client_env)
     finally:
         cluster.start(timeout=60)
     assert summary["parameters"] == 1_076_010
@@ -84,7 +85,8 @@ def test_async_1m_mlp_survives_leader_kill(cluster, tmp_path):
 def test_killed_sync_worker_is_restarted_and_rejoins(cluster, tmp_path):
     out = str(tmp_path / "worker-kill")
     proc = start_trainer(["--cluster", cluster.addresses, "--mode", "sync", "--workers", "4", *SMALL,
-                          "--steps", "60", "--step-timeout", "3", "--seed", "2", "--prefix", "wkill"], out)
+                          "--steps", "60", "--step-timeout", "3", "--seed", "2", "--prefix", "wkill"], out,
+                         env=cluster.client_env)
     try:
         wait_for(lambda: len(metric_rows(out)) >= 2, 60, "the first evaluation after 11 steps")
         with open(os.path.join(out, "workers.json")) as f:
@@ -101,5 +103,5 @@ def test_killed_sync_worker_is_restarted_and_rejoins(cluster, tmp_path):
     assert any(f"pid {victim}" in e for e in summary["events"])
     assert summary["updates"] == 60                        # every sync step applied exactly once
     assert summary["final_test_acc"] >= 0.8
-    with Client(cluster.addresses) as c:
+    with cluster.client() as c:
         assert c.stats()["sync_applied"] >= 60

@@ -12,8 +12,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start_trainer(args: list[str], out: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def start_trainer(args: list[str], out: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``env``: added to the trainer's environment (a cluster's client_env: its token)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(os.path.join(os.path.dirname(out), os.path.basename(out) + ".log"), "wb")
     return subprocess.Popen([sys.executable, "-m", "trainer", "train", *args, "--out", out],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -35,8 +36,8 @@ def finish(proc: subprocess.Popen, out: str, timeout: float) -> dict:
     return summary
 
 
-def run_trainer(args: list[str], out: str, timeout: float = 120.0) -> dict:
-    return finish(start_trainer(args, out), out, timeout)
+def run_trainer(args: list[str], out: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> dict:
+    return finish(start_trainer(args, out, env), out, timeout)
 
 
 def metric_rows(out: str) -> list[dict]:

@@ -1,0 +1,68 @@
+"""Helpers of the security tests (raw sockets, node memory, cluster state)."""
+import socket
+
+from raftps import codec
+from raftps.localcluster import LocalCluster
+
+
+def start(run_dir, base_port: int, nodes: int = 3, **kwargs) -> LocalCluster:
+    cluster = LocalCluster(str(run_dir), nodes=nodes, base_port=base_port, **kwargs)
+    try:
+        cluster.start(timeout=60)
+    except BaseException:
+        cluster.wipe()
+        raise
+    return cluster
+
+
+def raw_request(address: str, *frames: dict, timeout: float = 5.0) -> list:
+    """Send frames on one plain connection (no hello unless given) and decode every reply until EOF."""
+    host, port = address.rsplit(":", 1)
+    replies = []
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        try:
+            for frame in frames:
+                codec.send_frame(s, frame)
+        except OSError:
+            pass
+        while True:
+            try:
+                replies.append(codec.recv_frame(s))
+            except (ConnectionError, OSError):
+                return replies
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of a process now (VmRSS) or at its peak so far (VmHWM), in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def state(cluster: LocalCluster) -> list[tuple]:
+    """(node, version, digest) of every node's state machine; asserts every node answers.
+    (The Raft applied index also moves on an election's no-op entry, which applies nothing.)"""
+    rows = cluster.status()
+    assert all(r["role"] != "down" for r in rows), rows
+    return [(r["node"], r["version"], r["digest"]) for r in rows]
+
+
+def raft_state(cluster: LocalCluster) -> list[tuple]:
+    """(node, term, applied index) of every node."""
+    return [(r["node"], r["term"], r["applied"]) for r in cluster.status()]
+
+
+def assert_nothing_applied(before: list[tuple], after: list[tuple]) -> None:
+    """Raft applied index unchanged on every node, unless an election (a new term, whose leader
+    appends a no-op) explains it: a loaded 2-core machine can delay a heartbeat."""
+    for (node, term, applied), (_, term2, applied2) in zip(before, after):
+        assert applied2 == applied or term2 > term, f"node {node} applied {applied} -> {applied2} in term {term}"
+
+
+def token_env(monkeypatch, **values: str) -> None:
+    for var in ("RAFTPS_TOKEN", "RAFTPS_TOKEN_FILE", "RAFTPS_TLS_CA"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in values.items():
+        monkeypatch.setenv(var, value)

@@ -1,0 +1,155 @@
+"""A process without the peer secret talks to the Raft port and the data-plane port of a real
+3-node cluster with well-formed messages: pysyncobj-shaped pickles (plain, zlib'd, and Fernet-
+encrypted under a wrong password) and data-plane frames. The nodes apply nothing and never
+unpickle those bytes: each pickle carries a canary that would create a directory if unpickled.
+The same canary against an `--insecure` node does run, which shows that the check can fail."""
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+from pysyncobj.encryptor import getEncryptor
+
+from raftps import codec
+from raftps.payloads import payload_id
+from security_helpers import assert_nothing_applied, raft_state, rss_kib, state
+
+BASE = 10070
+LONE = 10080
+
+
+class Canary:
+    """Unpickling this calls os.mkdir(path): proof that a node ran code from the network."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def pysyncobj_messages(canary: str, peer: str) -> list[bytes]:
+    """Length-prefixed messages as pysyncobj frames them (tcp_connection.py send())."""
+    entry = {"type": "append_entries", "term": 10 ** 6, "commit_index": 10 ** 6, "prevLogIdx": 0,
+             "prevLogTerm": 0, "entries": [(b"\x00" + pickle.dumps(Canary(canary + "-cmd"), 2), 1, 10 ** 6)],
+             "canary": Canary(canary)}
+    bodies = [
+        pickle.dumps(Canary(canary), 2),                                  # a bare pickle
+        zlib.compress(pickle.dumps(peer, 2)),                             # "I am node 1", unencrypted
+        zlib.compress(pickle.dumps(entry, 2)),                            # an append_entries, unencrypted
+        getEncryptor("not the cluster secret").encrypt_at_time(          # Fernet under a wrong key
+            zlib.compress(pickle.dumps(entry, 2)), int(time.monotonic())),
+    ]
+    return [struct.pack("i", len(b)) + b for b in bodies]
+
+
+def _send_to_raft_port(port: int, messages: list[bytes]) -> None:
+    for message in messages:
+        for together in (False, True):      # alone on a connection, and after the others
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                try:
+                    s.sendall(b"".join(messages) if together else message)
+                    s.settimeout(2.0)
+                    s.recv(100)             # the node closes the connection (or says nothing)
+                except OSError:
+                    pass
+
+
+def test_raft_port_without_the_secret_applies_nothing_and_unpickles_nothing(module_cluster, tmp_path):
+    cluster = module_cluster
+    with cluster.client(timeout=10) as c:
+        c.create("ns.w", np.zeros(8, np.float32), optimizer={"name": "sgd", "lr": 1.0})
+    time.sleep(0.5)
+    before, raft_before = state(cluster), raft_state(cluster)
+    canary = str(tmp_path / "canary")
+    for node in (1, 2, 3):
+        _send_to_raft_port(cluster.base_port + node, pysyncobj_messages(canary, cluster.peers[0]))
+    time.sleep(1.0)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("canary")], "a node unpickled network bytes"
+    assert state(cluster) == before
+    assert_nothing_applied(raft_before, raft_state(cluster))
+    with cluster.client(timeout=10) as c:         # and the cluster still commits
+        c.push({"ns.w": np.ones(8, np.float32)})
+
+
+def test_raft_port_refuses_a_huge_first_message_at_its_prefix(module_cluster):
+    cluster = module_cluster
+    pid = cluster.pid(2)
+    peak = rss_kib(pid, "VmHWM")
+    before = state(cluster)
+    chunk = bytes(1 << 20)
+    with socket.create_connection(("127.0.0.1", cluster.base_port + 2), timeout=5) as s:
+        sent = 0
+        try:
+            s.sendall(struct.pack("i", 2 ** 31 - 1))
+            while sent < 256 << 20:                # pysyncobj alone would buffer all of it
+                s.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass                                   # the node hung up: what we want
+    assert sent < 256 << 20, "the node kept reading a 2 GiB message from a stranger"
+    assert rss_kib(pid, "VmHWM") < peak + 64 * 1024
+    assert state(cluster) == before
+
+
+def test_data_plane_without_the_secret_stores_nothing(module_cluster):
+    cluster = module_cluster
+    tensors = {"w": np.ones(16, np.float32)}
+    pid = payload_id("stranger", 1, tensors)
+    for node in (1, 2, 3):
+        with socket.create_connection(("127.0.0.1", cluster.base_port + 200 + node), timeout=5) as s:
+            codec.send_frame(s, {"nonce": os.urandom(16)})
+            challenge = codec.recv_frame(s)
+            assert set(challenge) == {"nonce", "proof"}
+            codec.send_frame(s, {"proof": os.urandom(32)})              # a guess
+            refusal = codec.recv_frame(s)
+            assert refusal["error"] == "AuthenticationFailed" and "wrong cluster secret" in refusal["message"]
+            try:
+                codec.send_frame(s, {"op": "put", "pid": pid, "tensors": tensors})
+                assert codec.recv_frame(s) is None
+            except (ConnectionError, OSError):
+                pass
+        from raftps.node import default_payload_dir
+        assert pid not in os.listdir(default_payload_dir(cluster.data_dir(node)))
+
+
+def test_the_canary_does_run_on_an_insecure_node(tmp_path):
+    """Why --insecure is for loopback only, and proof that the canary test above can fail."""
+    argv = [sys.executable, "-m", "raftps", "serve", "--id", "1", "--peers", f"127.0.0.1:{LONE + 1}",
+            "--data-dir", str(tmp_path / "node"), "--insecure"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    canary = str(tmp_path / "canary")
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]          # the --insecure warning, then serving
+        assert any(b"node 1: raft" in line for line in lines), lines
+        deadline = time.monotonic() + 10
+        while not os.path.exists(canary) and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", LONE + 1), timeout=2) as s:
+                    s.sendall(pysyncobj_messages(canary, "x")[2])
+                    time.sleep(0.3)
+            except OSError:
+                time.sleep(0.2)
+        assert os.path.exists(canary)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_refuses_to_start_without_cryptography(tmp_path):
+    shim = tmp_path / "shim" / "cryptography"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    (tmp_path / "secret").write_text("ab" * 32)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'shim'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "raftps", "serve", "--id", "1", "--peers", f"127.0.0.1:{LONE + 2}",
+                          "--data-dir", str(tmp_path / "node"), "--secret-file", str(tmp_path / "secret")],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "needs the 'cryptography' package" in out.stderr
+    pytest.importorskip("cryptography")
