@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 
-from raftps import Client
 
 CLIENTS = 4
 PUSHES = 60                    # per client, 1 MiB each; bounded further by the deadline
@@ -19,7 +18,7 @@ PUSHES = 60                    # per client, 1 MiB each; bounded further by the 
 
 def test_healthy_followers_fetch_almost_nothing_under_concurrent_pushes(make_cluster) -> None:
     cluster = make_cluster(9340)
-    with Client(cluster.addresses) as c:
+    with cluster.client() as c:
         c.create("w", np.zeros(1 << 18, np.float32), optimizer={"name": "sgd", "lr": 0.5})
     deadline = time.monotonic() + 60.0
     done = [0] * CLIENTS
@@ -27,7 +26,7 @@ def test_healthy_followers_fetch_almost_nothing_under_concurrent_pushes(make_clu
 
     def pusher(i: int) -> None:
         try:
-            with Client(cluster.addresses) as c:
+            with cluster.client() as c:
                 grad = {"w": np.full(1 << 18, 1.0 + i, np.float32)}
                 while done[i] < PUSHES and time.monotonic() < deadline:
                     c.push(grad)
@@ -43,7 +42,7 @@ def test_healthy_followers_fetch_almost_nothing_under_concurrent_pushes(make_clu
     assert not errors, errors
     pushes = sum(done)
     assert pushes >= CLIENTS * 10, f"only {done} pushes in 60 s"
-    with Client(cluster.addresses) as c:
+    with cluster.client() as c:
         rows = c.status()
         tensors, _ = c.pull(["w"])
     want = -0.5 * sum(done[i] * (1.0 + i) for i in range(CLIENTS))

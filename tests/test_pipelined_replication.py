@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 
-from raftps import Client
 
 CLIENTS = 4
 PUSHES = 250          # per client; bounded further by DEADLINE
@@ -22,7 +21,7 @@ PUSHES = 250          # per client; bounded further by DEADLINE
 
 def test_no_truncation_of_applied_entries_under_pipelined_load(make_cluster) -> None:
     cluster = make_cluster(9320)
-    with Client(cluster.addresses) as c:
+    with cluster.client() as c:
         for i in range(CLIENTS):
             c.create(f"w{i}", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.5})
     deadline = time.monotonic() + 60.0
@@ -31,7 +30,7 @@ def test_no_truncation_of_applied_entries_under_pipelined_load(make_cluster) -> 
 
     def pusher(i: int) -> None:
         try:
-            with Client(cluster.addresses) as c:
+            with cluster.client() as c:
                 grad = {f"w{i}": np.ones(256, np.float32)}
                 while done[i] < PUSHES and time.monotonic() < deadline:
                     c.push(grad)
@@ -46,7 +45,7 @@ def test_no_truncation_of_applied_entries_under_pipelined_load(make_cluster) -> 
         t.join(90.0)
     assert not errors, errors
     assert sum(done) >= CLIENTS * 50, f"only {done} pushes in 60 s"
-    with Client(cluster.addresses) as c:
+    with cluster.client() as c:
         tensors, _ = c.pull([f"w{i}" for i in range(CLIENTS)])
     for i in range(CLIENTS):                      # each push applied exactly once: w = -0.5 * n
         assert np.array_equal(tensors[f"w{i}"], np.full(256, -0.5 * done[i], np.float32))

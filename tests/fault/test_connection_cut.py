@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 
-from raftps import Client
 from tests.conftest import wait_converged
 
 BASE = 7770
@@ -45,7 +44,7 @@ def ss_kill_works() -> bool:
 @pytest.mark.skipif(not ss_kill_works(), reason="ss -K cannot destroy sockets here (needs CAP_NET_ADMIN)")
 def test_snapshot_transfer_restarts_after_connection_cuts(make_cluster) -> None:
     cl = make_cluster(BASE, extra_args=["--compaction-entries", "20"])
-    with Client(cl.addresses, timeout=60) as c:
+    with cl.client(timeout=60) as c:
         c.create("big", np.zeros(N, np.float32), optimizer={"name": "sgd", "lr": 0.01})
         c.create("tick", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.01})
         follower = next(r["node"] for r in c.status() if r["role"] == "follower")

@@ -24,6 +24,9 @@ def test_reply_lost_after_commit(tmp_path) -> None:
         lead = h.leader()
         follower = h.follower()
         port = h.cluster.base_port + 100 + lead
+        pusher = h.cluster.client([h.cluster.client_address(lead)], timeout=20.0, attempt_timeout=6.0)
+        pusher.stats()          # connect and pass the hello while replies still get through
+        pusher.addresses = [h.cluster.client_address(i) for i in (lead, *h.net.others(lead))]
         # Data from the leader's client port to the root namespace vanishes; the handshake and pure
         # ACKs (<= 52 bytes) pass, so requests still arrive and are committed.
         out = ["-A", "OUTPUT", "-d", h.net.bridge_ip, "-p", "tcp", "--sport", str(port)]
@@ -31,11 +34,9 @@ def test_reply_lost_after_commit(tmp_path) -> None:
         h.net.iptables(lead, *out, "-m", "length", "--length", "53:65535", "-j", "DROP")
         k = h.workload._next_k()
         op = h.history.begin(PUSH, client=99, seq=0, k=k)
-        box: dict = {}
 
         def push() -> None:
-            with h.cluster.client([h.cluster.client_address(lead)], timeout=20.0, attempt_timeout=6.0) as c:
-                c.addresses = [h.cluster.client_address(i) for i in (lead, *h.net.others(lead))]
+            with pusher as c:
                 try:
                     History.finish(op, OK, c.push({NAME: push_gradient(h.workload.n, k)}))
                 except Unavailable as exc:

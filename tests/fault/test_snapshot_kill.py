@@ -44,13 +44,18 @@ def test_kill_while_receiving_snapshot(tmp_path) -> None:
                  node_args=["--compaction-entries", "100"]) as h:
         with h.cluster.client(timeout=10.0) as c:   # 16 MiB ballast: a long multi-chunk snapshot
             c.create("ballast", np.zeros(1 << 21), optimizer={"name": "sgd", "lr": 1.0})
-        h.load(30.0)
+        h.load(45.0)
         h.wait(1.0)
         f = h.follower()
         seen = False
         for _attempt in range(3):                      # the window is short: try again if we missed it
+            held = h.status(f)["applied"]
             h.kill(f)
-            h.wait(4.0)                                # > 100 entries: it will need a snapshot
+            # Until the leader's log is compacted past what f holds, f catches up from the log
+            # (no snapshot); on a loaded machine 100 entries can take longer than a fixed wait.
+            deadline = time.monotonic() + 15.0
+            while h.status(h.leader())["snapshot_index"] <= held and time.monotonic() < deadline:
+                h.wait(0.25)
             h.net.loss(f, 0.3)                         # stretch the transfer over TCP retransmits
             h.cluster.start_node(f)
             deadline = time.monotonic() + 10.0

@@ -13,10 +13,11 @@ ARGS = ["--workers", "4", "--mode", "async", "--model", "softmax", "--optimizer"
         "--epochs", "40", "--lr", "0.3", "--seed", "3", "--max-time", "150"]
 
 
-def train(out: str, cluster: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", "train", "--cluster", cluster, "--out", out,
+def train(out: str, cluster) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer", "train", "--cluster", cluster.addresses, "--out", out,
                              "--prefix", os.path.basename(out), *ARGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **cluster.client_env})
 
 
 def summary(out: str) -> dict:
@@ -29,9 +30,9 @@ def test_async_training_survives_a_node_killed_every_few_seconds(tmp_path) -> No
     rng = random.Random(5)
     kills = []
     try:
-        calm = train(str(tmp_path / "calm"), cluster.addresses)
+        calm = train(str(tmp_path / "calm"), cluster)
         assert calm.wait(timeout=180) == 0
-        faulty = train(str(tmp_path / "faulty"), cluster.addresses)
+        faulty = train(str(tmp_path / "faulty"), cluster)
         deadline = time.monotonic() + 170
         while faulty.poll() is None and time.monotonic() < deadline and len(kills) < 12:
             time.sleep(1.0)

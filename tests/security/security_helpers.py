@@ -1,5 +1,6 @@
 """Helpers of the security tests (raw sockets, node memory, cluster state)."""
 import socket
+import time
 
 from raftps import codec
 from raftps.localcluster import LocalCluster
@@ -41,12 +42,17 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} for pid {pid}")
 
 
-def state(cluster: LocalCluster) -> list[tuple]:
-    """(node, version, digest) of every node's state machine; asserts every node answers.
-    (The Raft applied index also moves on an election's no-op entry, which applies nothing.)"""
-    rows = cluster.status()
-    assert all(r["role"] != "down" for r in rows), rows
-    return [(r["node"], r["version"], r["digest"]) for r in rows]
+def state(cluster: LocalCluster, settle: float = 10.0) -> list[tuple]:
+    """(node, version, digest) of every node's state machine once all nodes agree (a follower may
+    still be applying the last acknowledged write; bounded by ``settle`` s); asserts every node
+    answers. (The Raft applied index also moves on an election's no-op entry, which applies nothing.)"""
+    deadline = time.monotonic() + settle
+    while True:
+        rows = cluster.status()
+        assert all(r["role"] != "down" for r in rows), rows
+        if len({(r["version"], r["digest"]) for r in rows}) == 1 or time.monotonic() > deadline:
+            return [(r["node"], r["version"], r["digest"]) for r in rows]
+        time.sleep(0.05)
 
 
 def raft_state(cluster: LocalCluster) -> list[tuple]:
