@@ -19,7 +19,7 @@ from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
 CLIENT_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
-WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step")
+WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step", "ssp_join", "ssp_leave", "ssp_drop")
 
 
 def _retry(message: str, **extra: Any) -> dict:
@@ -40,6 +40,7 @@ class ClientServer:
             "stats": self._stats,
             "pull": self._pull,
             "wait_step": self._wait_step,
+            "ssp_wait": self._ssp_wait,
             "tensors": self._tensors,
             **{op: self._write for op in WRITES},
         }
@@ -172,6 +173,16 @@ class ClientServer:
         if type(step) is not int or not isinstance(timeout, (int, float)):
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
         return {"version": self.node.wait_step(step, min(float(timeout), 300.0))}
+
+    def _ssp_wait(self, req: dict) -> dict:
+        redirect = self._not_leader()
+        if redirect:
+            return redirect
+        group, worker, timeout = req.get("group"), req.get("worker"), req.get("timeout", 10.0)
+        if not isinstance(group, str) or not isinstance(worker, str) or isinstance(timeout, bool) \
+                or not isinstance(timeout, (int, float)):
+            raise InvalidRequest("ssp_wait needs group (str), worker (str) and timeout (seconds)")
+        return self.node.wait_ssp(group, worker, min(max(float(timeout), 0.0), 300.0))
 
     def close(self) -> None:
         self.sock.close()
