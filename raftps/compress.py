@@ -13,7 +13,7 @@ A push names its encoded tensors in an ``encoding`` field; every other tensor in
   payload and the log scale with k. The worker keeps what it did not send (error feedback).
 
 Decoding uses only casts, division and a scatter to distinct positions: every replica gets the
-same bits. Nothing here is random; top-k ties are broken by position (a stable sort).
+same bits. Nothing here is random.
 """
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def encode_fp16(grad: np.ndarray) -> tuple[np.ndarray, dict]:
 
 
 def topk_indices(values: np.ndarray, k: int) -> np.ndarray:
-    """Flat positions of the k largest |values|, ascending; ties go to the lower position."""
+    """Flat positions of the k largest |values|, ascending. argpartition is O(n) (a full sort of
+    a 1M-element layer cost 80 ms a push); its choice among ties is implementation-defined, which
+    is harmless here: selection happens on the worker, the store only checks and scatters."""
     flat = np.abs(values.ravel())
-    order = np.argsort(-flat, kind="stable")[:k]
+    order = np.argpartition(flat, flat.size - k)[flat.size - k:] if k < flat.size else np.arange(flat.size)
     return np.sort(order).astype(np.int32 if flat.size < 2**31 else np.int64)
 
 
