@@ -235,8 +235,12 @@ class TensorStore:
             self._check_like(name, grad, "gradient")
         member = self._ssp_check(command.get("ssp"))
         taus = {name: self.tensor_staleness(name, base) if base is not None else 0 for name in grads}
+        contexts = {name: optim.Context(index, base, taus[name]) for name in grads}
+        for name, ctx in contexts.items():
+            tensor = self.tensors[name]
+            optim.check_applicable(tensor.optimizer, tensor.state, ctx)
         for name, grad in grads.items():
-            self._update(name, grad, optim.Context(index, base, taus[name]))
+            self._update(name, grad, contexts[name])
         result = {"version": index}
         if base is not None:
             tau = max(taus.values())

@@ -142,6 +142,13 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
     raise AssertionError(name)  # normalize() admits only the names above
 
 
+def check_applicable(spec: dict, state: dict, ctx: Context) -> None:
+    """Raise what ``step`` would raise for this context, before any tensor of a push is updated
+    (a push of several tensors applies whole or not at all)."""
+    if spec["name"] == "adarevision":
+        gradient_sum_at(state, ctx.base)
+
+
 def gradient_sum_at(state: dict, base: int | None) -> np.ndarray:
     """AdaRevision's g_old: the gradient sum the pusher saw, i.e. after the last update applied
     at an index <= ``base``. No base: the current sum (the push is treated as not delayed)."""

@@ -160,6 +160,19 @@ def test_adarevision_base_outside_the_window_is_a_clear_error_that_changes_nothi
     assert "error" not in ok and ok["staleness"] == 2
 
 
+def test_a_push_refused_by_adarevision_updates_none_of_its_tensors():
+    log = Log()
+    make(log, name="a")                                           # sgd, sorted before w
+    log("create", tensors={"w": np.zeros(3)}, optimizer={"w": {"name": "adarevision", "lr": 0.1, "window": 1}})
+    old = log.store.version
+    for _ in range(3):
+        log("push", client="other", tensors={"a": np.ones(4, F32), "w": np.ones(3)}, base_version=log.store.version)
+    before = dict(log.store.tensors)
+    r = log("push", tensors={"a": np.ones(4, F32), "w": np.ones(3)}, base_version=old)
+    assert r["error"] == "StaleBase"
+    assert all(log.store.tensors[k] is before[k] for k in before)
+
+
 def test_adarevision_is_deterministic_and_survives_snapshot_restore():
     x0 = np.array([0.5, -0.5, 1.0])
     a = run_adarevision_store(0.5, 0.1, x0, async_schedule(rounds=4), lsq_grad, F32, window=4)
