@@ -47,6 +47,16 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def drop_run_tensors(addresses: str, prefix: str) -> None:
+    """Delete a finished run's tensors: status digests and snapshots cover the whole store, so
+    earlier runs' tensors (AdaRevision's with 33 gradient sums each) would slow every later run."""
+    from raftps import Client
+    with Client(addresses) as client:
+        names = [t["name"] for t in client.tensors() if t["name"].startswith(prefix + "/")]
+        if names:
+            client.delete(names)
+
+
 def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, epochs: dict[int, int]) -> list[dict]:
     from trainer.config import Config
     from trainer.metrics import read_csv
@@ -60,6 +70,7 @@ def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, e
                 cfg = Config(cluster=addresses, workers=k, epochs=epochs[k], seed=seed, evals_per_epoch=4,
                              prefix=f"algos-{tag}", out=os.path.join(run_dir, tag), max_time=300.0, **over)
                 summary = train(cfg)
+                drop_run_tensors(addresses, cfg.prefix)
                 runs.append(summary)
                 curves.append([{key: float(r[key]) for key in ("time_s", "updates", "test_acc")}
                                for r in read_csv(os.path.join(cfg.out, "metrics.csv"))])
@@ -138,7 +149,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Asynchrony-aware training ({meta['mode']})", "",
-             f"{meta['date']}, commit {meta['commit']}, {meta['seconds']:.0f} s, {meta['machine']}.", "",
+             f"{meta['date']}, commit {meta['commit']}, {meta['seconds']:.0f} s, {meta['machine']}, "
+             f"1-min load average at start/end {meta['loadavg_1m_start_end']}.", "",
              "One 3-node raftps cluster on loopback; workers and nodes share the 2 cores. Final accuracy, updates "
              "and time are medians over seeds; time counts from the launch of the run (worker start-up included). "
              "Bytes pushed: payload bytes the workers sent (tensors only). tau: updates to the tensor between a "
@@ -165,6 +177,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port)
     try:
         addresses = cluster.start(timeout=60)
@@ -174,6 +187,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     from . import __main__ as bench_main
     meta = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "seconds": time.monotonic() - t0, "machine": bench_main.machine(), "targets": targets(rows),
+            "loadavg_1m_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
     os.makedirs(out, exist_ok=True)
     plot(rows, os.path.join(out, "async_algos.png"))
