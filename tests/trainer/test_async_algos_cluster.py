@@ -1,5 +1,9 @@
 """Asynchrony-aware modes against a real 3-node cluster: the ssp_wait server op, and short
-trainer runs of SSP with top-k pushes, EASGD and AdaRevision (real worker processes)."""
+trainer runs (real worker processes) of SSP with top-k pushes, EASGD, AdaRevision with fp16
+pushes, and SSP surviving a dead worker."""
+import json
+import os
+import signal
 import threading
 import time
 
@@ -8,7 +12,7 @@ import pytest
 
 from raftps import Client, NotInGroup
 from raftps.localcluster import LocalCluster
-from trainer_helpers import metric_rows, run_trainer
+from trainer_helpers import metric_rows, run_trainer, start_trainer, wait_for
 
 BASE_PORT = 11000       # raft 11001-11003, clients 11101-11103, data plane 11201-11203
 SMALL = ["--model", "mlp", "--hidden", "64", "--workers", "3", "--epochs", "3"]
@@ -64,8 +68,9 @@ def test_easgd_and_adarevision_train(cluster, tmp_path):
     assert easgd["optimizer"] == {"name": "elastic"} and easgd["updates"] == 63
     assert easgd["final_test_acc"] > 0.6
     ada = run_trainer(["--cluster", cluster.addresses, "--mode", "async", "--optimizer", "adarevision", *SMALL,
-                       "--prefix", "ada"], str(tmp_path / "ada"))
+                       "--compress", "fp16", "--prefix", "ada"], str(tmp_path / "ada"))
     assert ada["optimizer"]["name"] == "adarevision" and ada["updates"] == 63 and ada["stale_base_drops"] == 0
+    assert ada["bytes_pushed"] == 63 * ada["parameters"] * 2           # fp16: 2 bytes per element
     assert ada["final_test_acc"] > 0.6
     # every replica applied the elastic, AdaRevision and top-k entries to the same bits
     with Client(cluster.addresses) as client:
@@ -73,3 +78,27 @@ def test_easgd_and_adarevision_train(cluster, tmp_path):
         while len({(r["version"], r["digest"]) for r in client.status()}) != 1:
             assert time.monotonic() < deadline, client.status()
             time.sleep(0.1)
+
+
+def test_ssp_bsp_survives_a_dead_worker_that_is_not_replaced(cluster, tmp_path):
+    """s = 0 and no restarts: the survivors drop the SIGKILLed worker after --ssp-timeout (by an
+    ssp_drop entry) and finish instead of waiting for it forever."""
+    out = str(tmp_path / "ssp-dead")
+    proc = start_trainer(["--cluster", cluster.addresses, "--mode", "ssp", "--staleness", "0", "--model", "mlp",
+                          "--hidden", "64", "--workers", "3", "--epochs", "20", "--max-restarts", "0",
+                          "--ssp-timeout", "2", "--prefix", "ssp-dead"], out)
+    try:
+        with Client(cluster.addresses) as c:          # rank 1 joined the group and is stepping
+            wait_for(lambda: (c.ssp_wait("ssp-dead", "rank1", 0.0).get("clock") or 0) >= 3, 60, "rank 1 at clock 3")
+        with open(os.path.join(out, "workers.json")) as f:
+            os.kill(json.load(f)["1"], signal.SIGKILL)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["failed_workers"] == [1]
+    assert any("ssp: dropped rank1" in e for e in summary["events"]), summary["events"]
+    assert summary["updates"] > 2 * 20 * 7                # both survivors ran to the end
