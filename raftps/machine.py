@@ -2,8 +2,10 @@
 
 ``TensorStore.apply(index, command)`` is called once per committed log entry, in log order, on
 every replica. It never raises: a rejected command returns an error result and changes no
-tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, statistics)
-is a function of the log alone: no clock, no randomness, sorted iteration, copy-on-write arrays.
+tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, each tensor's
+recent update indices for staleness, SSP groups' clocks, statistics) is a function of the log
+alone: no clock, no randomness, sorted iteration, copy-on-write arrays. Push staleness comes
+from the push's base_version and those indices, never from time.
 ``snapshot()`` / ``restore()`` turn it into a codec message and back; ``digest()`` hashes it.
 """
 from __future__ import annotations
