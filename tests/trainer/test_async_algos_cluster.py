@@ -50,10 +50,10 @@ def test_ssp_wait_blocks_the_fast_worker_and_a_stuck_one_is_dropped_by_a_log_ent
         assert b.ssp_join("g", "b", 0) == 2                         # rejoins at the slowest clock
 
 
-def test_ssp_bsp_with_topk_pushes_completes_and_cuts_bytes(cluster, tmp_path):
+def test_ssp_bsp_reject_mode_with_topk_pushes_completes_and_cuts_bytes(cluster, tmp_path):
     out = str(tmp_path / "ssp")
     summary = run_trainer(["--cluster", cluster.addresses, "--mode", "ssp", "--staleness", "0", *SMALL,
-                           "--compress", "topk:0.02", "--prefix", "ssp-topk"], out)
+                           "--ssp-on-bound", "reject", "--compress", "topk:0.02", "--prefix", "ssp-topk"], out)
     assert summary["updates"] == 63 and summary["failed_workers"] == []        # 3 x 3 epochs x 7 steps
     dense = 63 * summary["parameters"] * 4
     assert summary["bytes_pushed"] * 20 < dense, (summary["bytes_pushed"], dense)
