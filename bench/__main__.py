@@ -5,11 +5,12 @@ raftps3 (pushes, pulls, node RSS), rss60 (full mode: a 60 s 4 MiB run on a fresh
 holding only that model, for the RSS target), raftps1, etcd (etcd 3.4 puts of the same bytes),
 failover (10 leader SIGKILLs, raftps and etcd), catchup (a restarted follower through a compacted
 log, 4 and 64 MiB models), train (time to 0.95: --local, raftps workers, torch.distributed
-all-reduce). Each is bounded in count and time; a part that fails is reported as failed and the
+all-reduce), and, only when named in --parts, async_algos (bench/async_algos.py: asynchrony-aware
+optimizers, SSP, EASGD and top-k; writes its own async_algos.md/.json/.png). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
-B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), each using +1..+3, +101..+103,
+B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), each using +1..+3, +101..+103,
 +201..+203; etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import catchup, etcd, failover, loopback, naive_store, push, report, train
+from . import async_algos, catchup, etcd, failover, loopback, naive_store, push, report, train
 from .common import KiB, MiB, log
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                                             timeout=m["catchup_timeout"]))
     part("train", lambda: train.measure(os.path.join(run_dir, "train"), B + 150, m["train"], m["seeds"], TRAIN_EPOCHS,
                                         m["torch_workers"], B + 440))
+    # Its own report files (async_algos.md/.json/.png); nothing for results.md's tables.
+    part("async_algos", lambda: [] if async_algos.measure(os.path.join(run_dir, "async_algos"), B + 180, mode, a.out)
+         else [])
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,

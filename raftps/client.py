@@ -200,12 +200,23 @@ class Client:
         """Create a tensor with its optimizer; the same call again is a no-op."""
         return self._write("create", tensors={name: np.asarray(array)}, optimizer={name: optimizer})["version"]
 
-    def push(self, grads: dict[str, np.ndarray], base_version: int | None = None) -> int:
-        """Apply one gradient per tensor, atomically, exactly once; returns the store version."""
+    def push(self, grads: dict[str, np.ndarray], base_version: int | None = None,
+             encoding: dict | None = None, ssp: dict | None = None) -> int:
+        """Apply one gradient per tensor, atomically, exactly once; returns the store version.
+        ``encoding``: compressed tensors (raftps.compress); ``ssp``: {group, worker} (SSP gate)."""
+        return self.push_result(grads, base_version, encoding, ssp)["version"]
+
+    def push_result(self, grads: dict[str, np.ndarray], base_version: int | None = None,
+                    encoding: dict | None = None, ssp: dict | None = None) -> dict:
+        """As push, but the whole result: version, staleness (with a base), clock (with ssp)."""
         fields: dict[str, Any] = {"tensors": {k: np.asarray(v) for k, v in grads.items()}}
         if base_version is not None:
             fields["base_version"] = int(base_version)
-        return self._write("push", **fields)["version"]
+        if encoding is not None:
+            fields["encoding"] = encoding
+        if ssp is not None:
+            fields["ssp"] = ssp
+        return self._write("push", **fields)
 
     def assign(self, values: dict[str, np.ndarray]) -> int:
         return self._write("assign", tensors={k: np.asarray(v) for k, v in values.items()})["version"]
@@ -235,6 +246,26 @@ class Client:
             except StepTimeout:
                 if deadline - time.monotonic() <= 0:
                     raise
+
+    # ---- SSP groups (bounded staleness) -------------------------------------------------------
+
+    def ssp_join(self, group: str, worker: str, staleness: int | None) -> int:
+        """Join SSP group ``group`` (created with bound ``staleness``; None: unbounded); returns the clock."""
+        return self._write("ssp_join", group=group, worker=worker, staleness=staleness)["clock"]
+
+    def ssp_leave(self, group: str, worker: str) -> bool:
+        return self._write("ssp_leave", group=group, worker=worker)["left"]
+
+    def ssp_drop(self, group: str, worker: str, clock: int) -> bool:
+        """Drop ``worker`` from the group if its clock is still ``clock`` (it made no progress)."""
+        return self._write("ssp_drop", group=group, worker=worker, clock=int(clock))["dropped"]
+
+    def ssp_wait(self, group: str, worker: str, timeout: float) -> dict:
+        """Wait (at the leader, at most ``timeout`` s) until ``worker`` may take its next step:
+        {version, ready, member, clock, min_clock, slowest: [[worker, clock], ...]}."""
+        with self._lock:
+            return self._request({"op": "ssp_wait", "group": group, "worker": worker, "timeout": float(timeout)},
+                                 attempt_timeout=float(timeout) + 5.0)
 
     def pull(self, names: list[str] | None = None, min_version: int | None = None,
              linearizable: bool = True) -> tuple[dict[str, np.ndarray], int]:

@@ -72,6 +72,21 @@ class StepTimeout(RaftpsError):
     code = "StepTimeout"
 
 
+class StaleBase(RaftpsError):
+    """A push's base version is older than the state the store keeps to correct for it."""
+    code = "StaleBase"
+
+
+class StalenessBound(RaftpsError):
+    """SSP: the pushing worker is more than the group's staleness bound ahead of the slowest."""
+    code = "StalenessBound"
+
+
+class NotInGroup(RaftpsError):
+    """SSP: the worker is not (or no longer) a member of the group; join again."""
+    code = "NotInGroup"
+
+
 class Unavailable(RaftpsError):
     """No node could complete the request before the client's timeout.
 
@@ -89,7 +104,8 @@ ERRORS: dict[str, type[RaftpsError]] = {
     cls.code: cls
     for cls in (RaftpsError, UnknownTensor, TensorExists, ShapeMismatch, DtypeMismatch,
                 InvalidGradient, InvalidOptimizer, InvalidRequest, ProtocolError,
-                LimitExceeded, AuthenticationFailed, TLSRequired, SessionExpired, StepTimeout, Unavailable, Internal)
+                LimitExceeded, AuthenticationFailed, TLSRequired, SessionExpired, StepTimeout, Unavailable, Internal,
+                StaleBase, StalenessBound, NotInGroup)
 }
 
 

@@ -2,8 +2,10 @@
 
 ``TensorStore.apply(index, command)`` is called once per committed log entry, in log order, on
 every replica. It never raises: a rejected command returns an error result and changes no
-tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, statistics)
-is a function of the log alone: no clock, no randomness, sorted iteration, copy-on-write arrays.
+tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, each tensor's
+recent update indices for staleness, SSP groups' clocks, statistics) is a function of the log
+alone: no clock, no randomness, sorted iteration, copy-on-write arrays. Push staleness comes
+from the push's base_version and those indices, never from time.
 ``snapshot()`` / ``restore()`` turn it into a codec message and back; ``digest()`` hashes it.
 """
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import codec, optim
-from .errors import (DtypeMismatch, InvalidGradient, InvalidRequest, RaftpsError,
-                     SessionExpired, ShapeMismatch, TensorExists, UnknownTensor, error_result)
+from . import codec, compress, optim
+from .errors import (DtypeMismatch, InvalidGradient, InvalidRequest, NotInGroup, RaftpsError,
+                     SessionExpired, ShapeMismatch, StalenessBound, TensorExists, UnknownTensor,
+                     error_result)
 
 TENSOR_DTYPES = ("float32", "float64")
 NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
@@ -35,7 +38,9 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + sum(v.nbytes for v in self.state.values() if isinstance(v, np.ndarray))
+        history = self.state.get("history", ())          # AdaRevision's window of gradient sums
+        return self.data.nbytes + sum(v.nbytes for v in self.state.values() if isinstance(v, np.ndarray)) \
+            + sum(arr.nbytes for _, arr in history)
 
 
 @dataclass
@@ -92,7 +97,12 @@ class TensorStore:
         self.session_limits = session_limits
         self.sync_applied = -1                             # last sync step applied
         self.sync_buffers: dict[int, dict] = {}            # step -> {"sum": {name: arr}, "count": n, "workers": k}
-        self.push_indices: deque[int] = deque(maxlen=staleness_window)
+        # tensor -> Raft indices of its latest updates (as many as staleness_window): a push's
+        # staleness tau is how many of them come after its base version. Past the window tau
+        # saturates at staleness_window.
+        self.staleness_window = staleness_window
+        self.update_indices: dict[str, deque[int]] = {}
+        self.ssp: dict[str, dict] = {}                     # group -> {"staleness": s|None, "clocks": {worker: c}}
         self.stats = {"pushes": 0, "rejected": 0, "duplicates": 0, "staleness": {}}
         self._digest_cache: tuple[int, str] | None = None
 
@@ -195,30 +205,118 @@ class TensorStore:
             self.tensors[name] = Tensor(data, 0, spec, state)
         return {"version": index, "created": sorted(created)}
 
-    def _update(self, name: str, grad: np.ndarray) -> None:
+    def _update(self, name: str, grad: np.ndarray, ctx: optim.Context = optim.NO_CONTEXT) -> None:
         tensor = self.tensors[name]
-        data, state = optim.step(tensor.optimizer, tensor.data, grad, tensor.state)
+        data, state = optim.step(tensor.optimizer, tensor.data, grad, tensor.state, ctx)
         state = {k: _frozen(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
         self.tensors[name] = Tensor(_frozen(data), tensor.version + 1, tensor.optimizer, state)
+        self._record_update(name)
+
+    def _record_update(self, name: str) -> None:
+        indices = self.update_indices.get(name)
+        if indices is None:
+            indices = self.update_indices[name] = deque(maxlen=self.staleness_window)
+        indices.append(self.version)
+
+    def tensor_staleness(self, name: str, base: int) -> int:
+        """Updates applied to tensor ``name`` after store version ``base`` (saturating at the
+        window). Counted per tensor, not in Raft indices: other tensors' updates, creates,
+        barriers and rejected entries do not make a gradient staler."""
+        indices = self.update_indices.get(name, ())
+        return len(indices) - bisect.bisect_right(indices, base)
 
     def _push(self, index: int, command: dict) -> dict:
-        grads = check_tensors(command.get("tensors"))
+        raw = check_tensors(command.get("tensors"))
+        base = command.get("base_version")
+        if base is not None and (type(base) is not int or not 0 <= base < index):
+            raise InvalidRequest(f"base_version must be an int in [0, {index}) (a version already applied), got {base!r}")
+        encoding = command.get("encoding")
+        like = {name: self._existing(name).data for name in raw if name in self.tensors}
+        grads = check_tensors(compress.decode_push(raw, encoding, like))
         for name, grad in grads.items():
             self._check_like(name, grad, "gradient")
-        base = command.get("base_version")
-        if base is not None and type(base) is not int:
-            raise InvalidRequest("base_version must be an int")
+        member = self._ssp_check(command.get("ssp"))
+        taus = {name: self.tensor_staleness(name, base) if base is not None else 0 for name in grads}
+        contexts = {name: optim.Context(index, base, taus[name]) for name in grads}
+        for name, ctx in contexts.items():
+            tensor = self.tensors[name]
+            optim.check_applicable(tensor.optimizer, tensor.state, ctx)
         for name, grad in grads.items():
-            self._update(name, grad)
+            self._update(name, grad, contexts[name])
         result = {"version": index}
         if base is not None:
-            tau = len(self.push_indices) - bisect.bisect_right(self.push_indices, base)
+            tau = max(taus.values())
             hist = self.stats["staleness"]
             hist[tau] = hist.get(tau, 0) + 1
             result["staleness"] = tau
-        self.push_indices.append(index)
+        if member is not None:
+            group, worker = member
+            clocks = self.ssp[group]["clocks"]
+            clocks[worker] += 1
+            result["clock"] = clocks[worker]
         self.stats["pushes"] += 1
         return result
+
+    # ---- SSP: bounded staleness (Ho et al. 2013) --------------------------------------------
+
+    def _ssp_fields(self, command: dict) -> tuple[str, str]:
+        group, worker = command.get("group"), command.get("worker")
+        if not isinstance(group, str) or not group or not isinstance(worker, str) or not worker:
+            raise InvalidRequest("SSP needs group (str) and worker (str)")
+        return group, worker
+
+    def _ssp_check(self, ssp: Any) -> tuple[str, str] | None:
+        """A push's SSP gate: the worker must be a member, and at most s clocks ahead of the
+        slowest member. Its clock advances (by the caller) only if the push is applied."""
+        if ssp is None:
+            return None
+        if not isinstance(ssp, dict):
+            raise InvalidRequest("'ssp' must be {group, worker}")
+        group, worker = self._ssp_fields(ssp)
+        g = self.ssp.get(group)
+        if g is None or worker not in g["clocks"]:
+            raise NotInGroup(f"worker {worker!r} is not in SSP group {group!r}: join it first (or again, "
+                             f"after it was dropped)")
+        ahead = ssp_ahead(g, worker)
+        if g["staleness"] is not None and ahead > g["staleness"]:
+            raise StalenessBound(f"worker {worker!r} at clock {g['clocks'][worker]} is {ahead} clocks ahead of the "
+                                 f"slowest in group {group!r} (bound {g['staleness']}): wait, then pull and push")
+        return group, worker
+
+    def _ssp_join(self, index: int, command: dict) -> dict:
+        group, worker = self._ssp_fields(command)
+        s = command.get("staleness")
+        if s is not None and (type(s) is not int or s < 0):
+            raise InvalidRequest("staleness must be an int >= 0, or null for unbounded (ASP)")
+        g = self.ssp.get(group)
+        if g is not None and g["staleness"] != s:
+            raise InvalidRequest(f"SSP group {group!r} has staleness {g['staleness']}, not {s}")
+        if g is None:
+            g = self.ssp[group] = {"staleness": s, "clocks": {}}
+        clocks = g["clocks"]
+        if worker not in clocks:
+            # A (re)joining worker starts at the slowest member's clock: it holds nobody back.
+            clocks[worker] = min(clocks.values()) if clocks else 0
+        return {"version": index, "clock": clocks[worker]}
+
+    def _ssp_leave(self, index: int, command: dict) -> dict:
+        group, worker = self._ssp_fields(command)
+        g = self.ssp.get(group)
+        left = g is not None and g["clocks"].pop(worker, None) is not None
+        return {"version": index, "left": left}
+
+    def _ssp_drop(self, index: int, command: dict) -> dict:
+        """Drop a worker that made no progress: only if its clock is still the one the caller saw
+        (compare-and-drop), so the decision, made on a timeout outside, is itself a log entry."""
+        group, worker = self._ssp_fields(command)
+        clock = command.get("clock")
+        if type(clock) is not int:
+            raise InvalidRequest("ssp_drop needs the clock (int) the caller saw the worker at")
+        g = self.ssp.get(group)
+        dropped = g is not None and g["clocks"].get(worker) == clock
+        if dropped:
+            del g["clocks"][worker]
+        return {"version": index, "dropped": dropped}
 
     def _assign(self, index: int, command: dict) -> dict:
         values = check_tensors(command.get("tensors"))
@@ -227,6 +325,7 @@ class TensorStore:
         for name, value in values.items():
             old = self.tensors[name]
             self.tensors[name] = Tensor(_frozen(value.copy()), old.version + 1, old.optimizer, old.state)
+            self._record_update(name)
         return {"version": index}
 
     def _delete(self, index: int, command: dict) -> dict:
@@ -237,6 +336,7 @@ class TensorStore:
             self._existing(check_name(name))
         for name in names:
             self.tensors.pop(name, None)
+            self.update_indices.pop(name, None)
         return {"version": index}
 
     def _push_sync(self, index: int, command: dict) -> dict:
@@ -288,6 +388,7 @@ class TensorStore:
     _OPS: dict[str, Callable[["TensorStore", int, dict], dict]] = {
         "barrier": None, "create": _create, "push": _push, "assign": _assign, "delete": _delete,
         "push_sync": _push_sync, "close_step": _close_step,
+        "ssp_join": _ssp_join, "ssp_leave": _ssp_leave, "ssp_drop": _ssp_drop,
     }
 
     # ---- reads (callers hold whatever lock guards apply) ------------------------------------
@@ -303,6 +404,10 @@ class TensorStore:
     def staleness_histogram(self) -> dict[int, int]:
         return dict(sorted(self.stats["staleness"].items()))
 
+    def ssp_state(self, group: str) -> dict | None:
+        g = self.ssp.get(group)
+        return None if g is None else {"staleness": g["staleness"], "clocks": dict(sorted(g["clocks"].items()))}
+
     # ---- snapshot / restore / digest --------------------------------------------------------
 
     def snapshot(self) -> dict:
@@ -316,7 +421,8 @@ class TensorStore:
                          for client, s in self.sessions.items()],
             "sync": [self.sync_applied, [[step, b["count"], b["workers"], sorted(b["sum"].items())]
                                          for step, b in sorted(self.sync_buffers.items())]],
-            "push_indices": list(self.push_indices),
+            "update_indices": [[name, list(ix)] for name, ix in sorted(self.update_indices.items())],
+            "ssp": [[group, g["staleness"], sorted(g["clocks"].items())] for group, g in sorted(self.ssp.items())],
             "stats": [self.stats["pushes"], self.stats["rejected"], self.stats["duplicates"],
                       sorted(self.stats["staleness"].items())],
         }
@@ -324,7 +430,7 @@ class TensorStore:
     def restore(self, snap: dict) -> None:
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"not a raftps snapshot of format {SNAPSHOT_FORMAT}")
-        fresh = TensorStore(self.session_limits, self.push_indices.maxlen)
+        fresh = TensorStore(self.session_limits, self.staleness_window)
         fresh.version = snap["version"]
         for name, data, version, spec, state in snap["tensors"]:
             fresh.tensors[name] = Tensor(_frozen(np.array(data)), version, spec,
@@ -335,7 +441,10 @@ class TensorStore:
         fresh.sync_applied, buffers = snap["sync"]
         for step, count, workers, sums in buffers:
             fresh.sync_buffers[step] = {"sum": {k: np.array(v) for k, v in sums}, "count": count, "workers": workers}
-        fresh.push_indices.extend(snap["push_indices"])
+        for name, indices in snap.get("update_indices", []):
+            fresh.update_indices[name] = deque(indices, maxlen=fresh.staleness_window)
+        for group, s, clocks in snap.get("ssp", []):
+            fresh.ssp[group] = {"staleness": s, "clocks": dict(clocks)}
         pushes, rejected, duplicates, staleness = snap["stats"]
         fresh.stats = {"pushes": pushes, "rejected": rejected, "duplicates": duplicates,
                        "staleness": dict(staleness)}
@@ -355,3 +464,9 @@ class TensorStore:
 
     def model_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def ssp_ahead(group: dict, worker: str) -> int:
+    """How many clocks ``worker`` is ahead of the slowest member of an SSP group."""
+    clocks = group["clocks"]
+    return clocks[worker] - min(clocks.values())

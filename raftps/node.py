@@ -434,6 +434,26 @@ class RaftNode(SyncObj):
                                   f"({self.machine.sync_buffers.get(step, {}).get('count', 0)} contribution(s) so far)")
             return self.machine.version
 
+    def wait_ssp(self, group: str, worker: str, timeout: float) -> dict:
+        """Block until ``worker`` may take its next SSP step (at most s clocks ahead of the slowest
+        member of ``group``), it is no longer a member, or ``timeout`` passes. Never decides
+        anything: on a timeout the caller gets the slowest members and may ask for an ssp_drop
+        entry, which the state machine applies only if their clocks did not move."""
+        from .machine import ssp_ahead
+
+        def ready() -> bool:
+            g = self.machine.ssp.get(group)
+            return g is None or worker not in g["clocks"] or g["staleness"] is None \
+                or ssp_ahead(g, worker) <= g["staleness"]
+        with self.applied:
+            ok = self.applied.wait_for(ready, timeout)
+            g = self.machine.ssp_state(group) or {"staleness": None, "clocks": {}}
+            clocks = g["clocks"]
+            slowest = min(clocks.values()) if clocks else 0
+            return {"version": self.machine.version, "ready": ok, "member": worker in clocks,
+                    "clock": clocks.get(worker), "min_clock": slowest,
+                    "slowest": [[w, c] for w, c in clocks.items() if c == slowest and w != worker]}
+
     def stats(self) -> dict:
         with self.lock:
             m = self.machine
@@ -445,6 +465,7 @@ class RaftNode(SyncObj):
         raft = self.getStatus()
         with self.lock:
             version, digest, model_bytes = self.machine.version, self.machine.digest(), self.machine.model_bytes()
+            staleness = self.machine.staleness_histogram()
         return {
             "node": self.config.node_id,
             "address": self.config.address(self.config.node_id, self.config.client_offset),
@@ -464,6 +485,7 @@ class RaftNode(SyncObj):
             "missing_payload": self._missing,
             "fetched_payloads": self.fetched[0],      # payloads this node had to fetch from peers
             "fetched_bytes": self.fetched[1],
+            "staleness": staleness,
             "pid": os.getpid(),
         }
 

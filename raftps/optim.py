@@ -9,26 +9,50 @@ so every replica computes the same bits from the same log.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .errors import InvalidOptimizer
+from .errors import InvalidOptimizer, StaleBase
 
 # name -> {parameter: (default, check)}; a default of None means required.
 _POSITIVE = ("> 0", lambda x: x > 0)
 _NON_NEGATIVE = (">= 0", lambda x: x >= 0)
 _UNIT = ("in [0, 1)", lambda x: 0 <= x < 1)
+_COUNT = ("an integer >= 1", lambda x: x >= 1)          # an int default marks an integer parameter
+_STALENESS_AWARE = (False, None)                         # lr / max(1, tau): Zhang et al., IJCAI 2016
 
 SPECS: dict[str, dict[str, tuple[Any, tuple]]] = {
-    "sgd": {"lr": (None, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE)},
+    "sgd": {"lr": (None, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE),
+            "staleness_aware": _STALENESS_AWARE},
     "momentum": {"lr": (None, _POSITIVE), "momentum": (0.9, _UNIT),
-                 "nesterov": (False, None), "weight_decay": (0.0, _NON_NEGATIVE)},
+                 "nesterov": (False, None), "weight_decay": (0.0, _NON_NEGATIVE),
+                 "staleness_aware": _STALENESS_AWARE},
     "adagrad": {"lr": (None, _POSITIVE), "eps": (1e-10, _POSITIVE),
-                "initial_accumulator": (0.1, _NON_NEGATIVE), "weight_decay": (0.0, _NON_NEGATIVE)},
+                "initial_accumulator": (0.1, _NON_NEGATIVE), "weight_decay": (0.0, _NON_NEGATIVE),
+                "staleness_aware": _STALENESS_AWARE},
     "adam": {"lr": (None, _POSITIVE), "beta1": (0.9, _UNIT), "beta2": (0.999, _UNIT),
-             "eps": (1e-8, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE)},
+             "eps": (1e-8, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE),
+             "staleness_aware": _STALENESS_AWARE},
+    # McMahan & Streeter, NIPS 2014, Algorithm 2; lr is alpha, initial_accumulator is z = z' at
+    # the start, window is how many past gradient sums the store keeps (see adarevision_step).
+    "adarevision": {"lr": (None, _POSITIVE), "initial_accumulator": (0.1, _POSITIVE), "window": (64, _COUNT)},
+    # EASGD's centre variable (Zhang, Choromanska, LeCun 2015): a push carries the elastic delta
+    # alpha * (x_worker - x_centre) and the store adds it.
+    "elastic": {},
 }
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the state machine knows about the entry being applied, all of it from the log."""
+    index: int = 0                 # Raft index of this entry
+    base: int | None = None        # store version the pusher pulled (None: not given)
+    staleness: int = 0             # updates to this tensor after ``base`` (0 without a base)
+
+
+NO_CONTEXT = Context()
 
 
 def normalize(spec: Any, tensor: str = "?") -> dict:
@@ -53,6 +77,9 @@ def normalize(spec: Any, tensor: str = "?") -> dict:
         if check is None:
             if not isinstance(value, bool):
                 raise InvalidOptimizer(f"tensor {tensor!r}: {name}.{key} must be true or false, got {value!r}")
+        elif type(default) is int:
+            if type(value) is not int or not check[1](value):
+                raise InvalidOptimizer(f"tensor {tensor!r}: {name}.{key} must be {check[0]}, got {value!r}")
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidOptimizer(f"tensor {tensor!r}: {name}.{key} must be a finite number, got {value!r}")
@@ -71,16 +98,27 @@ def init_state(spec: dict, param: np.ndarray) -> dict[str, Any]:
         return {"accumulator": np.full_like(param, spec["initial_accumulator"])}
     if name == "adam":
         return {"m": np.zeros_like(param), "v": np.zeros_like(param), "beta1_t": 1.0, "beta2_t": 1.0}
+    if name == "adarevision":
+        z0 = np.full_like(param, spec["initial_accumulator"])
+        # history: [[index, gradient sum after the update applied at that index], ...], oldest
+        # first, at most `window` long; updates: how many updates were applied in all.
+        return {"gbar": np.zeros_like(param), "z": z0, "z_max": z0, "history": [], "updates": 0}
     return {}
 
 
-def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict) -> tuple[np.ndarray, dict]:
+def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
+         ctx: Context = NO_CONTEXT) -> tuple[np.ndarray, dict]:
     """One update: returns (new param, new state). ``grad`` has param's shape and dtype."""
+    name = spec["name"]
+    if name == "elastic":
+        return param + grad, state
+    if name == "adarevision":
+        return adarevision_step(spec, param, grad, state, ctx)
     t = param.dtype.type
-    lr = t(spec["lr"])
+    # The scalar is divided as a Python float, then cast once: the same bits on every replica.
+    lr = t(spec["lr"] / max(1, ctx.staleness)) if spec["staleness_aware"] else t(spec["lr"])
     if spec["weight_decay"]:
         grad = grad + t(spec["weight_decay"]) * param
-    name = spec["name"]
     if name == "sgd":
         return param - lr * grad, state
     if name == "momentum":
@@ -102,3 +140,50 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict) -> tuple[
         new = param - lr * m_hat / (np.sqrt(v_hat) + t(spec["eps"]))
         return new, {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t}
     raise AssertionError(name)  # normalize() admits only the names above
+
+
+def check_applicable(spec: dict, state: dict, ctx: Context) -> None:
+    """Raise what ``step`` would raise for this context, before any tensor of a push is updated
+    (a push of several tensors applies whole or not at all)."""
+    if spec["name"] == "adarevision":
+        gradient_sum_at(state, ctx.base)
+
+
+def gradient_sum_at(state: dict, base: int | None) -> np.ndarray:
+    """AdaRevision's g_old: the gradient sum the pusher saw, i.e. after the last update applied
+    at an index <= ``base``. No base: the current sum (the push is treated as not delayed)."""
+    if base is None:
+        return state["gbar"]
+    history = state["history"]
+    for index, gbar in reversed(history):
+        if index <= base:
+            return gbar
+    if state["updates"] == len(history):          # nothing evicted: base precedes every update
+        return np.zeros_like(state["gbar"])
+    oldest = history[0][0] if history else None
+    raise StaleBase(f"base_version {base} is older than the {len(history)} gradient sums AdaRevision "
+                    f"keeps (oldest at version {oldest}): pull again and recompute the gradient")
+
+
+def adarevision_step(spec: dict, x: np.ndarray, g: np.ndarray, state: dict, ctx: Context) -> tuple[np.ndarray, dict]:
+    """AdaRevision (McMahan & Streeter 2014, Algorithm 2), per coordinate, unconstrained:
+
+        g_bck <- gbar - g_old            (gradients applied since the pusher read x)
+        eta_old <- alpha / sqrt(z')
+        z <- z + g^2 + 2 g g_bck
+        z' <- max(z, z')
+        eta <- alpha / sqrt(z')
+        x <- x - eta g + (eta_old - eta) g_bck
+        gbar <- gbar + g
+    """
+    t = x.dtype.type
+    alpha = t(spec["lr"])
+    g_bck = state["gbar"] - gradient_sum_at(state, ctx.base)
+    eta_old = alpha / np.sqrt(state["z_max"])
+    z = state["z"] + g * g + t(2.0) * g * g_bck
+    z_max = np.maximum(z, state["z_max"])
+    eta = alpha / np.sqrt(z_max)
+    new = x - eta * g + (eta_old - eta) * g_bck
+    gbar = state["gbar"] + g
+    history = (state["history"] + [[ctx.index, gbar]])[-(spec["window"] + 1):]   # corrects tau <= window
+    return new, {"gbar": gbar, "z": z, "z_max": z_max, "history": history, "updates": state["updates"] + 1}

@@ -26,7 +26,7 @@ from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
 CLIENT_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
-WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step")
+WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step", "ssp_join", "ssp_leave", "ssp_drop")
 HELLO_LIMITS = codec.Limits(max_header_bytes=4096, max_blob_bytes=0, max_arrays=0)
 TLS_RECORD_HANDSHAKE = 0x16          # the first byte of every TLS ClientHello
 
@@ -55,6 +55,7 @@ class ClientServer:
             "stats": self._stats,
             "pull": self._pull,
             "wait_step": self._wait_step,
+            "ssp_wait": self._ssp_wait,
             "tensors": self._tensors,
             **{op: self._write for op in WRITES},
         }
@@ -252,6 +253,15 @@ class ClientServer:
         if type(step) is not int:
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
         return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))}
+
+    def _ssp_wait(self, req: dict) -> dict:
+        redirect = self._not_leader()
+        if redirect:
+            return redirect
+        group, worker = req.get("group"), req.get("worker")
+        if not isinstance(group, str) or not isinstance(worker, str):
+            raise InvalidRequest("ssp_wait needs group (str), worker (str) and timeout (seconds)")
+        return self.node.wait_ssp(group, worker, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))
 
     def close(self) -> None:
         self.sock.close()

@@ -5,11 +5,20 @@ import argparse
 import json
 import sys
 
-from .config import DEFAULT_LR, Config
+from .config import DEFAULT_LR, MODES, Config
 
 
 def _widths(text: str) -> tuple[int, ...]:
     return tuple(int(w) for w in text.split(",") if w.strip())
+
+
+def _bound(text: str) -> int | None:
+    if text in ("inf", "none", "unbounded"):
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("--staleness must be >= 0 or 'inf'")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model against a raftps cluster (or --local)")
     t.add_argument("--cluster", help="client addresses host:port,... (default: $RAFTPS_CLUSTER)")
     t.add_argument("--local", action="store_true", help="one process, no cluster: the baseline")
-    t.add_argument("--mode", choices=["async", "sync"], default="async")
+    t.add_argument("--mode", choices=MODES, default="async",
+                   help="async (Downpour), sync (averaged steps), ssp (bounded staleness), easgd (elastic averaging)")
     t.add_argument("--workers", type=int, default=4)
     t.add_argument("--model", choices=["mlp", "softmax"], default="mlp")
     t.add_argument("--hidden", type=_widths, default=(1000, 1000), help="MLP widths, e.g. 1000,1000 (1.08M params)")
@@ -29,6 +39,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="sgd")
     t.add_argument("--lr", type=float, help=f"learning rate (default per optimizer: {DEFAULT_LR})")
     t.add_argument("--momentum", type=float, default=0.9)
+    t.add_argument("--staleness-aware", action="store_true",
+                   help="the store divides lr by max(1, tau), tau = updates to the tensor since the worker's pull")
+    t.add_argument("--adarevision-window", type=int, default=32,
+                   help="adarevision: past gradient sums the store keeps (memory: that many copies of the model)")
+    t.add_argument("--staleness", type=_bound, default=None, metavar="S",
+                   help="ssp: max clocks ahead of the slowest worker (0 = BSP, 'inf' = ASP)")
+    t.add_argument("--ssp-on-bound", choices=["wait", "reject"], default="wait",
+                   help="ssp: wait at the leader before a step, or push and retry when refused")
+    t.add_argument("--ssp-timeout", type=float, default=10.0,
+                   help="ssp: drop a member stuck at the slowest clock this many seconds")
+    t.add_argument("--easgd-alpha", type=float, help="easgd: moving rate (default 0.9 / workers)")
+    t.add_argument("--compress", default="none", help="none | fp16 | topk:FRACTION (async and ssp)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--n-fetch", type=int, default=1, help="async: pull every N steps")
     t.add_argument("--n-push", type=int, default=1, help="async: push every N steps")
@@ -85,11 +107,21 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--kill-leader-at needs --run-dir (where the cluster's pid files are)")
     if args.workers < 1 or args.batch < 1 or args.epochs < 1 or args.n_fetch < 1 or args.n_push < 1:
         parser().error("--workers, --batch, --epochs, --n-fetch and --n-push must be >= 1")
+    if args.compress != "none" and (args.mode not in ("async", "ssp") or args.local):
+        parser().error("--compress works with --mode async or ssp on a cluster")
+    try:
+        from raftps.compress import parse
+        parse(args.compress)
+    except ValueError as exc:
+        parser().error(str(exc))
     if args.mode == "sync" and not args.local and args.batch % args.workers:
         parser().error(f"sync mode needs --batch ({args.batch}) divisible by --workers ({args.workers})")
     cfg = Config(cluster=args.cluster, local=args.local, mode=args.mode, workers=args.workers, model=args.model,
                  hidden=args.hidden, dataset=args.dataset, epochs=args.epochs, steps=args.steps, batch=args.batch,
                  optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                 staleness_aware=args.staleness_aware, adarevision_window=args.adarevision_window,
+                 staleness=args.staleness, ssp_on_bound=args.ssp_on_bound, ssp_timeout=args.ssp_timeout,
+                 easgd_alpha=args.easgd_alpha, compress=args.compress,
                  n_fetch=args.n_fetch, n_push=args.n_push, warmup=args.warmup, fresh_pull=args.fresh_pull, step_timeout=args.step_timeout,
                  max_restarts=args.max_restarts, max_time=args.max_time, evals_per_epoch=args.evals_per_epoch,
                  prefix=args.prefix, out=args.out, kill_leader_at=args.kill_leader_at, run_dir=args.run_dir)

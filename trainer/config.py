@@ -5,14 +5,15 @@ from dataclasses import dataclass, field
 
 from .data import steps_per_epoch
 
-DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adagrad": 0.05, "adam": 0.001}
+DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adagrad": 0.05, "adam": 0.001, "adarevision": 0.05}
+MODES = ("async", "sync", "ssp", "easgd")
 
 
 @dataclass
 class Config:
     cluster: str | None = None          # "host:port,..."; None means RAFTPS_CLUSTER
     local: bool = False
-    mode: str = "async"                 # async | sync
+    mode: str = "async"                 # async | sync | ssp | easgd
     workers: int = 4
     model: str = "mlp"
     hidden: tuple[int, ...] = (1000, 1000)
@@ -23,6 +24,13 @@ class Config:
     optimizer: str = "sgd"
     lr: float | None = None
     momentum: float = 0.9
+    staleness_aware: bool = False       # lr / max(1, tau) in the store (Zhang et al. 2016)
+    adarevision_window: int = 32        # AdaRevision: past gradient sums the store keeps per tensor
+    staleness: int | None = None        # ssp: the bound s (0: BSP; None: unbounded, ASP)
+    ssp_on_bound: str = "wait"          # ssp: wait at the leader (ssp_wait) | reject (push refused, retry)
+    ssp_timeout: float = 10.0           # ssp: a member stuck this long at the slowest clock is dropped
+    easgd_alpha: float | None = None    # easgd: moving rate alpha (default 0.9 / workers: beta = 0.9)
+    compress: str = "none"              # none | fp16 | topk:FRACTION (async, ssp)
     seed: int = 0
     n_fetch: int = 1                    # async: pull every n_fetch local steps (Downpour)
     fresh_pull: bool = False            # async: linearizable pulls (leader) instead of any up-to-date node
@@ -41,10 +49,26 @@ class Config:
     extra: dict = field(default_factory=dict)
 
     def optimizer_spec(self) -> dict:
+        """The store's optimizer for the run's tensors (EASGD: the elastic centre)."""
+        if self.mode == "easgd" and not self.local:
+            return {"name": "elastic"}
+        return self.local_spec()
+
+    def local_spec(self) -> dict:
+        """The update rule itself: the store's for async/sync/ssp, each EASGD worker's own."""
         spec = {"name": self.optimizer, "lr": self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]}
         if self.optimizer == "momentum":
             spec["momentum"] = self.momentum
+        if self.optimizer == "adarevision":
+            spec["window"] = self.adarevision_window
+        elif self.staleness_aware:
+            spec["staleness_aware"] = True
         return spec
+
+    @property
+    def asynchronous(self) -> bool:
+        """Modes whose workers push on their own schedule (every worker's steps are updates)."""
+        return self.mode in ("async", "ssp", "easgd") and not self.local
 
     def worker_steps(self, n_train: int) -> int:
         """Local steps of one async worker: its shard's epochs, capped by its share of --steps."""
@@ -55,13 +79,13 @@ class Config:
 
     def total_updates(self, n_train: int) -> int:
         """Applied updates the whole run makes (sync and --local: steps; async: all workers' pushes)."""
-        if self.mode == "async" and not self.local:
+        if self.asynchronous:
             return self.workers * (-(-self.worker_steps(n_train) // self.n_push))
         total = self.epochs * steps_per_epoch(n_train, self.batch)
         return total if self.steps is None else min(total, self.steps)
 
     def updates_per_epoch(self, n_train: int) -> float:
-        if self.mode == "async" and not self.local:
+        if self.asynchronous:
             from .data import async_shard
             return self.workers * steps_per_epoch(len(async_shard(n_train, 0, self.workers)), self.batch) / self.n_push
         return float(steps_per_epoch(n_train, self.batch))

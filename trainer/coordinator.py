@@ -109,6 +109,8 @@ class Coordinator:
         self.failed: set[int] = set()
         self.next_eval, self.rate, self.leader = self.every, 0.0, None
         self.seen_up: dict[int, bool] = {}
+        self.bytes_pushed, self.dropped = 0, 0
+        self.stale_seen = dict(self.stale0)     # histogram at the previous evaluation
         self.killed: set[int] = set()
         self.poll_at, self.poll_prev = 0.0, (time.monotonic(), self.pushes0)
 
@@ -120,13 +122,17 @@ class Coordinator:
 
     def handle(self, rank: int, msg: tuple) -> None:
         if msg[0] == "step":
-            _, _, step, loss, _, n_closed = msg
+            step, loss, n_closed = msg[2], msg[3], msg[5]
             self.last_step[rank] = max(self.last_step[rank], step)
             self.closed[rank] = n_closed
+            self.bytes_pushed += msg[6]
+            self.dropped += msg[7]
             self.rec.losses.append(loss)
             self.rec.last_loss = loss
             if self.rec.first_step_s is None:
                 self.rec.first_step_s = self.rec.elapsed()    # spawn + imports + first pull + first step
+        elif msg[0] == "event":
+            self.rec.event(f"worker {rank}: {msg[2]}", self.progress())
         elif msg[0] == "done":
             self.done.add(rank)
         elif msg[0] == "error":
@@ -189,7 +195,18 @@ class Coordinator:
             return
         self.next_eval += self.every
         params, updates, self.version = pull_counted(self.client, self.names)
-        self.rec.evaluate(params, updates - self.updates0, self.version, self.progress() / self.per_epoch)
+        self.rec.evaluate(params, updates - self.updates0, self.version, self.progress() / self.per_epoch,
+                          **self.push_metrics())
+
+    def push_metrics(self) -> dict:
+        """metrics.csv's staleness_mean (of the pushes since the previous evaluation, from the
+        store's histogram) and bytes_pushed (payload bytes the workers sent so far)."""
+        hist = {int(k): v for k, v in self.client.stats().get("staleness", {}).items()}
+        delta = {k: v - self.stale_seen.get(k, 0) for k, v in hist.items()}
+        self.stale_seen = hist
+        n = sum(delta.values())
+        mean = sum(k * v for k, v in delta.items()) / n if n else float("nan")
+        return {"staleness_mean": mean, "bytes_pushed": self.bytes_pushed}
 
     def show(self) -> None:
         restarts = sum(self.workers.restarts.values())
@@ -217,13 +234,14 @@ class Coordinator:
         params, updates, version = pull_counted(self.client, self.names)
         updates -= self.updates0
         if self.rec.last.get("updates") != updates:
-            self.rec.evaluate(params, updates, version, self.progress() / self.per_epoch)
+            self.rec.evaluate(params, updates, version, self.progress() / self.per_epoch, **self.push_metrics())
         st = self.client.stats()
         # The store's histogram counts every push since it started: report this run's share.
         staleness = {int(k): v - self.stale0.get(int(k), 0) for k, v in st.get("staleness", {}).items()}
         return self.rec.finish(params, {
             "worker_restarts": sum(self.workers.restarts.values()), "failed_workers": sorted(self.failed),
             "sync_close_step_calls": sum(self.closed.values()),
+            "bytes_pushed": self.bytes_pushed, "stale_base_drops": self.dropped,
             "staleness": {k: v for k, v in sorted(staleness.items()) if v},
             "store_version": version, "cluster": self.client.addresses})
 

@@ -11,6 +11,11 @@ staleness, not for the system. Closing the rest of the gap takes an algorithm (s
 learning rates, AdaRevision), not a faster store.
 
     python -m trainer.delay_sim --workers 4 --seeds 3
+    python -m trainer.delay_sim --workers 8 --optimizer adarevision --lr 0.05
+    python -m trainer.delay_sim --workers 8 --staleness-aware --lr 0.4
+
+Each update passes the store's own ``optim.Context`` (index, base version, staleness), so
+staleness-aware learning rates and AdaRevision see exactly what they see in the store.
 """
 from __future__ import annotations
 
@@ -41,8 +46,10 @@ def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: f
         local_steps[rank] += 1
         _, grads = model.loss_and_grads(seen, data.x_train[idx], data.y_train[idx])
         params = dict(params)
+        tau = min(delay, update - 1)           # update u is applied at "index" u and saw u - 1 - tau
+        ctx = optim.Context(index=update, base=update - 1 - tau, staleness=tau)
         for k in params:
-            params[k], state[k] = optim.step(spec, params[k], grads[k], state[k])
+            params[k], state[k] = optim.step(spec, params[k], grads[k], state[k], ctx)
         history = (history + [params])[-(delay + 1):]
         if model.accuracy(params, data.x_test, data.y_test) >= target:
             return update
@@ -54,9 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--staleness-aware", action="store_true")
+    ap.add_argument("--hidden", default="1000,1000")
+    ap.add_argument("--max-updates", type=int, default=400)
     args = ap.parse_args(argv)
+    hidden = tuple(int(w) for w in args.hidden.split(",") if w)
     for delay in sorted({0, args.workers - 1}):
-        runs = [updates_to_target(Config(workers=args.workers if delay else 1, lr=args.lr, seed=s), delay)
+        runs = [updates_to_target(Config(workers=args.workers if delay else 1, lr=args.lr, seed=s, hidden=hidden,
+                                         optimizer=args.optimizer, staleness_aware=args.staleness_aware),
+                                  delay, args.max_updates)
                 for s in range(args.seeds)]
         hit = [r for r in runs if r is not None]
         median = statistics.median(hit) if hit else float("nan")

@@ -6,7 +6,8 @@ import os
 import sys
 import time
 
-METRICS = ["time_s", "updates", "version", "epoch", "train_loss", "test_loss", "test_acc"]
+METRICS = ["time_s", "updates", "version", "epoch", "train_loss", "test_loss", "test_acc",
+           "staleness_mean", "bytes_pushed"]
 EVENTS = ["time_s", "updates", "event"]
 
 

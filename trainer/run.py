@@ -40,13 +40,15 @@ class Recorder:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
-    def evaluate(self, params: Params, updates: int, version: int, epoch: float) -> None:
+    def evaluate(self, params: Params, updates: int, version: int, epoch: float,
+                 staleness_mean: float | str = "", bytes_pushed: int | str = "") -> None:
         train_loss = float(np.mean(self.losses)) if self.losses else float("nan")
         self.losses = []
         acc = self.model.accuracy(params, self.data.x_test, self.data.y_test)
         loss = self.model.loss(params, self.data.x_test, self.data.y_test)
         row = dict(time_s=self.elapsed(), updates=updates, version=version, epoch=epoch,
-                   train_loss=train_loss, test_loss=loss, test_acc=acc)
+                   train_loss=train_loss, test_loss=loss, test_acc=acc,
+                   staleness_mean=staleness_mean, bytes_pushed=bytes_pushed)
         self.metrics.write(**row)
         self.last = row
         if self.reached is None and acc >= TARGET_ACC:
@@ -98,7 +100,7 @@ def train_local(cfg: Config) -> dict:
     data = load_dataset(cfg.dataset)
     model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
     rec = Recorder(cfg, data, model)
-    spec = optim.normalize(cfg.optimizer_spec())
+    spec = optim.normalize(cfg.local_spec())
     params = model.init(cfg.seed)
     state = {k: optim.init_state(spec, v) for k, v in params.items()}
     n, total, every = len(data.x_train), cfg.total_updates(len(data.x_train)), eval_every(cfg, len(data.x_train))

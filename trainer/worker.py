@@ -2,10 +2,13 @@
 
 Workers talk to the coordinator only through a one-way pipe of small tuples (each one write
 under PIPE_BUF, so a SIGKILLed worker cannot leave half a message for the others):
-("step", rank, step, loss, version, closed) after every step, then ("done", rank).
+("step", rank, step, loss, version, closed, bytes_pushed, dropped) after every step (bytes and
+dropped pushes since the previous message), ("event", rank, text) for the event log, then
+("done", rank).
 """
 from __future__ import annotations
 
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -36,7 +39,7 @@ def run_worker(cfg: Config, rank: int, conn: Connection, start_step: int) -> Non
         data = load_dataset(cfg.dataset)
         model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
         with Client(cfg.cluster, timeout=cfg.client_timeout) as client:
-            loop = sync_loop if cfg.mode == "sync" else async_loop
+            loop = {"sync": sync_loop, "async": async_loop, "ssp": async_loop, "easgd": easgd_loop}[cfg.mode]
             loop(cfg, rank, conn, start_step, client, data, model)
         conn.send(("done", rank))
     except BaseException:
@@ -71,7 +74,7 @@ def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client,
             closed += 1
         tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
         params = from_store(names, tensors)
-        conn.send(("step", rank, step, loss, version, closed))
+        conn.send(("step", rank, step, loss, version, closed, 0, 0))
 
 
 def wait_for_updates(client, names: dict[str, str], updates: int, timeout: float) -> None:
@@ -87,19 +90,73 @@ def wait_for_updates(client, names: dict[str, str], updates: int, timeout: float
     raise TimeoutError(f"warm-up: fewer than {updates} updates within {timeout} s")
 
 
+def push_bytes(tensors: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in tensors.values())
+
+
+class SspMember:
+    """This worker's place in the run's SSP group (the group is the run's tensor prefix).
+
+    Before each step it waits at the leader until it is at most s clocks ahead of the slowest
+    member (mode "wait"), or it just pushes and takes a StalenessBound refusal as the signal to
+    wait (mode "reject"). A member stuck at the slowest clock for ssp_timeout is dropped by an
+    ssp_drop entry (compare-and-drop: only if its clock did not move), so a dead worker cannot
+    block the others; a dropped worker that comes back is refused with NotInGroup and rejoins."""
+
+    def __init__(self, cfg: Config, rank: int, client, conn: Connection):
+        self.cfg, self.client, self.conn, self.rank = cfg, client, conn, rank
+        self.group, self.worker = cfg.prefix, f"rank{rank}"
+        self.join()
+
+    def join(self) -> None:
+        self.client.ssp_join(self.group, self.worker, self.cfg.staleness)
+
+    def field(self) -> dict:
+        return {"group": self.group, "worker": self.worker}
+
+    def wait_turn(self) -> int:
+        """Block until this worker may step; returns the store version then."""
+        while True:
+            st = self.client.ssp_wait(self.group, self.worker, self.cfg.ssp_timeout)
+            if not st["member"]:
+                self.join()
+                continue
+            if st["ready"]:
+                return st["version"]
+            for worker, clock in st["slowest"]:
+                if self.client.ssp_drop(self.group, worker, clock):
+                    self.conn.send(("event", self.rank, f"ssp: dropped {worker} (stuck at clock {clock} "
+                                                        f"for {self.cfg.ssp_timeout:.0f} s)"))
+
+    def leave(self) -> None:
+        self.client.ssp_leave(self.group, self.worker)
+
+
 def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
     """DownpourSGD: pull every n_fetch steps, push the summed gradient every n_push steps, no
-    coordination. Each push carries the version last pulled, so the store records staleness."""
+    coordination. Each push carries the version last pulled, so the store records staleness.
+
+    --mode ssp: the same with n_fetch = n_push = 1 and the SSP gate before every step (a push is
+    one clock tick). --compress: the push is encoded (raftps.compress; top-k keeps a residual)."""
+    from raftps import NotInGroup, StaleBase, StalenessBound, compress
     names = store_names(cfg, model)
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))
+    method, fraction = compress.parse(cfg.compress)
+    topk = compress.TopK(fraction) if method == "topk" else None
+    ssp = SspMember(cfg, rank, client, conn) if cfg.mode == "ssp" else None
+    n_fetch, n_push = (1, 1) if ssp else (cfg.n_fetch, cfg.n_push)
     if rank and cfg.warmup and start_step == 0:
         wait_for_updates(client, names, cfg.warmup, cfg.max_time)
     tensors, version = client.pull(list(names.values()))
     params = from_store(names, tensors)
     pushed, pending, count = version, None, 0
-    for step in range(start_step, total):
-        if step > start_step and step % cfg.n_fetch == 0:
+    step = start_step
+    while step < total:
+        sent, dropped = 0, 0
+        if ssp is not None and cfg.ssp_on_bound == "wait":
+            pushed = max(pushed, ssp.wait_turn())
+        if ssp is not None or (step > start_step and step % n_fetch == 0):
             # Default: any node that has applied my last push (spreads reads over the followers);
             # --fresh-pull reads through the leader's log: the newest state, less staleness.
             tensors, version = client.pull(list(names.values()), min_version=pushed, linearizable=cfg.fresh_pull)
@@ -108,7 +165,57 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
         pending = grads if pending is None else {k: pending[k] + grads[k] for k in grads}
         count += 1
-        if count == cfg.n_push or step == total - 1:
-            pushed = client.push(to_store(names, pending), base_version=version)
+        if count == n_push or step == total - 1:
+            send, encoding = compress.encode_push(to_store(names, pending), method, topk)
+            try:
+                pushed = client.push(send, base_version=version, encoding=encoding,
+                                     ssp=ssp.field() if ssp else None)
+                sent = push_bytes(send)
+            except StalenessBound:          # ssp reject mode: too far ahead; wait, redo this step
+                pending, count = None, 0
+                time.sleep(0.01)
+                continue
+            except NotInGroup:              # dropped as dead while we were away: rejoin, redo
+                ssp.join()
+                pending, count = None, 0
+                continue
+            except StaleBase:               # AdaRevision no longer holds our base: drop, re-pull
+                dropped = 1
+                tensors, version = client.pull(list(names.values()))
+                params = from_store(names, tensors)
             pending, count = None, 0
-        conn.send(("step", rank, step, loss, pushed, 0))
+        conn.send(("step", rank, step, loss, pushed, 0, sent, dropped))
+        step += 1
+    if ssp is not None:
+        ssp.leave()                         # a finished worker must not hold the others back
+
+
+def easgd_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
+    """Asynchronous EASGD (Zhang, Choromanska, LeCun 2015, Algorithm 1): local SGD on my own
+    copy x; every n_push steps pull the centre c, push delta = alpha (x - c) (the store adds it
+    to c) and move x by -delta. A restarted worker starts again from the centre."""
+    from raftps import optim
+    names = store_names(cfg, model)
+    shard = async_shard(len(data.x_train), rank, cfg.workers)
+    total = cfg.worker_steps(len(data.x_train))
+    alpha = cfg.easgd_alpha if cfg.easgd_alpha is not None else 0.9 / cfg.workers
+    spec = optim.normalize(cfg.local_spec())
+    tensors, version = client.pull(list(names.values()))
+    x = {k: np.array(v) for k, v in from_store(names, tensors).items()}
+    state = {k: optim.init_state(spec, v) for k, v in x.items()}
+    pushed = version
+    for step in range(start_step, total):
+        idx = async_batch(shard, cfg.batch, step, cfg.seed, rank)
+        loss, grads = model.loss_and_grads(x, data.x_train[idx], data.y_train[idx])
+        for k in x:
+            x[k], state[k] = optim.step(spec, x[k], grads[k], state[k])
+        sent = 0
+        if (step + 1) % cfg.n_push == 0 or step == total - 1:
+            centre, version = client.pull(list(names.values()), min_version=pushed, linearizable=cfg.fresh_pull)
+            centre = from_store(names, centre)
+            delta = {k: (x[k] - centre[k]) * x[k].dtype.type(alpha) for k in x}
+            x = {k: x[k] - delta[k] for k in x}
+            send = to_store(names, delta)
+            pushed = client.push(send, base_version=version)
+            sent = push_bytes(send)
+        conn.send(("step", rank, step, loss, pushed, 0, sent, 0))
