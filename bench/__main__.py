@@ -6,7 +6,9 @@ holding only that model, for the RSS target), raftps1, etcd (etcd 3.4 puts of th
 failover (10 leader SIGKILLs, raftps and etcd), catchup (a restarted follower through a compacted
 log, 4 and 64 MiB models), train (time to 0.95: --local, raftps workers, torch.distributed
 all-reduce), and, only when named in --parts, async_algos (bench/async_algos.py: asynchrony-aware
-optimizers, SSP, EASGD and top-k; writes its own async_algos.md/.json/.png). Each is bounded in count and time; a part that fails is reported as failed and the
+optimizers, SSP, EASGD and top-k; writes its own async_algos.md/.json/.png; ``--parts async_algos``
+alone still rewrites results.md in --out, without tables: give it another --out, or run
+``python -m bench.async_algos``). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
@@ -116,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     part("train", lambda: train.measure(os.path.join(run_dir, "train"), B + 150, m["train"], m["seeds"], TRAIN_EPOCHS,
                                         m["torch_workers"], B + 440))
     # Its own report files (async_algos.md/.json/.png); nothing for results.md's tables.
-    part("async_algos", lambda: [] if async_algos.measure(os.path.join(run_dir, "async_algos"), B + 180, mode, a.out)
-         else [])
+    part("async_algos", lambda: async_algos.bench_part(os.path.join(run_dir, "async_algos"), B + 180, mode, a.out))
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,

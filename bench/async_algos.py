@@ -57,13 +57,16 @@ def drop_run_tensors(addresses: str, prefix: str) -> None:
             client.delete(names)
 
 
-def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, epochs: dict[int, int]) -> list[dict]:
+def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, epochs: dict[int, int],
+                 settings: list[str] | None = None) -> list[dict]:
     from trainer.config import Config
     from trainer.metrics import read_csv
     from trainer.run import TARGET_ACC, train
     rows = []
     for k in workers:
         for name, over in SETTINGS.items():
+            if settings is not None and name not in settings:
+                continue
             runs, curves = [], []
             for seed in range(seeds):
                 tag = f"{name.replace(' ', '').replace('%', 'pc').replace('+', '-').replace('=', '')}-{k}-{seed}"
@@ -169,11 +172,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
-    """Start a cluster, run every setting, write the report files; returns the rows."""
+def measure(run_dir: str, base_port: int, mode: str, out: str, seeds: int | None = None,
+            workers: list[int] | None = None, settings: list[str] | None = None) -> list[dict]:
+    """Start a cluster, run the settings, write the report files; returns the rows."""
     import subprocess
     from raftps.localcluster import LocalCluster
-    m = MODES[mode]
+    m = dict(MODES[mode])
+    m["seeds"] = seeds or m["seeds"]
+    m["workers"] = workers or m["workers"]
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     t0 = time.monotonic()
@@ -182,7 +188,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     try:
         addresses = cluster.start(timeout=60)
         os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
-        rows = run_settings(addresses, run_dir, m["workers"], m["seeds"], m["epochs"])
+        rows = run_settings(addresses, run_dir, m["workers"], m["seeds"], m["epochs"], settings)
     finally:
         cluster.wipe()
     from . import __main__ as bench_main
@@ -201,6 +207,12 @@ def measure(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     return rows
 
 
+def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
+    """``python -m bench --parts async_algos``: writes its own files; no rows for results.md."""
+    measure(run_dir, base_port, mode, out)
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.async_algos", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
@@ -208,9 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--full", action="store_true", help="3 seeds: about 12 minutes")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--base-port", type=int, default=11500)
+    ap.add_argument("--seeds", type=int, help="override the mode's seeds")
+    ap.add_argument("--workers", help="comma list, e.g. 8 (default 4,8)")
+    ap.add_argument("--settings", help=f"comma list of setting names (default all: {', '.join(SETTINGS)})")
     a = ap.parse_args(argv)
+    settings = [x.strip() for x in a.settings.split(",")] if a.settings else None
+    unknown = sorted(set(settings or []) - set(SETTINGS))
+    if unknown:
+        ap.error(f"unknown settings {unknown} (known: {list(SETTINGS)})")
+    workers = [int(w) for w in a.workers.split(",")] if a.workers else None
     with tempfile.TemporaryDirectory(prefix="raftps-async-algos-") as run_dir:
-        measure(run_dir, a.base_port, "full" if a.full else "quick", a.out)
+        measure(run_dir, a.base_port, "full" if a.full else "quick", a.out, a.seeds, workers, settings)
     return 0
 
 
