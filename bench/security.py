@@ -3,7 +3,7 @@ without it, measured in the same run:
 
 * per-frame HMAC (data plane): 4 MiB frames through a socket pair, with and without FrameMac;
 * TLS on the client port: 4 MiB pushes from one client to a 3-node cluster, plain and TLS
-  (two clusters, one after the other, same code);
+  (two clusters up at once, taking turns in windows; medians);
 * the hello: connect + hello + one status request, against connect + status as it was.
 
 ``python -m bench.security [--seconds S] [--base-port B]`` prints one line per figure and a
@@ -62,17 +62,23 @@ def frames_per_s(size: int, seconds: float, mac: bool) -> float:
     return count[0] / elapsed
 
 
-def push_rate(cluster: LocalCluster, size: int, seconds: float) -> float:
-    with cluster.client(timeout=30) as c:
+def push_windows(clients: dict, size: int, seconds: float, rounds: int) -> dict[str, float]:
+    """Median pushes/s per cluster over ``rounds`` windows, the clusters taking turns (so a
+    change in the machine's load hits both alike)."""
+    grad = np.full(size // 4, 1e-3, np.float32)
+    for c in clients.values():
         c.create("sec.w", np.zeros(size // 4, np.float32), optimizer={"name": "sgd", "lr": 1e-6})
-        grad = np.full(size // 4, 1e-3, np.float32)
         for _ in range(3):
             c.push({"sec.w": grad})                       # warm: connections, leader known
-        t0, n = time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            c.push({"sec.w": grad})
-            n += 1
-        return n / (time.perf_counter() - t0)
+    rates: dict[str, list[float]] = {name: [] for name in clients}
+    for _ in range(rounds):
+        for name, c in clients.items():
+            t0, n = time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds:
+                c.push({"sec.w": grad})
+                n += 1
+            rates[name].append(n / (time.perf_counter() - t0))
+    return {name: float(np.median(r)) for name, r in rates.items()}
 
 
 def hello_ms(cluster: LocalCluster, rounds: int = 200) -> tuple[float, float]:
@@ -95,12 +101,14 @@ def hello_ms(cluster: LocalCluster, rounds: int = 200) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.security")
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=4.0, help="length of one measuring window")
+    ap.add_argument("--rounds", type=int, default=3, help="windows per setting (medians are reported)")
     ap.add_argument("--base-port", type=int, default=10400)
     args = ap.parse_args(argv)
     size = 4 * MiB
     out: dict[str, float] = {}
-    plain_fps, mac_fps = frames_per_s(size, args.seconds, False), frames_per_s(size, args.seconds, True)
+    plain_fps = float(np.median([frames_per_s(size, args.seconds / 2, False) for _ in range(args.rounds)]))
+    mac_fps = float(np.median([frames_per_s(size, args.seconds / 2, True) for _ in range(args.rounds)]))
     out.update(frame_plain_per_s=plain_fps, frame_hmac_per_s=mac_fps, frame_hmac_ratio=mac_fps / plain_fps)
     log(f"4 MiB frames over a socket pair: {plain_fps:.0f}/s plain, {mac_fps:.0f}/s with HMAC "
         f"(ratio {mac_fps / plain_fps:.2f})")
@@ -108,15 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         certs = os.path.join(tmp, "certs")
         subprocess.run(["bash", os.path.join(ROOT, "cluster", "make-certs.sh"), certs], check=True,
                        capture_output=True)
-        rates = {}
-        for name, base, tls in (("plain", args.base_port, None), ("tls", args.base_port + 10, certs)):
-            cl = LocalCluster(os.path.join(tmp, name), nodes=3, base_port=base, tls_dir=tls)
-            try:
+        clusters = {"plain": LocalCluster(os.path.join(tmp, "plain"), nodes=3, base_port=args.base_port),
+                    "tls": LocalCluster(os.path.join(tmp, "tls"), nodes=3, base_port=args.base_port + 10,
+                                        tls_dir=certs)}
+        try:
+            for cl in clusters.values():
                 cl.start(timeout=60)
-                rates[name] = push_rate(cl, size, args.seconds)
-                if name == "plain":
-                    out["connect_status_ms"], out["connect_hello_status_ms"] = hello_ms(cl)
-            finally:
+            out["connect_status_ms"], out["connect_hello_status_ms"] = hello_ms(clusters["plain"])
+            clients = {name: cl.client(timeout=30) for name, cl in clusters.items()}
+            rates = push_windows(clients, size, args.seconds, args.rounds)
+            for c in clients.values():
+                c.close()
+        finally:
+            for cl in clusters.values():
                 cl.wipe()
         out.update(push_plain_per_s=rates["plain"], push_tls_per_s=rates["tls"],
                    push_tls_ratio=rates["tls"] / rates["plain"])
