@@ -163,19 +163,26 @@ class PeerLink:
         host, port = address.rsplit(":", 1)
         self.key = data_key(secret)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        try:
+            self.mac = self._handshake(address)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _handshake(self, address: str) -> codec.FrameMac:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(16)
         codec.send_frame(self.sock, {"nonce": nonce})
         reply = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
-        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes) and isinstance(reply.get("nonce"), bytes)
+        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes)
+                and isinstance(reply.get("nonce"), bytes)
                 and hmac.compare_digest(reply["proof"], _proof(self.key, b"server", nonce))):
-            self.sock.close()
             raise ConnectionError(f"data plane {address}: peer failed authentication")
         codec.send_frame(self.sock, {"proof": _proof(self.key, b"client", reply["nonce"])})
-        if codec.recv_frame(self.sock, HANDSHAKE_LIMITS).get("ok") is not True:
-            self.sock.close()
+        answer = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
+        if not isinstance(answer, dict) or answer.get("ok") is not True:
             raise ConnectionError(f"data plane {address}: peer refused our cluster secret")
-        self.mac = _session_macs(self.key, nonce, reply["nonce"])[0]
+        return _session_macs(self.key, nonce, reply["nonce"])[0]
 
     def call(self, msg: Any) -> dict:
         return self.call_encoded(codec.encode(msg))
