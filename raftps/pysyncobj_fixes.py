@@ -150,6 +150,13 @@ def limit_peer_reads() -> None:
             self._raftps_parsed = getattr(self, "_raftps_parsed", 0) + 1
         return message
 
+    disconnect = TcpConnection.disconnect
+
+    def disconnect_and_forget(self: TcpConnection) -> None:
+        self._raftps_parsed = 0          # pysyncobj reuses an outgoing connection's object to redial
+        disconnect(self)
+
     TcpConnection._TcpConnection__processRead = process_read
     TcpConnection._TcpConnection__processParseMessage = process_parse
+    TcpConnection.disconnect = disconnect_and_forget
     TcpConnection._raftps_read_limit = True
