@@ -5,6 +5,7 @@ unpickle those bytes: each pickle carries a canary that would create a directory
 The same canary against an `--insecure` node does run, which shows that the check can fail."""
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from pysyncobj.encryptor import getEncryptor
 
 from raftps import codec
+from raftps.node import default_payload_dir
 from raftps.payloads import payload_id
 from security_helpers import assert_nothing_applied, raft_state, rss_kib, state
 
@@ -115,7 +117,6 @@ def test_data_plane_without_the_secret_stores_nothing(module_cluster):
                 assert codec.recv_frame(s) is None
             except (ConnectionError, OSError):
                 pass
-        from raftps.node import default_payload_dir
         assert pid not in os.listdir(default_payload_dir(cluster.data_dir(node)))
 
 
@@ -140,6 +141,7 @@ def test_the_canary_does_run_on_an_insecure_node(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        shutil.rmtree(default_payload_dir(str(tmp_path / "node")), ignore_errors=True)   # its tmpfs payloads
 
 
 def test_serve_refuses_to_start_without_cryptography(tmp_path):
