@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import msgpack
 import numpy as np
@@ -38,6 +38,7 @@ MAX_NDIM = 8
 # arrive: bytearray(n) zero-fills all n at once, so a sender declaring 1 GiB and sending 16 bytes
 # would cost 1 GiB until the frame deadline. Below this, the heap is faster (see tuning.py).
 EAGER_BLOB_BYTES = 16 << 20
+HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -165,9 +166,10 @@ def recv_exactly(sock: socket.socket, view: memoryview, started: bool = True, de
 
 
 class FrameMac:
-    """Authenticates every frame of one connection: HMAC-SHA256 over a per-direction counter and
-    the frame's bytes, with a key per direction. A frame that was altered, dropped, replayed or
-    reordered fails the check before its header is parsed."""
+    """Authenticates every frame of one connection: HMAC-SHA256 over a per-direction counter, the
+    frame's prefix and header, and the SHA-256 of its blob, with a key per direction. A frame
+    that was altered, dropped, replayed or reordered fails the check before its header is parsed.
+    (The blob enters through its digest so that one payload sent to several peers is hashed once.)"""
     TAG = 32
 
     def __init__(self, send_key: bytes, recv_key: bytes):
@@ -175,20 +177,31 @@ class FrameMac:
         self._sent = self._received = 0
 
     @staticmethod
-    def _tag(key: bytes, counter: int, parts: list) -> bytes:
+    def _tag(key: bytes, counter: int, prefix: Any, header: Any, digest: bytes) -> bytes:
         mac = hmac.new(key, counter.to_bytes(8, "big"), hashlib.sha256)
-        for part in parts:
-            mac.update(part)
+        mac.update(prefix)
+        mac.update(header)
+        mac.update(digest)
         return mac.digest()
 
-    def sign(self, buffers: list) -> bytes:
+    def sign(self, buffers: list, digest: bytes | None = None) -> bytes:
+        """The tag of one frame (``encode``'s buffers); ``digest``: blob_digest(buffers), if known."""
         self._sent += 1
-        return self._tag(self._send_key, self._sent, buffers)
+        return self._tag(self._send_key, self._sent, buffers[0], buffers[1], digest or blob_digest(buffers))
 
-    def verify(self, parts: list, tag: bytes) -> None:
+    def verify(self, prefix: Any, header: Any, digest: bytes, tag: bytes) -> None:
+        """Check the tag of a received frame, given its blob's SHA-256."""
         self._received += 1
-        if not hmac.compare_digest(tag, self._tag(self._recv_key, self._received, parts)):
+        if not hmac.compare_digest(tag, self._tag(self._recv_key, self._received, prefix, header, digest)):
             raise ProtocolError("frame failed authentication (bad HMAC): altered, replayed or not from a peer")
+
+
+def blob_digest(buffers: list) -> bytes:
+    """SHA-256 of the blob of ``encode``'s buffers (everything after prefix and header)."""
+    h = hashlib.sha256()
+    for buf in buffers[2:]:
+        h.update(buf)
+    return h.digest()
 
 
 def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
@@ -216,11 +229,19 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
             header = bytearray(header_len)
             recv_exactly(sock, memoryview(header), deadline=deadline)
             blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
-            recv_exactly(sock, memoryview(blob), deadline=deadline)
-            if mac is not None:
+            if mac is None:
+                recv_exactly(sock, memoryview(blob), deadline=deadline)
+            else:
+                # Hash each chunk as it lands, while the kernel receives the next one.
+                digest = hashlib.sha256()
+                with memoryview(blob) as view_of_blob:
+                    for start in range(0, blob_len, HASH_CHUNK):
+                        part = view_of_blob[start:start + HASH_CHUNK]
+                        recv_exactly(sock, part, deadline=deadline)
+                        digest.update(part)
                 tag = bytearray(FrameMac.TAG)
                 recv_exactly(sock, memoryview(tag), deadline=deadline)
-                mac.verify([prefix, header, blob], bytes(tag))
+                mac.verify(prefix, header, digest.digest(), bytes(tag))
         except socket.timeout:
             if frame_timeout is None:
                 raise
@@ -232,12 +253,21 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
 
 
 def send_frame(sock: socket.socket, message: Any, mac: FrameMac | None = None) -> int:
-    buffers = encode(message)
-    if mac is not None:
-        buffers.append(mac.sign(buffers))
+    return send_buffers(sock, encode(message), mac)
+
+
+def send_buffers(sock: socket.socket, buffers: list, mac: FrameMac | None = None,
+                 digest: Callable[[], bytes] | None = None) -> int:
+    """Send one encoded frame (``encode``'s buffers, not changed: they may go to several peers).
+    The tag goes last, so ``digest`` (the blob's, from blob_digest) may still be being computed
+    in another thread while the blob is sent; it is called once the blob is out."""
     for buf in buffers:
         sock.sendall(buf)
-    return sum(len(b) for b in buffers)
+    size = sum(len(b) for b in buffers)
+    if mac is not None:
+        sock.sendall(mac.sign(buffers, digest() if digest else None))
+        size += FrameMac.TAG
+    return size
 
 
 def write_frame(f: BinaryIO, message: Any) -> int:

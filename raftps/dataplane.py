@@ -17,7 +17,8 @@ import os
 import queue
 import socket
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
+from typing import Any, Callable
 
 import numpy as np
 
@@ -162,22 +163,33 @@ class PeerLink:
         host, port = address.rsplit(":", 1)
         self.key = data_key(secret)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        try:
+            self.mac = self._handshake(address)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _handshake(self, address: str) -> codec.FrameMac:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(16)
         codec.send_frame(self.sock, {"nonce": nonce})
         reply = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
-        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes) and isinstance(reply.get("nonce"), bytes)
+        if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes)
+                and isinstance(reply.get("nonce"), bytes)
                 and hmac.compare_digest(reply["proof"], _proof(self.key, b"server", nonce))):
-            self.sock.close()
             raise ConnectionError(f"data plane {address}: peer failed authentication")
         codec.send_frame(self.sock, {"proof": _proof(self.key, b"client", reply["nonce"])})
-        if codec.recv_frame(self.sock, HANDSHAKE_LIMITS).get("ok") is not True:
-            self.sock.close()
+        answer = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
+        if not isinstance(answer, dict) or answer.get("ok") is not True:
             raise ConnectionError(f"data plane {address}: peer refused our cluster secret")
-        self.mac = _session_macs(self.key, nonce, reply["nonce"])[0]
+        return _session_macs(self.key, nonce, reply["nonce"])[0]
 
-    def call(self, msg: dict) -> dict:
-        codec.send_frame(self.sock, msg, mac=self.mac)
+    def call(self, msg: Any) -> dict:
+        return self.call_encoded(codec.encode(msg))
+
+    def call_encoded(self, frame: list, digest: Callable[[], bytes] | None = None) -> dict:
+        """Send ``codec.encode``'s buffers of a message (``digest``: returns their blob_digest)."""
+        codec.send_buffers(self.sock, frame, self.mac, digest)
         return codec.recv_frame(self.sock, mac=self.mac)
 
     def close(self) -> None:
@@ -193,31 +205,38 @@ class Peers:
         self.timeout = timeout
         self._idle: dict[str, queue.SimpleQueue[PeerLink]] = {a: queue.SimpleQueue() for a in addresses}
         self._pool = ThreadPoolExecutor(max_workers=8 * max(1, len(addresses)), thread_name_prefix="dataplane-send")
+        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dataplane-hash")
 
-    def _call(self, address: str, msg: dict) -> dict:
+    def _call(self, address: str, msg: dict, frame: list | None = None,
+              digest: Callable[[], bytes] | None = None) -> dict:
+        """``msg``, or its ready ``frame`` and digest, over an idle link to ``address``."""
         try:
             link = self._idle[address].get_nowait()
         except queue.Empty:
             link = PeerLink(address, self.secret, self.timeout)
         try:
-            reply = link.call(msg)
+            reply = link.call(msg) if frame is None else link.call_encoded(frame, digest)
         except BaseException:
             link.close()
             raise
         self._idle[address].put(link)
         return reply
 
-    def _put(self, address: str, pid: str, tensors: dict) -> bool:
+    def _put(self, address: str, pid: str, frame: list, digest: Callable[[], bytes]) -> bool:
         try:
-            return self._call(address, {"op": "put", "pid": pid, "tensors": tensors}).get("ok") is True
-        except (OSError, ConnectionError, ProtocolError) as exc:
+            return self._call(address, {}, frame, digest).get("ok") is True
+        except (OSError, ConnectionError, ProtocolError, CancelledError) as exc:   # (cancelled: closing)
             log.debug("put %s to %s failed: %s", pid, address, exc)
             return False
 
     def replicate(self, pid: str, tensors: dict, needed: int, timeout: float) -> int:
         """Send a payload to every peer; return once ``needed`` peers hold it (or all answered,
         or ``timeout``). Sends still under way go on in the background."""
-        futures: set[Future] = {self._pool.submit(self._put, a, pid, tensors) for a in self.addresses}
+        # Encoded and hashed once for every peer (each connection only signs the digest), and
+        # hashed while the sends are under way: the tag goes after the blob.
+        frame = codec.encode({"op": "put", "pid": pid, "tensors": tensors})
+        hashed = self._hasher.submit(codec.blob_digest, frame)
+        futures: set[Future] = {self._pool.submit(self._put, a, pid, frame, hashed.result) for a in self.addresses}
         acks = 0
         pending = futures
         while pending and acks < needed:
@@ -271,6 +290,7 @@ class Peers:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
         for q in self._idle.values():
             while True:
                 try:

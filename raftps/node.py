@@ -32,7 +32,7 @@ from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
-from .pysyncobj_fixes import limit_peer_reads
+from .pysyncobj_fixes import limit_peer_reads, limit_unknown_connections
 
 log = logging.getLogger("raftps.node")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
@@ -177,6 +177,7 @@ class RaftNode(SyncObj):
         limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
         super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
         install_pysyncobj_fixes(self)
+        limit_unknown_connections(self)
         self.addOnTickCallback(self._housekeeping)
         self.addOnTickCallback(self._commit_alone)
 

@@ -150,6 +150,42 @@ def limit_peer_reads() -> None:
             self._raftps_parsed = getattr(self, "_raftps_parsed", 0) + 1
         return message
 
+    disconnect = TcpConnection.disconnect
+
+    def disconnect_and_forget(self: TcpConnection) -> None:
+        self._raftps_parsed = 0          # pysyncobj reuses an outgoing connection's object to redial
+        disconnect(self)
+
     TcpConnection._TcpConnection__processRead = process_read
     TcpConnection._TcpConnection__processParseMessage = process_parse
+    TcpConnection.disconnect = disconnect_and_forget
     TcpConnection._raftps_read_limit = True
+
+
+# pysyncobj checks a connection's timeout only when its socket has an event, so a connection that
+# never sends a byte stays open forever: anyone can fill the node's file descriptors and make every
+# tick's poll() walk thousands of idle sockets. Incoming connections that have not said who they are
+# (transport._unknownConnections) get UNKNOWN_MAX_AGE seconds to do so, and at most UNKNOWN_MAX of
+# them are kept (the oldest go first). A peer identifies itself in its first two messages.
+UNKNOWN_MAX_AGE = 5.0
+UNKNOWN_MAX = 64
+
+
+def limit_unknown_connections(node: SyncObj) -> None:
+    """Close incoming Raft connections that stay anonymous too long or are too many (tick callback)."""
+    import time
+
+    transport = node._SyncObj__transport
+
+    def sweep() -> None:
+        unknown = getattr(transport, "_unknownConnections", None)
+        if not unknown:
+            return
+        now = time.monotonic()
+        by_age = sorted(unknown, key=lambda c: c.__dict__.setdefault("_raftps_seen", now))
+        excess = len(by_age) - UNKNOWN_MAX
+        for i, conn in enumerate(by_age):
+            if i < excess or now - conn._raftps_seen > UNKNOWN_MAX_AGE:
+                conn.disconnect()
+
+    node.addOnTickCallback(sweep)

@@ -150,6 +150,36 @@ def _connect(port: int) -> socket.socket:
     return s
 
 
+def _hello(port: int, token: str) -> socket.socket:
+    """A connection past the hello. Under load the node may still hold the slots of connections
+    we closed (max_connections_per_ip): then it says so, and we try again (bounded)."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = _connect(port)
+        try:
+            codec.send_frame(s, {"op": "hello", "token": token})
+        except OSError:
+            pass
+        reply = codec.recv_frame(s)
+        if reply == {"ok": True}:
+            return s
+        s.close()
+        assert "max_connections" in reply.get("message", "") and time.monotonic() < deadline, reply
+        time.sleep(0.05)
+
+
+def _peer_link(port: int, secret: bytes) -> PeerLink:
+    """An authenticated data-plane link; retried while the node still holds closed links' slots."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return PeerLink(f"127.0.0.1:{port}", secret)
+        except (ConnectionError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _drain(s: socket.socket, payload: bytes) -> bytes:
     """Send, half-close, read whatever comes back until the node closes."""
     try:
@@ -178,20 +208,14 @@ def _check_refusal(raw: bytes, where: str) -> None:
 def fuzz_client_garbage(cluster, rng, cases: int, hello: bool) -> None:
     for i in range(cases):
         node = i % 3 + 1
-        s = _connect(BASE + 100 + node)
-        if hello:
-            codec.send_frame(s, {"op": "hello", "token": cluster.token})
-            assert codec.recv_frame(s) == {"ok": True}
+        s = _hello(BASE + 100 + node, cluster.token) if hello else _connect(BASE + 100 + node)
         _check_refusal(_drain(s, garbage_frame(rng)), f"client node {node}")
 
 
 def fuzz_client_requests(cluster, rng, cases: int) -> None:
     conns = []
     for node in (1, 2, 3):
-        s = _connect(BASE + 100 + node)
-        codec.send_frame(s, {"op": "hello", "token": cluster.token})
-        assert codec.recv_frame(s) == {"ok": True}
-        conns.append(s)
+        conns.append(_hello(BASE + 100 + node, cluster.token))
     try:
         for i in range(cases):
             s = conns[i % 3]
@@ -210,7 +234,7 @@ def fuzz_data_garbage(cluster, rng, cases: int, authenticated: bool) -> None:
     for i in range(cases):
         port = BASE + 200 + i % 3 + 1
         if authenticated:
-            link = PeerLink(f"127.0.0.1:{port}", secret)
+            link = _peer_link(port, secret)
             if rng.random() < 0.5:                        # a valid frame with a wrong tag
                 payload = codec.encode_bytes(malformed_data_op(rng)) + rng.randbytes(32)
             else:
@@ -227,7 +251,7 @@ def fuzz_data_garbage(cluster, rng, cases: int, authenticated: bool) -> None:
 
 def fuzz_data_requests(cluster, rng, cases: int) -> None:
     secret = auth.read_secret_file(cluster.secret_file).encode()
-    links = [PeerLink(f"127.0.0.1:{BASE + 200 + n}", secret) for n in (1, 2, 3)]
+    links = [_peer_link(BASE + 200 + n, secret) for n in (1, 2, 3)]
     try:
         for i in range(cases):
             msg = malformed_data_op(rng)

@@ -5,6 +5,8 @@ unpickle those bytes: each pickle carries a canary that would create a directory
 The same canary against an `--insecure` node does run, which shows that the check can fail."""
 import os
 import pickle
+import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -17,6 +19,7 @@ import pytest
 from pysyncobj.encryptor import getEncryptor
 
 from raftps import codec
+from raftps.node import default_payload_dir
 from raftps.payloads import payload_id
 from security_helpers import assert_nothing_applied, raft_state, rss_kib, state
 
@@ -115,7 +118,6 @@ def test_data_plane_without_the_secret_stores_nothing(module_cluster):
                 assert codec.recv_frame(s) is None
             except (ConnectionError, OSError):
                 pass
-        from raftps.node import default_payload_dir
         assert pid not in os.listdir(default_payload_dir(cluster.data_dir(node)))
 
 
@@ -140,6 +142,7 @@ def test_the_canary_does_run_on_an_insecure_node(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        shutil.rmtree(default_payload_dir(str(tmp_path / "node")), ignore_errors=True)   # its tmpfs payloads
 
 
 def test_serve_refuses_to_start_without_cryptography(tmp_path):
@@ -153,3 +156,28 @@ def test_serve_refuses_to_start_without_cryptography(tmp_path):
                          env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "needs the 'cryptography' package" in out.stderr
     pytest.importorskip("cryptography")
+
+
+def test_silent_strangers_on_the_raft_port_are_closed(module_cluster):
+    """pysyncobj alone keeps a connection that never sends a byte open forever."""
+    cluster = module_cluster
+    socks = [socket.create_connection(("127.0.0.1", cluster.base_port + 3), timeout=15) for _ in range(40)]
+    try:
+        with cluster.client(timeout=20) as c:            # the cluster commits meanwhile
+            c.create("ns.s", np.zeros(8, np.float32), optimizer={"name": "sgd", "lr": 1.0})
+            c.push({"ns.s": np.ones(8, np.float32)})
+        deadline = time.monotonic() + 15
+        open_ = set(socks)
+        while open_ and time.monotonic() < deadline:
+            readable, _, _ = select.select(list(open_), [], [], 0.5)
+            for s in readable:                             # readable with nothing to read: closed
+                try:
+                    if s.recv(1) == b"":
+                        open_.discard(s)
+                except OSError:
+                    open_.discard(s)
+        assert not open_, f"{len(open_)} of 40 silent connections still open after 15 s"
+    finally:
+        for s in socks:
+            s.close()
+    assert all(r["role"] != "down" for r in cluster.status())

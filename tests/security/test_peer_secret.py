@@ -1,6 +1,7 @@
 """The peer secret: `raftps serve` will not run without one (except --insecure on loopback), and
 on the data plane every frame after the handshake is authenticated and every payload checked."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 from raftps import auth, codec
 from raftps.dataplane import PeerLink
+from raftps.node import default_payload_dir
 from raftps.payloads import payload_id
 
 BASE = 10010
@@ -27,6 +29,8 @@ def _serve(tmp_path, *args: str, bind: str = "127.0.0.1", timeout: float = 20.0)
         proc.terminate()              # it is serving: what the caller expected in that case
         proc.communicate(timeout=30)
         return None
+    finally:
+        shutil.rmtree(default_payload_dir(str(tmp_path / "node")), ignore_errors=True)   # its tmpfs payloads
 
 
 def test_serve_refuses_to_start_without_a_secret(tmp_path):

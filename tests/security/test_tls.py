@@ -1,6 +1,8 @@
 """TLS on the client port, with certificates from cluster/make-certs.sh, on a real 3-node cluster."""
 import os
+import socket
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ def make_certs(directory: str) -> str:
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory):
     certs = make_certs(str(tmp_path_factory.mktemp("certs")))
-    cluster = start(tmp_path_factory.mktemp("tls"), BASE, tls_dir=certs)
+    cluster = start(tmp_path_factory.mktemp("tls"), BASE, tls_dir=certs, extra_args=["--frame-timeout", "2"])
     yield cluster
     cluster.wipe()
 
@@ -58,3 +60,22 @@ def test_tls_client_to_a_plain_node_gets_a_clear_error(tls_cluster, tmp_path):
             Client(plain.addresses, token=plain.token, tls=tls_cluster.tls_ca, timeout=5).status()
     finally:
         plain.wipe()
+
+
+def test_a_tls_handshake_trickled_byte_by_byte_is_cut_at_frame_timeout(tls_cluster):
+    hello = bytes([0x16, 0x03, 0x01, 0x02, 0x00]) + bytes(200)      # a ClientHello record header, then junk
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", BASE + 101), timeout=5) as s:
+        for byte in hello:                                          # 205 bytes at 0.1 s: 20 s
+            try:
+                s.sendall(bytes([byte]))
+                s.settimeout(0.1)
+                if s.recv(1) == b"":
+                    break                                           # the node hung up
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+    assert time.monotonic() - started < 10, "the node waited for a trickled TLS handshake past frame_timeout=2"
+    with tls_cluster.client(timeout=10) as c:
+        assert all(r["role"] != "down" for r in c.status())
