@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -28,6 +29,32 @@ def wait_converged(client: Client, want_up: int, timeout: float = 30.0) -> list[
         time.sleep(0.1)
     raise AssertionError(f"replicas did not converge within {timeout} s: "
                          f"{[(r['node'], r['role'], r.get('version'), (r.get('digest') or '')[:8]) for r in rows]}")
+
+
+def push_concurrently(cluster: LocalCluster, grads: list[dict], pushes: int, seconds: float = 60.0) -> list[int]:
+    """One client thread per gradient map in ``grads``, each pushing it up to ``pushes`` times
+    within ``seconds``; returns how many each completed. Re-raises the first error a thread hit."""
+    deadline = time.monotonic() + seconds
+    done = [0] * len(grads)
+    errors: list[BaseException] = []
+
+    def pusher(i: int) -> None:
+        try:
+            with cluster.client() as c:
+                while done[i] < pushes and time.monotonic() < deadline:
+                    c.push(grads[i])
+                    done[i] += 1
+        except BaseException as exc:      # reported below; a thread must not hide it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(len(grads))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 30.0)
+    if errors:
+        raise errors[0]
+    return done
 
 
 @pytest.fixture

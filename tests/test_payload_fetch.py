@@ -6,10 +6,9 @@ and asking a peer at once fetched 18% of all pushed bytes a second time (1 MiB x
 """
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
+
+from tests.conftest import push_concurrently
 
 
 CLIENTS = 4
@@ -20,26 +19,7 @@ def test_healthy_followers_fetch_almost_nothing_under_concurrent_pushes(make_clu
     cluster = make_cluster(9340)
     with cluster.client() as c:
         c.create("w", np.zeros(1 << 18, np.float32), optimizer={"name": "sgd", "lr": 0.5})
-    deadline = time.monotonic() + 60.0
-    done = [0] * CLIENTS
-    errors: list[BaseException] = []
-
-    def pusher(i: int) -> None:
-        try:
-            with cluster.client() as c:
-                grad = {"w": np.full(1 << 18, 1.0 + i, np.float32)}
-                while done[i] < PUSHES and time.monotonic() < deadline:
-                    c.push(grad)
-                    done[i] += 1
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90.0)
-    assert not errors, errors
+    done = push_concurrently(cluster, [{"w": np.full(1 << 18, 1.0 + i, np.float32)} for i in range(CLIENTS)], PUSHES)
     pushes = sum(done)
     assert pushes >= CLIENTS * 10, f"only {done} pushes in 60 s"
     with cluster.client() as c:

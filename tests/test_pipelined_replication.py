@@ -9,14 +9,13 @@ entries". Without faults, no follower should ever do that (raftps/pysyncobj_fixe
 """
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
+
+from tests.conftest import push_concurrently
 
 
 CLIENTS = 4
-PUSHES = 250          # per client; bounded further by DEADLINE
+PUSHES = 250          # per client; bounded further by 60 s
 
 
 def test_no_truncation_of_applied_entries_under_pipelined_load(make_cluster) -> None:
@@ -24,26 +23,7 @@ def test_no_truncation_of_applied_entries_under_pipelined_load(make_cluster) -> 
     with cluster.client() as c:
         for i in range(CLIENTS):
             c.create(f"w{i}", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.5})
-    deadline = time.monotonic() + 60.0
-    done = [0] * CLIENTS
-    errors: list[BaseException] = []
-
-    def pusher(i: int) -> None:
-        try:
-            with cluster.client() as c:
-                grad = {f"w{i}": np.ones(256, np.float32)}
-                while done[i] < PUSHES and time.monotonic() < deadline:
-                    c.push(grad)
-                    done[i] += 1
-        except BaseException as exc:     # reported below; a thread must not hide it
-            errors.append(exc)
-
-    threads = [threading.Thread(target=pusher, args=(i,)) for i in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90.0)
-    assert not errors, errors
+    done = push_concurrently(cluster, [{f"w{i}": np.ones(256, np.float32)} for i in range(CLIENTS)], PUSHES)
     assert sum(done) >= CLIENTS * 50, f"only {done} pushes in 60 s"
     with cluster.client() as c:
         tensors, _ = c.pull([f"w{i}" for i in range(CLIENTS)])

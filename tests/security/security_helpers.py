@@ -4,16 +4,26 @@ import time
 
 from raftps import codec
 from raftps.localcluster import LocalCluster
+from tests.conftest import start_cluster as start     # noqa: F401 (the security tests' cluster maker)
 
 
-def start(run_dir, base_port: int, nodes: int = 3, **kwargs) -> LocalCluster:
-    cluster = LocalCluster(str(run_dir), nodes=nodes, base_port=base_port, **kwargs)
-    try:
-        cluster.start(timeout=60)
-    except BaseException:
-        cluster.wipe()
-        raise
-    return cluster
+def hello_connection(port: int, token: str, source: str | None = None) -> socket.socket:
+    """A client-port connection past the hello. A loaded node may still count connections an
+    earlier case closed against max_connections_per_ip: then it says so, and we try again (bounded)."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0) if source else None)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            codec.send_frame(s, {"op": "hello", "token": token})
+        except OSError:
+            pass
+        reply = codec.recv_frame(s)
+        if reply == {"ok": True}:
+            return s
+        s.close()
+        assert "max_connections" in reply.get("message", "") and time.monotonic() < deadline, reply
+        time.sleep(0.05)
 
 
 def raw_request(address: str, *frames: dict, timeout: float = 5.0) -> list:

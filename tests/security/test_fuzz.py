@@ -16,7 +16,7 @@ import numpy as np
 
 from raftps import auth, codec
 from raftps.dataplane import PeerLink
-from security_helpers import rss_kib, state
+from security_helpers import hello_connection, rss_kib, state
 
 BASE = 10060
 SEED = int(os.environ.get("RAFTPS_FUZZ_SEED", "20261203"))
@@ -150,24 +150,6 @@ def _connect(port: int) -> socket.socket:
     return s
 
 
-def _hello(port: int, token: str) -> socket.socket:
-    """A connection past the hello. Under load the node may still hold the slots of connections
-    we closed (max_connections_per_ip): then it says so, and we try again (bounded)."""
-    deadline = time.monotonic() + 10
-    while True:
-        s = _connect(port)
-        try:
-            codec.send_frame(s, {"op": "hello", "token": token})
-        except OSError:
-            pass
-        reply = codec.recv_frame(s)
-        if reply == {"ok": True}:
-            return s
-        s.close()
-        assert "max_connections" in reply.get("message", "") and time.monotonic() < deadline, reply
-        time.sleep(0.05)
-
-
 def _peer_link(port: int, secret: bytes) -> PeerLink:
     """An authenticated data-plane link; retried while the node still holds closed links' slots."""
     deadline = time.monotonic() + 10
@@ -208,14 +190,14 @@ def _check_refusal(raw: bytes, where: str) -> None:
 def fuzz_client_garbage(cluster, rng, cases: int, hello: bool) -> None:
     for i in range(cases):
         node = i % 3 + 1
-        s = _hello(BASE + 100 + node, cluster.token) if hello else _connect(BASE + 100 + node)
+        s = hello_connection(BASE + 100 + node, cluster.token) if hello else _connect(BASE + 100 + node)
         _check_refusal(_drain(s, garbage_frame(rng)), f"client node {node}")
 
 
 def fuzz_client_requests(cluster, rng, cases: int) -> None:
     conns = []
     for node in (1, 2, 3):
-        conns.append(_hello(BASE + 100 + node, cluster.token))
+        conns.append(hello_connection(BASE + 100 + node, cluster.token))
     try:
         for i in range(cases):
             s = conns[i % 3]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from raftps import LimitExceeded, codec
-from security_helpers import start, state
+from security_helpers import hello_connection, start, state
 
 BASE = 10050
 LIMITS = ["--max-frame-mb", "2", "--max-tensor-mb", "1", "--max-tensors-per-push", "4",
@@ -50,22 +50,7 @@ def _refused(cluster, source: str | None = None) -> dict:
 
 
 def _hello(cluster, node: int = 1, source: str | None = None) -> socket.socket:
-    """A connection past the hello. A loaded node may still count a connection an earlier test
-    closed against max_connections_per_ip for a moment: then it says so and we try again (bounded)."""
-    deadline = time.monotonic() + 10
-    while True:
-        s = socket.create_connection(("127.0.0.1", BASE + 100 + node), timeout=5,
-                                     source_address=(source, 0) if source else None)
-        try:
-            codec.send_frame(s, {"op": "hello", "token": cluster.token})
-        except OSError:
-            pass
-        reply = codec.recv_frame(s)
-        if reply == {"ok": True}:
-            return s
-        s.close()
-        assert "max_connections" in reply.get("message", "") and time.monotonic() < deadline, reply
-        time.sleep(0.05)
+    return hello_connection(BASE + 100 + node, cluster.token, source)
 
 
 @pytest.mark.parametrize("grads, limit", [
