@@ -36,9 +36,9 @@ from .pysyncobj_fixes import limit_peer_reads, limit_unknown_connections
 
 log = logging.getLogger("raftps.node")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
-# Outcomes after which the entry certainly was not applied; anything else is "unknown".
 # How long an applier waits for a payload the leader is still sending before asking a peer.
 PUT_GRACE = 0.2
+# Outcomes after which the entry certainly was not applied; anything else is "unknown".
 NOT_APPLIED = {FAIL_REASON.QUEUE_FULL, FAIL_REASON.MISSING_LEADER, FAIL_REASON.DISCARDED,
                FAIL_REASON.NOT_LEADER, FAIL_REASON.REQUEST_DENIED}
 
@@ -268,7 +268,7 @@ class RaftNode(SyncObj):
             # The leader sends a payload to every peer before it proposes the entry, so a node
             # that was up is usually a few ms from having it, even when commits run several
             # entries ahead of its applies under concurrent pushes (asking a peer at once there
-            # fetched 18% of all pushed bytes a second time at 1 MiB x4). Only a node that missed
+            # re-received 17-32% of all pushed bytes at 1 MiB x4). Only a node that missed
             # puts (down, cut off) gets past this wait; it asks for the next entries' payloads
             # too (a peer knows them by log index).
             if not self.payloads.wait(pid, PUT_GRACE) and self._SyncObj__raftCommitIndex - self._missing_index > 2:
@@ -484,7 +484,7 @@ class RaftNode(SyncObj):
             "payloads_in_memory": self.payloads.in_memory,
             "payload_spare_bytes": self.payloads.spare_bytes_held,
             "missing_payload": self._missing,
-            "fetched_payloads": self.fetched[0],      # payloads this node had to fetch from peers
+            "fetched_payloads": self.fetched[0],      # received from peers' get/get_range, not pushed
             "fetched_bytes": self.fetched[1],
             "staleness": staleness,
             "pid": os.getpid(),

@@ -165,27 +165,18 @@ class PayloadStore:
         try:
             path = self._path(pid)
             size = os.path.getsize(path)
-            with self._cond:
-                keep = self._spare_total + size <= self.spare_bytes
-                if keep:
+            with self._cond:          # a rename is a few microseconds: done under the lock
+                if self._spare_total + size <= self.spare_bytes:
                     self._spare_serial += 1
                     spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
-                    self._spare_total += size      # reserved before the rename, released if it fails
-            if keep:
-                try:
                     os.replace(path, spare)
-                except OSError:
-                    with self._cond:
-                        self._spare_total -= size
-                    raise
-                with self._cond:
                     self._spares.append((spare, size))
-            else:
-                os.unlink(path)
+                    self._spare_total += size
+                else:
+                    os.unlink(path)
+                self._disk_bytes -= size
         except (FileNotFoundError, ValueError):
             return 0
-        with self._cond:
-            self._disk_bytes -= size
         return size
 
     def _take_spare(self) -> str | None:
