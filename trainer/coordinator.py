@@ -17,7 +17,7 @@ from .config import Config
 from .data import load_dataset
 from .models import Params, make_model
 from .run import Recorder, eval_every
-from .worker import from_store, run_worker, store_names
+from .worker import from_store, run_worker, ssp_worker, store_names
 
 
 class Workers:
@@ -99,12 +99,18 @@ class Coordinator:
         self.stale0 = {int(k): v for k, v in stats.get("staleness", {}).items()}
         if cfg.mode == "sync":
             cfg.step_offset = stats["sync_applied"] + 1     # sync steps are numbered store-wide
+        if cfg.mode == "ssp":
+            # All K members exist before the first step: a worker that is slow to start holds
+            # the others back (up to --ssp-timeout) instead of joining late at their clock.
+            for rank in range(cfg.workers):
+                client.ssp_join(cfg.prefix, ssp_worker(rank), cfg.staleness)
         self.rec = Recorder(cfg, self.data, self.model)
         params, self.updates0, self.version = pull_counted(client, self.names)
         self.rec.evaluate(params, 0, self.version, 0.0)
         self.workers = Workers(cfg)
         self.last_step = {r: -1 for r in range(cfg.workers)}
         self.closed = {r: 0 for r in range(cfg.workers)}
+        self.acked = {r: 0 for r in range(cfg.workers)}     # pushes the store acknowledged, per rank
         self.done: set[int] = set()
         self.failed: set[int] = set()
         self.next_eval, self.rate, self.leader = self.every, 0.0, None
@@ -125,8 +131,9 @@ class Coordinator:
             step, loss, n_closed = msg[2], msg[3], msg[5]
             self.last_step[rank] = max(self.last_step[rank], step)
             self.closed[rank] = n_closed
-            self.bytes_pushed += msg[6]
-            self.dropped += msg[7]
+            self.acked[rank] += msg[6]
+            self.bytes_pushed += msg[7]
+            self.dropped += msg[8]
             self.rec.losses.append(loss)
             self.rec.last_loss = loss
             if self.rec.first_step_s is None:
@@ -241,6 +248,7 @@ class Coordinator:
         return self.rec.finish(params, {
             "worker_restarts": sum(self.workers.restarts.values()), "failed_workers": sorted(self.failed),
             "sync_close_step_calls": sum(self.closed.values()),
+            "acked_pushes": [self.acked[r] for r in range(cfg.workers)],
             "bytes_pushed": self.bytes_pushed, "stale_base_drops": self.dropped,
             "staleness": {k: v for k, v in sorted(staleness.items()) if v},
             "store_version": version, "cluster": self.client.addresses})

@@ -2,9 +2,9 @@
 
 Workers talk to the coordinator only through a one-way pipe of small tuples (each one write
 under PIPE_BUF, so a SIGKILLed worker cannot leave half a message for the others):
-("step", rank, step, loss, version, closed, bytes_pushed, dropped) after every step (bytes and
-dropped pushes since the previous message), ("event", rank, text) for the event log, then
-("done", rank).
+("step", rank, step, loss, version, closed, acked, bytes_pushed, dropped) after every step
+(acknowledged pushes, their bytes and dropped pushes since the previous message), ("event",
+rank, text) for the event log, then ("done", rank).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client,
             closed += 1
         tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
         params = from_store(names, tensors)
-        conn.send(("step", rank, step, loss, version, closed, 0, 0))
+        conn.send(("step", rank, step, loss, version, closed, 1, 0, 0))
 
 
 def wait_for_updates(client, names: dict[str, str], updates: int, timeout: float) -> None:
@@ -94,8 +94,15 @@ def push_bytes(tensors: dict[str, np.ndarray]) -> int:
     return sum(a.nbytes for a in tensors.values())
 
 
+def ssp_worker(rank: int) -> str:
+    """A worker's name in its run's SSP group (the group is the run's tensor prefix)."""
+    return f"rank{rank}"
+
+
 class SspMember:
-    """This worker's place in the run's SSP group (the group is the run's tensor prefix).
+    """This worker's place in the run's SSP group. The coordinator enrols all K workers before
+    any starts (so s = 0 is BSP from the first clock, however staggered the starts are);
+    joining again here is a no-op, or the rejoin of a worker dropped as dead.
 
     Before each step it waits at the leader until it is at most s clocks ahead of the slowest
     member (mode "wait"), or it just pushes and takes a StalenessBound refusal as the signal to
@@ -105,7 +112,7 @@ class SspMember:
 
     def __init__(self, cfg: Config, rank: int, client, conn: Connection):
         self.cfg, self.client, self.conn, self.rank = cfg, client, conn, rank
-        self.group, self.worker = cfg.prefix, f"rank{rank}"
+        self.group, self.worker = cfg.prefix, ssp_worker(rank)
         self.join()
 
     def join(self) -> None:
@@ -153,7 +160,7 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
     pushed, pending, count = version, None, 0
     step = start_step
     while step < total:
-        sent, dropped = 0, 0
+        acked, sent, dropped = 0, 0, 0
         if ssp is not None and cfg.ssp_on_bound == "wait":
             pushed = max(pushed, ssp.wait_turn())
         if ssp is not None or (step > start_step and step % n_fetch == 0):
@@ -170,7 +177,7 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
             try:
                 pushed = client.push(send, base_version=version, encoding=encoding,
                                      ssp=ssp.field() if ssp else None)
-                sent = push_bytes(send)
+                acked, sent = 1, push_bytes(send)
             except StalenessBound:          # ssp reject mode: too far ahead; wait, redo this step
                 pending, count = None, 0
                 time.sleep(0.01)
@@ -184,7 +191,7 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
                 tensors, version = client.pull(list(names.values()))
                 params = from_store(names, tensors)
             pending, count = None, 0
-        conn.send(("step", rank, step, loss, pushed, 0, sent, dropped))
+        conn.send(("step", rank, step, loss, pushed, 0, acked, sent, dropped))
         step += 1
     if ssp is not None:
         ssp.leave()                         # a finished worker must not hold the others back
@@ -209,7 +216,7 @@ def easgd_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
         loss, grads = model.loss_and_grads(x, data.x_train[idx], data.y_train[idx])
         for k in x:
             x[k], state[k] = optim.step(spec, x[k], grads[k], state[k])
-        sent = 0
+        acked, sent = 0, 0
         if (step + 1) % cfg.n_push == 0 or step == total - 1:
             centre, version = client.pull(list(names.values()), min_version=pushed, linearizable=cfg.fresh_pull)
             centre = from_store(names, centre)
@@ -217,5 +224,5 @@ def easgd_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
             x = {k: x[k] - delta[k] for k in x}
             send = to_store(names, delta)
             pushed = client.push(send, base_version=version)
-            sent = push_bytes(send)
-        conn.send(("step", rank, step, loss, pushed, 0, sent, 0))
+            acked, sent = 1, push_bytes(send)
+        conn.send(("step", rank, step, loss, pushed, 0, acked, sent, 0))
