@@ -57,5 +57,7 @@ def test_async_training_survives_a_node_killed_every_few_seconds(tmp_path) -> No
           f"node_events={sum(e.startswith('node ') for e in faulty_s['events'])}")
     assert len(kills) >= 3, "the run ended before the nemesis could kill anything"
     assert any(e.endswith(" down") for e in faulty_s["events"]), "the run's events do not show the kills"
+    # Exactly once through the kills: the store applied each acknowledged push, and nothing else.
+    assert faulty_s["worker_restarts"] == 0 and faulty_s["updates"] == sum(faulty_s["acked_pushes"]), faulty_s
     assert faulty_s["final_test_acc"] >= calm_s["final_test_acc"] - 0.02
     assert faulty_s["final_test_acc"] >= 0.9
