@@ -271,11 +271,17 @@ class Client:
              linearizable: bool = True) -> tuple[dict[str, np.ndarray], int]:
         """Tensors and the store version they are at. Linearizable reads go through the leader's
         log; others are served by any node that has applied at least ``min_version``."""
+        reply = self.pull_result(names, min_version, linearizable)
+        return reply["tensors"], reply["version"]
+
+    def pull_result(self, names: list[str] | None = None, min_version: int | None = None,
+                    linearizable: bool = True) -> dict:
+        """As pull, but the whole reply: tensors, version and tensor_versions (each tensor's own
+        update count, read from the same state as the tensors)."""
         request = {"op": "pull", "names": list(names) if names is not None else None,
                    "linearizable": linearizable, "min_version": min_version or 0}
         with self._lock:
-            reply = self._request(request, to_leader=linearizable)
-        return reply["tensors"], reply["version"]
+            return self._request(request, to_leader=linearizable)
 
     def tensors(self) -> list[dict]:
         """Name, dtype, shape, version and optimizer of every tensor (from the leader)."""

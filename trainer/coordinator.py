@@ -61,21 +61,14 @@ class Workers:
             proc.join(timeout=5)
 
 
-def pull_counted(client, names: dict[str, str], tries: int = 5) -> tuple[Params, int, int]:
-    """(parameters, applied updates, store version) with the update count of exactly those
-    parameters. Every push updates all of a run's tensors, so a tensor's own version counts the
-    run's applied updates; it is read before and after the pull (pull returns only the store
-    version), and equal counts bracket the pulled state exactly. Bounded: after ``tries`` the
-    later count is used."""
+def pull_counted(client, names: dict[str, str], min_version: int | None = None) -> tuple[Params, int, int]:
+    """(parameters, applied updates, store version) in one read. Every push updates all of a
+    run's tensors, so a tensor's own version, read from the same state as the tensors, counts
+    exactly the run's updates in them. With ``min_version``: from any node that has applied it
+    (spares the leader's log a barrier); without: linearizable, through the leader."""
+    reply = client.pull_result(list(names.values()), min_version=min_version, linearizable=min_version is None)
     probe = list(names.values())[-1]
-    count = lambda: next(t["version"] for t in client.tensors() if t["name"] == probe)
-    for _ in range(tries):
-        before = count()
-        tensors, version = client.pull(list(names.values()))
-        after = count()
-        if before == after:
-            break
-    return from_store(names, tensors), after, version
+    return from_store(names, reply["tensors"]), reply["tensor_versions"][probe], reply["version"]
 
 
 def _leader(rows: list[dict]) -> int | None:
@@ -111,6 +104,7 @@ class Coordinator:
         self.last_step = {r: -1 for r in range(cfg.workers)}
         self.closed = {r: 0 for r in range(cfg.workers)}
         self.acked = {r: 0 for r in range(cfg.workers)}     # pushes the store acknowledged, per rank
+        self.newest = self.version          # the newest store version a worker has reported
         self.done: set[int] = set()
         self.failed: set[int] = set()
         self.next_eval, self.rate, self.leader = self.every, 0.0, None
@@ -132,6 +126,7 @@ class Coordinator:
             self.last_step[rank] = max(self.last_step[rank], step)
             self.closed[rank] = n_closed
             self.acked[rank] += msg[6]
+            self.newest = max(self.newest, msg[4])
             self.bytes_pushed += msg[7]
             self.dropped += msg[8]
             self.rec.losses.append(loss)
@@ -201,7 +196,8 @@ class Coordinator:
         if self.progress() < self.next_eval:
             return
         self.next_eval += self.every
-        params, updates, self.version = pull_counted(self.client, self.names)
+        # Any node that has what the workers reported: the evaluation sees their pushes so far.
+        params, updates, self.version = pull_counted(self.client, self.names, min_version=self.newest)
         self.rec.evaluate(params, updates - self.updates0, self.version, self.progress() / self.per_epoch,
                           **self.push_metrics())
 

@@ -140,8 +140,10 @@ class SspMember:
 
 
 def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
-    """DownpourSGD: pull every n_fetch steps, push the summed gradient every n_push steps, no
-    coordination. Each push carries the version last pulled, so the store records staleness.
+    """DownpourSGD (Dean et al. 2012, Algorithm 7.1): pull every n_fetch steps, push the summed
+    gradient every n_push steps, no coordination; in between, the replica takes each step itself
+    (parameters -= lr * gradient), so its next gradients are computed where its own steps led.
+    Each push carries the version last pulled, so the store records staleness.
 
     --mode ssp: the same with n_fetch = n_push = 1 and the SSP gate before every step (a push is
     one clock tick). --compress: the push is encoded (raftps.compress; top-k keeps a residual)."""
@@ -153,6 +155,7 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
     topk = compress.TopK(fraction) if method == "topk" else None
     ssp = SspMember(cfg, rank, client, conn) if cfg.mode == "ssp" else None
     n_fetch, n_push = (1, 1) if ssp else (cfg.n_fetch, cfg.n_push)
+    lr = cfg.local_spec()["lr"]             # the replica's own steps (Downpour's alpha)
     if rank and cfg.warmup and start_step == 0:
         wait_for_updates(client, names, cfg.warmup, cfg.max_time)
     tensors, version = client.pull(list(names.values()))
@@ -172,6 +175,8 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
         pending = grads if pending is None else {k: pending[k] + grads[k] for k in grads}
         count += 1
+        if n_fetch > 1:                     # with n_fetch 1 the next pull replaces it anyway
+            params = {k: v - v.dtype.type(lr) * grads[k] for k, v in params.items()}
         if count == n_push or step == total - 1:
             send, encoding = compress.encode_push(to_store(names, pending), method, topk)
             try:

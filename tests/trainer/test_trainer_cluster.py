@@ -63,6 +63,30 @@ def test_sync_parity_survives_leader_kill(cluster, tmp_path):
     assert max_abs_diff(out, local_baseline(tmp_path, 50)) < 1e-5
 
 
+def test_downpour_replica_takes_its_own_steps_between_pulls(cluster, tmp_path):
+    """One Downpour worker with --n-fetch 4 --n-push 4 (no other worker, so no staleness):
+    between pulls the replica steps itself (Dean et al. 2012, Algorithm 7.1), so the store ends
+    where 12 plain SGD steps on the worker's batches end, up to float summation order."""
+    from trainer.config import Config
+    from trainer.data import async_batch, async_shard, load_dataset
+    from trainer.models import make_model
+    out = str(tmp_path / "downpour")
+    summary = run_trainer(["--cluster", cluster.addresses, "--mode", "async", "--workers", "1", *SMALL,
+                           "--steps", "12", "--n-fetch", "4", "--n-push", "4", "--seed", "4", "--prefix", "downpour"],
+                          out, env=cluster.client_env)
+    assert summary["updates"] == 3 and summary["acked_pushes"] == [3]
+    cfg = Config(hidden=(64,), seed=4)
+    data = load_dataset(cfg.dataset)
+    model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
+    params, shard = model.init(cfg.seed), async_shard(len(data.x_train), 0, 1)
+    for step in range(12):
+        idx = async_batch(shard, cfg.batch, step, cfg.seed, 0)
+        _, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
+        params = {k: v - np.float32(0.1) * grads[k] for k, v in params.items()}
+    stored = np.load(os.path.join(out, "params.npz"))
+    assert max(float(np.abs(stored[k] - params[k]).max()) for k in params) < 1e-5
+
+
 def test_async_1m_mlp_survives_leader_kill(cluster, tmp_path):
     """Four Downpour workers on the 1.08M-parameter MLP; the leader is SIGKILLed mid-run."""
     out = str(tmp_path / "async")
