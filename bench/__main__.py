@@ -37,13 +37,13 @@ MODES: dict[str, dict[str, Any]] = {
     # quick: about 3-4 minutes; full: about 12-15 minutes on the 2-core machine
     "quick": dict(loop_bytes=1 << 30, dur=3.0, max_ops=20000, pull_clients=[4], long=0.0,
                   naive=[([4 * MiB], [4])], naive_dur=15.0, naive_max=20, burst=5000,
-                  kills=10, catchup_timeout=30.0, train=[("local", 1), ("async", 4), ("sync", 4)], seeds=1,
+                  kills=10, catchup_timeout=30.0, train=["local x1", "async x4", "downpour x4", "sync x4"], seeds=1,
                   torch_workers=[1, 4]),
     "full": dict(loop_bytes=2 << 30, dur=10.0, max_ops=200000, pull_clients=[1, 4], long=60.0,
                  naive=[([1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB], [1, 4]), ([16 * MiB], [1, 4])],
                  naive_dur=20.0, naive_max=30, burst=20000,
-                 kills=10, catchup_timeout=120.0, train=[("local", 1), ("async", 1), ("async", 2), ("async", 4),
-                                                         ("sync", 4)], seeds=2, torch_workers=[1, 2, 4]),
+                 kills=10, catchup_timeout=120.0, train=["local x1", "async x1", "async x2", "async x4",
+                                                         "downpour x4", "sync x4"], seeds=2, torch_workers=[1, 2, 4]),
 }
 CATCHUP_SIZES = [4 * MiB, 64 * MiB]
 TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates with --local

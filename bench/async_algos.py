@@ -47,18 +47,9 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def drop_run_tensors(addresses: str, prefix: str) -> None:
-    """Delete a finished run's tensors: status digests and snapshots cover the whole store, so
-    earlier runs' tensors (AdaRevision's with 33 gradient sums each) would slow every later run."""
-    from raftps import Client
-    with Client(addresses) as client:
-        names = [t["name"] for t in client.tensors() if t["name"].startswith(prefix + "/")]
-        if names:
-            client.delete(names)
-
-
 def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, epochs: dict[int, int],
                  settings: list[str] | None = None) -> list[dict]:
+    from trainer.bench import drop_run_tensors
     from trainer.config import Config
     from trainer.metrics import read_csv
     from trainer.run import TARGET_ACC, train

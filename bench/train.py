@@ -127,44 +127,34 @@ def torch_run(cfg: Any, world: int, port: int) -> dict[str, Any]:
 
 
 def _row(setting: str, exchange: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over seeds, as python -m trainer.bench reports them."""
-    from trainer.run import TARGET_ACC
-    med = lambda xs: statistics.median(xs) if xs else float("nan")
-    hit = [r[f"reached_{TARGET_ACC}"] for r in runs if r[f"reached_{TARGET_ACC}"]]
-    row = {"system": "train", "op": "train", "setting": setting, "exchange": exchange,
-           "reached": f"{len(hit)}/{len(runs)}", "updates": med([h["updates"] for h in hit]),
-           "time_s": med([h["time_s"] for h in hit]), "startup_s": med([r["first_step_s"] or 0.0 for r in runs]),
-           "upd_per_s": med([r["updates"] / max(r["wall_s"] - (r["first_step_s"] or 0.0), 1e-9) for r in runs]),
-           "final_acc": med([r["final_test_acc"] for r in runs]), "wall_s": med([r["wall_s"] for r in runs])}
+    """trainer.bench's medians over seeds, plus (torch runs) where rank 0's time went."""
+    from trainer.bench import summarize
+    row = {"system": "train", "op": "train", "exchange": exchange, **summarize(setting, runs)}
     for key in ("compute_s", "allreduce_s", "apply_s", "eval_s"):
         if key in runs[0]:
-            row[key] = med([r[key] for r in runs])
-    log(f"train {setting} ({exchange}): reached 0.95 in {row['reached']} runs, {row['updates']:.0f} updates, "
-        f"{row['time_s']:.2f} s (startup {row['startup_s']:.2f} s), {row['upd_per_s']:.1f} updates/s, "
-        f"final acc {row['final_acc']:.4f}")
+            row[key] = statistics.median([r[key] for r in runs])
+    log(f"train {setting} ({exchange}): reached 0.95 in {row['reached']} runs, {row['updates']:.0f} updates "
+        f"({row['grad_steps']:.0f} gradient steps), {row['time_s']:.2f} s (startup {row['startup_s']:.2f} s), "
+        f"{row['upd_per_s']:.1f} updates/s (steady {row['steady_upd_per_s']:.1f}), final acc {row['final_acc']:.4f}")
     return row
 
 
-def measure(run_dir: str, base_port: int, settings: list[tuple[str, int]], seeds: int, epochs: int,
+def measure(run_dir: str, base_port: int, settings: list[str], seeds: int, epochs: int,
             torch_workers: list[int], torch_port: int) -> list[dict[str, Any]]:
     """raftps settings on one 3-node cluster (and its raw 4 MB push rate), then the torch runs."""
     from raftps.localcluster import LocalCluster
-    from trainer.bench import raw_push_rate
-    from trainer.run import train
+    from trainer.bench import raw_push_rates, run_setting
     out: list[dict[str, Any]] = []
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port)
     os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
     try:
         addresses = cluster.start(timeout=60)
-        raw = raw_push_rate(addresses)
-        out.append({"system": "train", "op": "raw_push", "ops_per_s": raw})
-        log(f"train: raw 4 MB push rate (1 client, same cluster) {raw:.1f}/s")
-        for mode, workers in settings:
-            runs = [train(_config(cluster=addresses, local=mode == "local", mode="sync" if mode == "local" else mode,
-                                  workers=workers, epochs=epochs, seed=seed, prefix=f"bench-{mode}{workers}-{seed}",
-                                  out=os.path.join(run_dir, f"{mode}{workers}-{seed}")))
-                    for seed in range(seeds)]
-            out.append(_row(f"{mode} x{workers}", "none" if mode == "local" else "raftps", runs))
+        raw, rows = raw_push_rates(addresses, lambda: [_row(label, "none" if label.startswith("local") else "raftps",
+                                                            run_setting(label, addresses, seeds, epochs, run_dir))
+                                                       for label in settings])     # trainer.bench.SETTINGS labels
+        log(f"train: raw 4 MB push rate (1 client, same cluster) {raw['before']:.1f}/s before the runs, "
+            f"{raw['after']:.1f}/s after")
+        out += [{"system": "train", "op": "raw_push", **raw}, *rows]
     finally:
         cluster.wipe()
     if torch_version() is None:

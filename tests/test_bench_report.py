@@ -19,15 +19,20 @@ def test_etcd_failover_and_training_targets_are_ratios_of_the_same_run():
                {"system": "raftps-3", "op": "failover", "kills": 10, "measured": 10, "median_s": 2.5},
                {"system": "train", "op": "raw_push", "ops_per_s": 50.0},
                {"system": "train", "op": "train", "setting": "local x1", "updates": 26, "upd_per_s": 60.0},
-               {"system": "train", "op": "train", "setting": "async x4", "updates": 39, "upd_per_s": 31.0}]
+               {"system": "train", "op": "train", "setting": "async x4", "updates": 39, "upd_per_s": 25.0,
+                "steady_upd_per_s": 31.0},
+               {"system": "train", "op": "train", "setting": "downpour x4", "updates": 41, "upd_per_s": 10.0,
+                "steady_upd_per_s": 11.0}]
     v = verdicts(records)
     value, met = v["3-node / etcd 3.4 MB/s, 1 MiB x4"]
     assert abs(value - 104.9 / 21.0) < 1e-9 and met is False
     value, met = v["3-node / etcd 3.4 MB/s, 4 MiB x4"]
     assert abs(value - 251.7 / 21.0) < 1e-9 and met is True
     assert v["failover median, 10/10 leader SIGKILLs (s)"] == (2.5, False)
-    assert v["4 async workers / --local, updates to 0.95"] == (1.5, True)
-    assert v["4 async workers' update rate / raw 4 MB push rate"] == (0.62, True)
+    assert v["4 async workers (Downpour, push every step) / --local, updates to 0.95"] == (1.5, True)
+    value, met = v["4 async workers (Downpour, 4 local steps per push, staleness-aware lr) / --local, updates to 0.95"]
+    assert abs(value - 41 / 26) < 1e-9 and met is False
+    assert v["4 async workers' steady update rate / raw 4 MB push rate"] == (0.62, True)     # steady, not whole-run
 
 
 def test_missing_systems_give_no_verdict_and_the_markdown_still_renders():

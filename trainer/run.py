@@ -44,8 +44,7 @@ class Recorder:
                  staleness_mean: float | str = "", bytes_pushed: int | str = "") -> None:
         train_loss = float(np.mean(self.losses)) if self.losses else float("nan")
         self.losses = []
-        acc = self.model.accuracy(params, self.data.x_test, self.data.y_test)
-        loss = self.model.loss(params, self.data.x_test, self.data.y_test)
+        loss, acc = self.model.loss_and_accuracy(params, self.data.x_test, self.data.y_test)
         row = dict(time_s=self.elapsed(), updates=updates, version=version, epoch=epoch,
                    train_loss=train_loss, test_loss=loss, test_acc=acc,
                    staleness_mean=staleness_mean, bytes_pushed=bytes_pushed)
@@ -76,11 +75,25 @@ class Recorder:
                    "final_test_acc": self.last["test_acc"], "final_test_loss": self.last["test_loss"],
                    "updates": updates, "wall_s": round(wall, 3),
                    "updates_per_s": round(updates / wall, 2) if wall > 0 else None,
+                   "steady_updates_per_s": steady_rate(self.metrics.rows),
                    f"reached_{TARGET_ACC}": self.reached, "events": [e["event"] for e in self.events.rows],
                    "first_step_s": self.first_step_s, "plot": plot, **extra}
         with open(os.path.join(cfg.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=str)
         return summary
+
+
+def steady_rate(rows: list[dict], low: float = 0.1, high: float = 0.9) -> float | None:
+    """Applied updates per second between the evaluations at ``low`` and ``high`` of the run's
+    updates: the rate with every worker running, without start-up and the tail of the last
+    workers to finish. None if fewer than two evaluations fall in between."""
+    total = int(rows[-1]["updates"]) if rows else 0
+    inside = [r for r in rows if low * total <= int(r["updates"]) <= high * total]
+    if len(inside) < 2:
+        return None
+    first, last = inside[0], inside[-1]
+    seconds = float(last["time_s"]) - float(first["time_s"])
+    return round((int(last["updates"]) - int(first["updates"])) / seconds, 2) if seconds > 0 else None
 
 
 def eval_every(cfg: Config, n_train: int) -> int:

@@ -32,6 +32,7 @@ def test_gradients_match_finite_differences(model):
     y = rng.integers(0, 5, 32)
     loss, grads = model.loss_and_grads(params, x, y)
     assert loss == pytest.approx(model.loss(params, x, y), rel=1e-12)
+    assert model.loss_and_accuracy(params, x, y) == (model.loss(params, x, y), model.accuracy(params, x, y))
     assert set(grads) == set(params)
     for name in params:
         assert grads[name].shape == params[name].shape and grads[name].dtype == np.float64
