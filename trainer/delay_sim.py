@@ -13,6 +13,7 @@ learning rates, AdaRevision), not a faster store.
     python -m trainer.delay_sim --workers 4 --seeds 3
     python -m trainer.delay_sim --workers 8 --optimizer adarevision --lr 0.05
     python -m trainer.delay_sim --workers 8 --staleness-aware --lr 0.4
+    python -m trainer.delay_sim --workers 4 --staleness-aware --n-push 4   # Downpour, 4 local steps per push
 
 Each update passes the store's own ``optim.Context`` (index, base version, staleness), so
 staleness-aware learning rates and AdaRevision see exactly what they see in the store.
@@ -39,12 +40,12 @@ def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: f
     history = [params]                 # history[-1 - d]: the parameters d updates ago
     shards = [async_shard(len(data.x_train), r, cfg.workers) for r in range(cfg.workers)]
     local_steps = [0] * cfg.workers
+    lr = cfg.local_spec()["lr"]
     for update in range(1, max_updates + 1):
         rank = (update - 1) % cfg.workers
         seen = history[max(0, len(history) - 1 - delay)]
-        idx = async_batch(shards[rank], cfg.batch, local_steps[rank], cfg.seed, rank)
-        local_steps[rank] += 1
-        _, grads = model.loss_and_grads(seen, data.x_train[idx], data.y_train[idx])
+        grads = local_sgd(model, data, seen, cfg, shards[rank], rank, local_steps[rank], lr)
+        local_steps[rank] += cfg.n_push
         params = dict(params)
         tau = min(delay, update - 1)           # update u is applied at "index" u and saw u - 1 - tau
         ctx = optim.Context(index=update, base=update - 1 - tau, staleness=tau)
@@ -56,6 +57,19 @@ def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: f
     return None
 
 
+def local_sgd(model, data, params, cfg: Config, shard, rank: int, step: int, lr: float) -> dict:
+    """The summed gradient of ``cfg.n_push`` Downpour replica steps from ``params`` (the replica
+    takes each step itself, as trainer.worker.async_loop does with n_fetch = n_push)."""
+    total = None
+    for k in range(cfg.n_push):
+        idx = async_batch(shard, cfg.batch, step + k, cfg.seed, rank)
+        _, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
+        total = grads if total is None else {n: total[n] + grads[n] for n in grads}
+        if k + 1 < cfg.n_push:
+            params = {n: v - v.dtype.type(lr) * grads[n] for n, v in params.items()}
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.delay_sim")
     ap.add_argument("--workers", type=int, default=4)
@@ -63,13 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--staleness-aware", action="store_true")
+    ap.add_argument("--n-push", type=int, default=1, help="replica steps per push (Downpour, n_fetch = n_push)")
     ap.add_argument("--hidden", default="1000,1000")
     ap.add_argument("--max-updates", type=int, default=400)
     args = ap.parse_args(argv)
     hidden = tuple(int(w) for w in args.hidden.split(",") if w)
     for delay in sorted({0, args.workers - 1}):
         runs = [updates_to_target(Config(workers=args.workers if delay else 1, lr=args.lr, seed=s, hidden=hidden,
-                                         optimizer=args.optimizer, staleness_aware=args.staleness_aware),
+                                         optimizer=args.optimizer, staleness_aware=args.staleness_aware,
+                                         n_fetch=args.n_push, n_push=args.n_push),
                                   delay, args.max_updates)
                 for s in range(args.seeds)]
         hit = [r for r in runs if r is not None]
