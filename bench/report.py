@@ -84,6 +84,9 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, float | None,
     if "async x4" in tr and raw:
         add("4 async workers' steady update rate / raw 4 MB push rate", ">= 0.6x",
             tr["async x4"]["steady_upd_per_s"] / raw["ops_per_s"], 0.6)
+    if "async x4" in tr and r3:      # the core benchmark's rate at the same concurrency (4 clients)
+        add("4 async workers' steady update rate / 3-node 4 MiB x4 push rate", ">= 0.6x",
+            tr["async x4"]["steady_upd_per_s"] / r3["ops_per_s"], 0.6)
     runs = [r for r in records if r.get("system") == "raftps-3" and r.get("op") == "push"
             and r.get("size") == HEAD_SIZE and r.get("clients") == HEAD_CLIENTS]
     if runs:

@@ -33,6 +33,7 @@ def test_etcd_failover_and_training_targets_are_ratios_of_the_same_run():
     value, met = v["4 async workers (Downpour, 4 local steps per push, staleness-aware lr) / --local, updates to 0.95"]
     assert abs(value - 41 / 26) < 1e-9 and met is False
     assert v["4 async workers' steady update rate / raw 4 MB push rate"] == (0.62, True)     # steady, not whole-run
+    assert v["4 async workers' steady update rate / 3-node 4 MiB x4 push rate"] == (31.0 / 60.0, False)
 
 
 def test_missing_systems_give_no_verdict_and_the_markdown_still_renders():
