@@ -95,13 +95,13 @@ def drop_run_tensors(addresses: str, prefix: str) -> None:
             client.delete(names)
 
 
-def run_setting(label: str, addresses: str | None, seeds: int, epochs: int, out: str, **extra) -> list[dict]:
+def run_setting(label: str, addresses: str | None, seeds: int, epochs: int, out: str) -> list[dict]:
     """One setting's runs, one per seed, each with its own tensor prefix, deleted after the run."""
     name = label.replace(" ", "")
     runs = []
     for seed in range(seeds):
         cfg = Config(cluster=addresses, epochs=epochs, seed=seed, evals_per_epoch=11, prefix=f"bench-{name}-{seed}",
-                     out=os.path.join(out, f"{name}-{seed}"), **SETTINGS[label], **extra)
+                     out=os.path.join(out, f"{name}-{seed}"), **SETTINGS[label])
         runs.append(train(cfg))
         if not cfg.local:
             drop_run_tensors(addresses, cfg.prefix)

@@ -94,6 +94,11 @@ def push_bytes(tensors: dict[str, np.ndarray]) -> int:
     return sum(a.nbytes for a in tensors.values())
 
 
+def replica_step(params: Params, grads: Params, lr: float) -> Params:
+    """One of a Downpour replica's own SGD steps between pulls (the paper's Algorithm 7.1)."""
+    return {k: v - v.dtype.type(lr) * grads[k] for k, v in params.items()}
+
+
 def ssp_worker(rank: int) -> str:
     """A worker's name in its run's SSP group (the group is the run's tensor prefix)."""
     return f"rank{rank}"
@@ -176,7 +181,7 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
         pending = grads if pending is None else {k: pending[k] + grads[k] for k in grads}
         count += 1
         if n_fetch > 1:                     # with n_fetch 1 the next pull replaces it anyway
-            params = {k: v - v.dtype.type(lr) * grads[k] for k, v in params.items()}
+            params = replica_step(params, grads, lr)
         if count == n_push or step == total - 1:
             send, encoding = compress.encode_push(to_store(names, pending), method, topk)
             try:
