@@ -164,6 +164,7 @@ class Metrics:
              "time_to_target_s": self.reached[0] if self.reached else None,
              "step_at_target": self.reached[1] if self.reached else None,
              "train_s": self.now(), "startup_s": (self.first_step or time.time()) - T_START,
+             "first_step_unix": self.first_step,
              "steady_steps_per_s": self.steady_rate(), **(extra or {})}
         if self.out:
             with open(os.path.join(self.out, "metrics.csv"), "w", newline="") as f:
