@@ -198,7 +198,13 @@ class Client:
 
     def create(self, name: str, array: np.ndarray, optimizer: dict) -> int:
         """Create a tensor with its optimizer; the same call again is a no-op."""
-        return self._write("create", tensors={name: np.asarray(array)}, optimizer={name: optimizer})["version"]
+        return self.create_many({name: array}, {name: optimizer})
+
+    def create_many(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> int:
+        """Create several tensors in one write (each with its optimizer spec); existing ones
+        with the same shape, dtype and optimizer are left as they are."""
+        return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
+                           optimizer=dict(optimizers))["version"]
 
     def push(self, grads: dict[str, np.ndarray], base_version: int | None = None,
              encoding: dict | None = None, ssp: dict | None = None) -> int:
