@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make .venv with raftps installed from this checkout. `--test` adds what the test suite needs:
-# pytest, the trainer's extras, Debian's iptables (network-partition tests) and openssl (TLS tests).
+# pytest, the trainer's extras, torch's CPU build (raftps.torch), Debian's iptables
+# (network-partition tests) and openssl (TLS tests). `--torch` adds torch alone.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -19,13 +20,29 @@ need() {
   fi
 }
 
-if [ "${1:-}" = "--test" ]; then
-  extras="test,train"
-  need iptables iptables "the network-partition tests"
-  need openssl openssl "the TLS tests (cluster/make-certs.sh)"
-fi
+with_torch=0
+case "${1:-}" in
+  --test)
+    extras="test,train,torch"; with_torch=1
+    need iptables iptables "the network-partition tests"
+    need openssl openssl "the TLS tests (cluster/make-certs.sh)" ;;
+  --torch) extras="train,torch"; with_torch=1 ;;
+esac
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+# torch's CPU build, before the `torch` extra asks for torch: a plain `pip install torch` resolves
+# to the CUDA build (several GB of nvidia wheels). A CPU wheel on this machine's disk
+# ($TORCH_WHEEL, or /opt/wheels) is used first, else PyTorch's CPU index.
+if [ "$with_torch" = 1 ] && ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  wheel="${TORCH_WHEEL:-$(ls /opt/wheels/torch-*cpu*.whl 2>/dev/null | head -1 || true)}"
+  if [ -n "$wheel" ] && [ -f "$wheel" ]; then
+    echo "setup: installing torch (CPU) from $wheel"
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$wheel"
+  else
+    echo "setup: installing torch (CPU) from download.pytorch.org/whl/cpu"
+    .venv/bin/python -m pip install -q --disable-pip-version-check torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"
 echo "setup: .venv ready ($(.venv/bin/python --version), extras: $extras)"

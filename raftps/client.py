@@ -198,7 +198,13 @@ class Client:
 
     def create(self, name: str, array: np.ndarray, optimizer: dict) -> int:
         """Create a tensor with its optimizer; the same call again is a no-op."""
-        return self._write("create", tensors={name: np.asarray(array)}, optimizer={name: optimizer})["version"]
+        return self.create_many({name: array}, {name: optimizer})
+
+    def create_many(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> int:
+        """Create several tensors in one write (each with its optimizer spec); existing ones
+        with the same shape, dtype and optimizer are left as they are."""
+        return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
+                           optimizer=dict(optimizers))["version"]
 
     def push(self, grads: dict[str, np.ndarray], base_version: int | None = None,
              encoding: dict | None = None, ssp: dict | None = None) -> int:
@@ -224,28 +230,55 @@ class Client:
     def delete(self, names: list[str]) -> int:
         return self._write("delete", names=list(names))["version"]
 
-    def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int) -> int:
-        """One worker's contribution to synchronous step ``step``; the mean of ``workers``
-        contributions is applied once, when the last one arrives."""
-        return self._write("push_sync", tensors={k: np.asarray(v) for k, v in grads.items()},
-                           step=int(step), workers=int(workers))["version"]
+    def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
+                  rank: int | None = None) -> int:
+        """One worker's contribution to synchronous step ``step`` of sync group ``group`` (a job's
+        name; None: the store-wide default group); the mean of ``workers`` contributions is applied
+        once, when the last one arrives. With ``rank`` (0 <= rank < workers) the step counts
+        distinct ranks: a rank's second contribution (a restarted worker) is ignored."""
+        return self.push_sync_result(grads, step, workers, group, rank)["version"]
 
-    def close_step(self, step: int) -> int:
-        """Apply sync step ``step`` now with the contributions that arrived (no-op if applied)."""
-        return self._write("close_step", step=int(step))["version"]
+    def push_sync_result(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
+                         rank: int | None = None) -> dict:
+        """As push_sync, but the whole result: version, step, applied, count, and late (the step
+        was applied before) or duplicate_rank (this rank had contributed; nothing changed)."""
+        fields: dict[str, Any] = {"tensors": {k: np.asarray(v) for k, v in grads.items()},
+                                  "step": int(step), "workers": int(workers)}
+        if group is not None:
+            fields["group"] = group
+        if rank is not None:
+            fields["rank"] = int(rank)
+        return self._write("push_sync", **fields)
 
-    def wait_step(self, step: int, timeout: float) -> int:
-        """Block until sync step ``step`` is applied; returns the store version then."""
+    def close_step(self, step: int, group: str | None = None) -> int:
+        """Apply sync step ``step`` of ``group`` now with the contributions that arrived (no-op if applied)."""
+        fields: dict[str, Any] = {"step": int(step)}
+        if group is not None:
+            fields["group"] = group
+        return self._write("close_step", **fields)["version"]
+
+    def wait_step(self, step: int, timeout: float, group: str | None = None) -> int:
+        """Block until sync step ``step`` of ``group`` is applied; returns the store version then."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
+            request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))}
+            if group is not None:
+                request["group"] = group
             try:
                 with self._lock:
-                    return self._request({"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))},
-                                         attempt_timeout=min(left, 5.0) + 5.0)["version"]
+                    return self._request(request, attempt_timeout=min(left, 5.0) + 5.0)["version"]
             except StepTimeout:
                 if deadline - time.monotonic() <= 0:
                     raise
+
+    def sync_applied(self, group: str | None = None) -> int:
+        """The last applied sync step of ``group`` (-1 if none), read through the leader's log."""
+        request: dict[str, Any] = {"op": "sync_applied"}
+        if group is not None:
+            request["group"] = group
+        with self._lock:
+            return self._request(request)["applied"]
 
     # ---- SSP groups (bounded staleness) -------------------------------------------------------
 

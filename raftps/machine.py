@@ -26,7 +26,8 @@ from .errors import (DtypeMismatch, InvalidGradient, InvalidRequest, NotInGroup,
 
 TENSOR_DTYPES = ("float32", "float64")
 NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
-SNAPSHOT_FORMAT = 1
+# 2: sync steps per group, with the ranks that contributed; restore() still reads format 1.
+SNAPSHOT_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,16 @@ def check_name(name: Any) -> str:
     return name
 
 
+def check_group(group: Any) -> str:
+    """A sync group (a job's name): "" is the store-wide default group."""
+    if group is None or group == "":
+        return ""
+    if not isinstance(group, str) or not NAME_RE.fullmatch(group):
+        raise InvalidRequest(f"bad sync group {group!r}: 1-200 characters from [A-Za-z0-9_.:/-], or \"\" "
+                             "for the store-wide default")
+    return group
+
+
 def check_tensors(tensors: Any) -> dict[str, np.ndarray]:
     """A non-empty map of valid names to arrays, in sorted order."""
     if not isinstance(tensors, dict) or not tensors:
@@ -95,8 +106,11 @@ class TensorStore:
         self.tensors: dict[str, Tensor] = {}
         self.sessions: OrderedDict[str, Session] = OrderedDict()   # least recently active first
         self.session_limits = session_limits
-        self.sync_applied = -1                             # last sync step applied
-        self.sync_buffers: dict[int, dict] = {}            # step -> {"sum": {name: arr}, "count": n, "workers": k}
+        # sync group -> {"applied": last step applied, "buffers": {step: {"sum": {name: arr},
+        # "count": n, "workers": k, "ranks": sorted ranks that contributed, or None if unranked}}}.
+        # Group "" is the store-wide default. A group in its initial state is never stored, so
+        # every replica's dict (and digest) is the same whatever reads happened.
+        self.sync: dict[str, dict] = {}
         # tensor -> Raft indices of its latest updates (as many as staleness_window): a push's
         # staleness tau is how many of them come after its base version. Past the window tau
         # saturates at staleness_window.
@@ -339,50 +353,85 @@ class TensorStore:
             self.update_indices.pop(name, None)
         return {"version": index}
 
+    # ---- synchronous steps, per group (job) --------------------------------------------------
+
+    def sync_step_applied(self, group: str = "") -> int:
+        """The last step applied in sync group ``group`` (-1 if none)."""
+        return self.sync.get(group, {}).get("applied", -1)
+
+    def sync_count(self, group: str, step: int) -> int:
+        """Contributions received so far to a step not yet applied."""
+        return self.sync.get(group, {}).get("buffers", {}).get(step, {}).get("count", 0)
+
+    @property
+    def sync_applied(self) -> int:          # the default group: what trainer/ and stats use
+        return self.sync_step_applied("")
+
+    def _sync_group(self, group: str) -> dict:
+        g = self.sync.get(group)
+        if g is None:
+            g = self.sync[group] = {"applied": -1, "buffers": {}}
+        return g
+
     def _push_sync(self, index: int, command: dict) -> dict:
         grads = check_tensors(command.get("tensors"))
-        step, workers = command.get("step"), command.get("workers")
+        step, workers, rank = command.get("step"), command.get("workers"), command.get("rank")
         if type(step) is not int or step < 0 or type(workers) is not int or workers < 1:
             raise InvalidRequest("push_sync needs step (int >= 0) and workers (int >= 1)")
+        if rank is not None and (type(rank) is not int or not 0 <= rank < workers):
+            raise InvalidRequest(f"push_sync rank must be an int in [0, workers={workers}), got {rank!r}")
+        group = check_group(command.get("group"))
         for name, grad in grads.items():
             self._check_like(name, grad, "gradient")
-        if step <= self.sync_applied:
+        if step <= self.sync_step_applied(group):
             return {"version": index, "step": step, "applied": True, "late": True}
-        buf = self.sync_buffers.get(step)
-        if buf is None:
-            buf = self.sync_buffers[step] = {"sum": {}, "count": 0, "workers": workers}
-        elif sorted(buf["sum"]) != sorted(grads) or buf["workers"] != workers:
-            raise InvalidRequest(f"sync step {step}: contribution for {sorted(grads)} with workers={workers} "
-                                 f"does not match {sorted(buf['sum'])} with workers={buf['workers']}")
+        buf = self.sync.get(group, {}).get("buffers", {}).get(step)
+        if buf is not None:
+            if sorted(buf["sum"]) != sorted(grads) or buf["workers"] != workers:
+                raise InvalidRequest(f"sync step {step}: contribution for {sorted(grads)} with workers={workers} "
+                                     f"does not match {sorted(buf['sum'])} with workers={buf['workers']}")
+            if (buf["ranks"] is None) != (rank is None):
+                raise InvalidRequest(f"sync step {step}: contributions with and without rank cannot be mixed")
+            if rank is not None and rank in buf["ranks"]:
+                # A restarted worker (a new client session) pushing its step again: counted once.
+                return {"version": index, "step": step, "applied": False, "count": buf["count"],
+                        "duplicate_rank": True}
+        else:
+            buf = self._sync_group(group)["buffers"][step] = {
+                "sum": {}, "count": 0, "workers": workers, "ranks": None if rank is None else []}
         for name, grad in grads.items():
             prev = buf["sum"].get(name)
             buf["sum"][name] = grad.copy() if prev is None else prev + grad
         buf["count"] += 1
+        if rank is not None:
+            bisect.insort(buf["ranks"], rank)
         applied = buf["count"] >= workers
         if applied:
-            self._apply_step(step)
+            self._apply_step(group, step)
         return {"version": index, "step": step, "applied": applied, "count": buf["count"]}
 
-    def _apply_step(self, step: int) -> None:
-        buf = self.sync_buffers.pop(step, None)
+    def _apply_step(self, group: str, step: int) -> None:
+        g = self._sync_group(group)
+        buf = g["buffers"].pop(step, None)
         if buf is not None and buf["count"]:
             for name in sorted(buf["sum"]):
                 if name in self.tensors:     # deleted meanwhile: nothing to update
                     total = buf["sum"][name]
                     self._update(name, total / total.dtype.type(buf["count"]))
             self.stats["pushes"] += 1
-        self.sync_applied = step
-        for old in [s for s in sorted(self.sync_buffers) if s < step]:
-            del self.sync_buffers[old]
+        g["applied"] = step
+        for old in [s for s in sorted(g["buffers"]) if s < step]:
+            del g["buffers"][old]
 
     def _close_step(self, index: int, command: dict) -> dict:
         step = command.get("step")
         if type(step) is not int or step < 0:
             raise InvalidRequest("close_step needs step (int >= 0)")
-        if step <= self.sync_applied:
+        group = check_group(command.get("group"))
+        if step <= self.sync_step_applied(group):
             return {"version": index, "step": step, "applied": True, "late": True}
-        count = self.sync_buffers.get(step, {}).get("count", 0)
-        self._apply_step(step)
+        count = self.sync_count(group, step)
+        self._apply_step(group, step)
         return {"version": index, "step": step, "applied": True, "count": count}
 
     _OPS: dict[str, Callable[["TensorStore", int, dict], dict]] = {
@@ -419,8 +468,9 @@ class TensorStore:
                         for name, t in sorted(self.tensors.items())],
             "sessions": [[client, s.floor, s.last_index, sorted(s.results.items())]
                          for client, s in self.sessions.items()],
-            "sync": [self.sync_applied, [[step, b["count"], b["workers"], sorted(b["sum"].items())]
-                                         for step, b in sorted(self.sync_buffers.items())]],
+            "sync": [[group, g["applied"], [[step, b["count"], b["workers"], b["ranks"], sorted(b["sum"].items())]
+                                            for step, b in sorted(g["buffers"].items())]]
+                     for group, g in sorted(self.sync.items())],
             "update_indices": [[name, list(ix)] for name, ix in sorted(self.update_indices.items())],
             "ssp": [[group, g["staleness"], sorted(g["clocks"].items())] for group, g in sorted(self.ssp.items())],
             "stats": [self.stats["pushes"], self.stats["rejected"], self.stats["duplicates"],
@@ -428,8 +478,8 @@ class TensorStore:
         }
 
     def restore(self, snap: dict) -> None:
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"not a raftps snapshot of format {SNAPSHOT_FORMAT}")
+        if not isinstance(snap, dict) or snap.get("format") not in (1, SNAPSHOT_FORMAT):
+            raise ValueError(f"not a raftps snapshot of format 1 or {SNAPSHOT_FORMAT}")
         fresh = TensorStore(self.session_limits, self.staleness_window)
         fresh.version = snap["version"]
         for name, data, version, spec, state in snap["tensors"]:
@@ -438,9 +488,18 @@ class TensorStore:
                                           for k, v in state})
         for client, floor, last_index, results in snap["sessions"]:
             fresh.sessions[client] = Session(floor, last_index, dict(results))
-        fresh.sync_applied, buffers = snap["sync"]
-        for step, count, workers, sums in buffers:
-            fresh.sync_buffers[step] = {"sum": {k: np.array(v) for k, v in sums}, "count": count, "workers": workers}
+        if snap["format"] == 1:       # one store-wide group, unranked
+            applied, buffers = snap["sync"]
+            groups = [["", applied, [[step, count, workers, None, sums] for step, count, workers, sums in buffers]]]
+        else:
+            groups = snap["sync"]
+        for group, applied, buffers in groups:
+            if applied == -1 and not buffers:
+                continue              # the initial state is never stored (see __init__)
+            fresh.sync[group] = {"applied": applied, "buffers": {
+                step: {"sum": {k: np.array(v) for k, v in sums}, "count": count, "workers": workers,
+                       "ranks": None if ranks is None else list(ranks)}
+                for step, count, workers, ranks, sums in buffers}}
         for name, indices in snap.get("update_indices", []):
             fresh.update_indices[name] = deque(indices, maxlen=fresh.staleness_window)
         for group, s, clocks in snap.get("ssp", []):

@@ -411,28 +411,33 @@ class RaftNode(SyncObj):
         with self.lock:
             return self.machine.read(names)
 
-    def linearizable_read(self, names: list[str] | None) -> tuple[dict, int]:
-        """Commit a barrier and read in the tick thread right after it is applied: the read sees
-        every write that completed before it began, and exactly the state at its version."""
-        def read_now(_: dict) -> Any:
+    def linearizable(self, fn: Callable[[TensorStore], Any]) -> Any:
+        """Commit a barrier and run ``fn(machine)`` in the tick thread right after it is applied:
+        the result sees every write that completed before this call began, and exactly the state
+        at one version. ``fn`` must be quick (it runs between applies) and may raise RaftpsError."""
+        def run_now(_: dict) -> Any:
             try:
-                return self.machine.read(names)
+                return fn(self.machine)
             except RaftpsError as exc:
                 return exc
-        out = self.submit({"op": "barrier"}, on_applied=read_now)
+        out = self.submit({"op": "barrier"}, on_applied=run_now)
         if isinstance(out, RaftpsError):
             raise out
         return out
+
+    def linearizable_read(self, names: list[str] | None) -> tuple[dict, int]:
+        return self.linearizable(lambda m: m.read(names))
 
     def wait_version(self, version: int, timeout: float) -> bool:
         with self.applied:
             return self.applied.wait_for(lambda: self.machine.version >= version, timeout)
 
-    def wait_step(self, step: int, timeout: float) -> int:
+    def wait_step(self, step: int, timeout: float, group: str = "") -> int:
         with self.applied:
-            if not self.applied.wait_for(lambda: self.machine.sync_applied >= step, timeout):
-                raise StepTimeout(f"sync step {step} not applied within {timeout:.1f} s "
-                                  f"({self.machine.sync_buffers.get(step, {}).get('count', 0)} contribution(s) so far)")
+            if not self.applied.wait_for(lambda: self.machine.sync_step_applied(group) >= step, timeout):
+                where = f" of group {group!r}" if group else ""
+                raise StepTimeout(f"sync step {step}{where} not applied within {timeout:.1f} s "
+                                  f"({self.machine.sync_count(group, step)} contribution(s) so far)")
             return self.machine.version
 
     def wait_ssp(self, group: str, worker: str, timeout: float) -> dict:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from . import auth, codec
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result)
-from .machine import check_finite, check_tensors
+from .machine import check_finite, check_group, check_tensors
 from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
@@ -55,6 +55,7 @@ class ClientServer:
             "stats": self._stats,
             "pull": self._pull,
             "wait_step": self._wait_step,
+            "sync_applied": self._sync_applied,
             "ssp_wait": self._ssp_wait,
             "tensors": self._tensors,
             **{op: self._write for op in WRITES},
@@ -233,14 +234,22 @@ class ClientServer:
         except Outcome as outcome:
             return _retry(str(outcome))
 
+    def _linearizable(self, fn: Callable[[Any], dict]) -> dict:
+        """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or
+        the reply that sends the client on."""
+        redirect = self._not_leader()
+        if redirect:
+            return redirect
+        try:
+            return self.node.linearizable(fn)
+        except Outcome as outcome:
+            return _retry(str(outcome))
+
     def _tensors(self, req: dict) -> dict:
-        read = self._leader_read(None)
-        if isinstance(read, dict):
-            return read
-        tensors, version = read
-        return {"version": version, "tensors": [
+        # Metadata only, taken in the tick thread: no array leaves the state machine.
+        return self._linearizable(lambda m: {"version": m.version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
-             "optimizer": t.optimizer} for n, t in tensors.items()]}
+             "optimizer": t.optimizer} for n, t in sorted(m.tensors.items())]})
 
     def _stats(self, req: dict) -> dict:
         return self._not_leader() or self.node.stats()
@@ -252,7 +261,12 @@ class ClientServer:
         step = req.get("step")
         if type(step) is not int:
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
-        return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))}
+        group = check_group(req.get("group"))
+        return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0), group)}
+
+    def _sync_applied(self, req: dict) -> dict:
+        group = check_group(req.get("group"))
+        return self._linearizable(lambda m: {"version": m.version, "applied": m.sync_step_applied(group)})
 
     def _ssp_wait(self, req: dict) -> dict:
         redirect = self._not_leader()

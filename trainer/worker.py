@@ -104,46 +104,6 @@ def ssp_worker(rank: int) -> str:
     return f"rank{rank}"
 
 
-class SspMember:
-    """This worker's place in the run's SSP group. The coordinator enrols all K workers before
-    any starts (so s = 0 is BSP from the first clock, however staggered the starts are);
-    joining again here is a no-op, or the rejoin of a worker dropped as dead.
-
-    Before each step it waits at the leader until it is at most s clocks ahead of the slowest
-    member (mode "wait"), or it just pushes and takes a StalenessBound refusal as the signal to
-    wait (mode "reject"). A member stuck at the slowest clock for ssp_timeout is dropped by an
-    ssp_drop entry (compare-and-drop: only if its clock did not move), so a dead worker cannot
-    block the others; a dropped worker that comes back is refused with NotInGroup and rejoins."""
-
-    def __init__(self, cfg: Config, rank: int, client, conn: Connection):
-        self.cfg, self.client, self.conn, self.rank = cfg, client, conn, rank
-        self.group, self.worker = cfg.prefix, ssp_worker(rank)
-        self.join()
-
-    def join(self) -> None:
-        self.client.ssp_join(self.group, self.worker, self.cfg.staleness)
-
-    def field(self) -> dict:
-        return {"group": self.group, "worker": self.worker}
-
-    def wait_turn(self) -> int:
-        """Block until this worker may step; returns the store version then."""
-        while True:
-            st = self.client.ssp_wait(self.group, self.worker, self.cfg.ssp_timeout)
-            if not st["member"]:
-                self.join()
-                continue
-            if st["ready"]:
-                return st["version"]
-            for worker, clock in st["slowest"]:
-                if self.client.ssp_drop(self.group, worker, clock):
-                    self.conn.send(("event", self.rank, f"ssp: dropped {worker} (stuck at clock {clock} "
-                                                        f"for {self.cfg.ssp_timeout:.0f} s)"))
-
-    def leave(self) -> None:
-        self.client.ssp_leave(self.group, self.worker)
-
-
 def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
     """DownpourSGD (Dean et al. 2012, Algorithm 7.1): pull every n_fetch steps, push the summed
     gradient every n_push steps, no coordination; in between, the replica takes each step itself
@@ -153,12 +113,16 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
     --mode ssp: the same with n_fetch = n_push = 1 and the SSP gate before every step (a push is
     one clock tick). --compress: the push is encoded (raftps.compress; top-k keeps a residual)."""
     from raftps import NotInGroup, StaleBase, StalenessBound, compress
+    from raftps.ssp import SspMember
     names = store_names(cfg, model)
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))
     method, fraction = compress.parse(cfg.compress)
     topk = compress.TopK(fraction) if method == "topk" else None
-    ssp = SspMember(cfg, rank, client, conn) if cfg.mode == "ssp" else None
+    ssp = None
+    if cfg.mode == "ssp":       # the coordinator enrolled all K before any started: s = 0 is BSP from clock 0
+        ssp = SspMember(client, cfg.prefix, ssp_worker(rank), cfg.staleness, cfg.ssp_timeout,
+                        on_event=lambda text: conn.send(("event", rank, text)))
     n_fetch, n_push = (1, 1) if ssp else (cfg.n_fetch, cfg.n_push)
     lr = cfg.local_spec()["lr"]             # the replica's own steps (Downpour's alpha)
     if rank and cfg.warmup and start_step == 0:

@@ -1,0 +1,351 @@
+"""PyTorch on raftps: train any ``nn.Module`` against the store by changing a few lines.
+
+    import raftps.torch as rpt
+    opt = rpt.DistributedOptimizer(model, optimizer={"name": "adam", "lr": 1e-3}, mode="async", prefix="job1")
+    for step in range(opt.start_step, steps):     # resumes where the store is: no checkpoint files
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+The store holds the parameters and the optimizer state; the worker holds a replica, computes
+gradients on it and sends them. There is no torch optimizer and no torch process group: the
+optimizer runs in the replicated state machine (one linearizable order, bit-identical on every
+node), so a worker, a node or every worker can die and training goes on from the store.
+
+- Tensors are named ``PREFIX/<parameter name>``. Every worker creates them from its own
+  ``named_parameters()``; the store keeps the first create and treats the others as no-ops, then
+  every worker pulls, so all start from one initialisation, or from where a previous run stopped.
+- ``sync``: each rank sends the mean gradient of its shard of the global batch with its rank;
+  the store applies the mean of the ranks' contributions once (K equal shards: the full batch's
+  mean gradient), in the job's own step sequence (the sync group is the prefix). A rank's second
+  contribution to a step (a restarted worker) is ignored. A step not applied within
+  ``step_timeout`` (a dead worker) is closed with the contributions that arrived.
+- ``async``: DownpourSGD. Push the gradient summed over ``n_push`` steps with the version pulled,
+  pull every ``n_fetch`` steps (from any node that has applied our last push); in between the
+  replica takes its own SGD steps (Algorithm 7.1 of Dean et al.). ``ssp``: async with n = 1 and
+  the SSP gate (``ssp_staleness`` clocks). ``easgd``: the store's tensors are centre variables
+  (``elastic``), the worker runs ``optimizer`` locally and every ``n_push`` steps exchanges
+  alpha (x - c).
+- Async modes count each rank's steps in a tensor of its own (``PREFIX/_raftps/steps.rank<r>``)
+  that rides in the same atomic push as the gradients it counts, so ``start_step`` is exactly the
+  steps whose gradients the store applied. Sync mode's step is the group's applied step + 1.
+- dtypes: float32 and float64 parameters are stored as they are; float16 and bfloat16 ones are
+  stored (and updated) in float32 and cast back after each pull, like mixed precision's master
+  weights. Other dtypes are refused.
+- Buffers (BatchNorm's running statistics): floating buffers are averaged over the workers
+  through the store: each worker adds its change since its last pull (divided by the world size
+  in async modes; sync steps average it) to a tensor with the ``elastic`` rule, and every pull
+  brings the store's value back. Integer buffers (``num_batches_tracked``) stay local.
+- Sparse gradients (``nn.Embedding(sparse=True)``) are pushed row-sparse: the store applies the
+  optimizer to the touched rows only. Sync mode densifies them (a step averages dense tensors).
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from . import compress as codecs
+from . import optim
+from .client import Client
+from .errors import NotInGroup, StaleBase, StalenessBound, StepTimeout
+from .ssp import SspMember
+
+MODES = ("sync", "async", "ssp", "easgd")
+STORED_AS = {torch.float32: np.float32, torch.float64: np.float64,
+             torch.float16: np.float32, torch.bfloat16: np.float32}   # half precisions: float32 master copy
+CREATE_CHUNK_BYTES = 64 << 20      # creates are split so that no frame carries more
+ELASTIC = {"name": "elastic"}
+
+
+@dataclass
+class _Slot:
+    """One stored tensor and where it lives in the model."""
+    store_name: str
+    tensor: torch.Tensor           # a parameter or a buffer, updated in place
+    dtype: type                    # numpy dtype in the store
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _as_numpy(t: torch.Tensor, dtype: type) -> np.ndarray:
+    """A host numpy view (no copy for a contiguous CPU tensor already in the store's dtype)."""
+    want = torch.float64 if dtype is np.float64 else torch.float32
+    return t.detach().to(device="cpu", dtype=want).contiguous().numpy()
+
+
+def _load(dst: torch.Tensor, arr: np.ndarray) -> None:
+    """Copy a pulled array into a parameter's storage (one copy, cast if dst is half precision)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
+        src = torch.from_numpy(arr)
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+class DistributedOptimizer:
+    """Trains ``model``'s parameters against a raftps cluster; see the module docstring.
+
+    ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.
+    ``optimizer``: the store's optimizer spec (raftps.optim: sgd, momentum, adagrad, adam, ...).
+    ``rank`` / ``world_size``: default torchrun's RANK / WORLD_SIZE, else 0 / 1.
+    ``compress``: None, "fp16" or "topk:F" (async modes). ``token``: else $RAFTPS_TOKEN(_FILE).
+    """
+
+    def __init__(self, model: torch.nn.Module, cluster: str | Iterable[str] | Client | None = None,
+                 optimizer: dict | None = None, mode: str = "async", n_push: int = 1, n_fetch: int = 1,
+                 staleness_aware: bool = False, compress: str | None = None, prefix: str = "job",
+                 rank: int | None = None, world_size: int | None = None, ssp_staleness: int | None = 2,
+                 easgd_alpha: float | None = None, step_timeout: float = 10.0, ssp_timeout: float = 10.0,
+                 token: str | None = None, timeout: float = 60.0):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for what, n in (("n_push", n_push), ("n_fetch", n_fetch)):
+            if type(n) is not int or n < 1:
+                raise ValueError(f"{what} must be an int >= 1, got {n!r}")
+        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.mode, self.prefix = mode, prefix
+        self.n_push, self.n_fetch = (1, 1) if mode in ("sync", "ssp") else (n_push, n_fetch)
+        self.step_timeout = step_timeout
+        self.compress_method, fraction = codecs.parse(compress or "none")
+        if self.compress_method != "none" and mode == "sync":
+            raise ValueError("compress works in the async modes; a sync step averages dense contributions")
+        self._topk = codecs.TopK(fraction) if self.compress_method == "topk" else None
+        spec = dict(optimizer or {"name": "sgd", "lr": 0.01})
+        if staleness_aware:
+            spec["staleness_aware"] = True
+        self.local_spec = optim.normalize(spec, f"{prefix}/*")      # refuse a bad spec before any I/O
+        self.store_spec = ELASTIC if mode == "easgd" else self.local_spec
+        self.lr = float(self.local_spec.get("lr", 0.0))             # the replica's own steps
+        self.easgd_alpha = easgd_alpha if easgd_alpha is not None else 0.9 / self.world_size
+
+        self.params = self._slots(model.named_parameters(), "parameter", trainable=True)
+        self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
+        self.counter = f"{prefix}/_raftps/steps.rank{self.rank}" if mode != "sync" else None
+
+        self._owns_client = not isinstance(cluster, Client)
+        self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
+        try:
+            self._create()
+            self.ssp = (SspMember(self.client, prefix, f"rank{self.rank}", ssp_staleness, ssp_timeout)
+                        if mode == "ssp" else None)
+            self.start_step = self._resume()
+        except BaseException:
+            self.close()
+            raise
+        self.step_count = self.start_step      # steps taken, counting those of earlier runs
+        self._pending: dict[str, torch.Tensor] = {}
+        self._since_push = self._since_fetch = 0
+        self._easgd_state = {s.store_name: optim.init_state(self.local_spec, _as_numpy(s.tensor, s.dtype))
+                             for s in self.params} if mode == "easgd" else {}
+        self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}    # what -> [calls, seconds]
+        self._dtypes = {s.store_name: s.dtype for s in self.params}
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def _slots(self, named: Iterable[tuple[str, torch.Tensor]], what: str, trainable: bool = False) -> list[_Slot]:
+        out = []
+        for name, t in named:
+            if trainable and not t.requires_grad:
+                continue
+            if t.dtype not in STORED_AS:
+                raise TypeError(f"{what} {name!r} has dtype {t.dtype}: raftps stores float32/float64 "
+                                "(float16 and bfloat16 are kept in float32)")
+            out.append(_Slot(f"{self.prefix}/{name}", t, STORED_AS[t.dtype]))
+        if trainable and not out:
+            raise ValueError("the model has no trainable parameters")
+        return out
+
+    def _create(self) -> None:
+        """Create every tensor (a no-op for those that exist: the first creator's values win)."""
+        tensors = {s.store_name: (_as_numpy(s.tensor, s.dtype), self.store_spec) for s in self.params}
+        tensors.update({s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC) for s in self.buffers})
+        if self.counter:
+            tensors[self.counter] = (np.zeros(1, np.float64), ELASTIC)
+        chunk: dict[str, tuple[np.ndarray, dict]] = {}
+        for name, (arr, spec) in tensors.items():
+            if chunk and sum(a.nbytes for a, _ in chunk.values()) + arr.nbytes > CREATE_CHUNK_BYTES:
+                self.client.create_many({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
+                chunk = {}
+            chunk[name] = (arr, spec)
+        self.client.create_many({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
+
+    def _resume(self) -> int:
+        """Load the store's parameters; return the step to start at."""
+        names = self._pulled_names() + ([self.counter] if self.counter else [])
+        result = self.client.pull_result(names)                 # linearizable: the newest state
+        self._install(result["tensors"], result["version"])
+        if self.mode == "sync":
+            return self.client.sync_applied(self.prefix) + 1
+        return int(result["tensors"][self.counter][0])
+
+    def _pulled_names(self) -> list[str]:
+        return [s.store_name for s in self.params] + [s.store_name for s in self.buffers]
+
+    def _install(self, tensors: dict[str, np.ndarray], version: int) -> None:
+        for s in self.params + self.buffers:
+            _load(s.tensor, tensors[s.store_name])
+        # What the store held at this version: a buffer's change since then is this worker's.
+        self._buffer_base = {s.store_name: np.array(tensors[s.store_name]) for s in self.buffers}
+        self.version = self.pushed = version
+
+    # ---- the optimizer API ------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.params:
+            if s.tensor.grad is not None:
+                if set_to_none:
+                    s.tensor.grad = None
+                else:
+                    s.tensor.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> int:
+        """Send this step's gradients (per the mode) and bring the replica up to date; returns
+        the store version the replica now holds (or last pushed to, between pulls)."""
+        {"sync": self._step_sync, "easgd": self._step_easgd}.get(self.mode, self._step_async)()
+        self.step_count += 1
+        return self.version
+
+    def close(self) -> None:
+        if getattr(self, "ssp", None) is not None:
+            try:
+                self.ssp.leave()          # a finished worker must not hold the others back
+            finally:
+                self.ssp = None
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> "DistributedOptimizer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- modes ------------------------------------------------------------------------------
+
+    def _step_sync(self) -> None:
+        grads = {s.store_name: _as_numpy(self._dense_grad(s), s.dtype) for s in self.params}
+        grads.update(self._buffer_drift(1))
+        step = self.step_count
+        t0 = time.perf_counter()
+        self.client.push_sync(grads, step, self.world_size, group=self.prefix, rank=self.rank)
+        try:
+            version = self.client.wait_step(step, self.step_timeout, group=self.prefix)
+        except StepTimeout:       # a rank died: apply what arrived (a no-op if someone already did)
+            version = self.client.close_step(step, group=self.prefix)
+        self._timed("push", t0)
+        self._pull(version)
+
+    def _step_async(self) -> None:
+        for s in self.params:
+            g = s.tensor.grad
+            if g is None:
+                continue
+            prev = self._pending.get(s.store_name)
+            self._pending[s.store_name] = g.detach().clone() if prev is None else prev + g
+            if self.n_fetch > 1:               # Downpour: the replica takes its own step meanwhile
+                s.tensor.add_(g.to(s.tensor.dtype), alpha=-self.lr)
+        self._since_push += 1
+        self._since_fetch += 1
+        if self._since_push >= self.n_push:
+            self._push_pending()
+        if self._since_fetch >= self.n_fetch:
+            if self.ssp is not None:          # the next step waits until it is at most s clocks ahead
+                self.pushed = max(self.pushed, self.ssp.wait_turn())
+            self._pull(self.pushed)
+
+    def _step_easgd(self) -> None:
+        for s in self.params:                     # local optimizer step on this worker's copy
+            if s.tensor.grad is None:
+                continue
+            x = _as_numpy(s.tensor, s.dtype)
+            new, self._easgd_state[s.store_name] = optim.step(
+                self.local_spec, x, _as_numpy(self._dense_grad(s), s.dtype), self._easgd_state[s.store_name])
+            _load(s.tensor, new)
+        self._since_push += 1
+        if self._since_push < self.n_push:
+            return
+        centre, self.version = self.client.pull([s.store_name for s in self.params], min_version=self.pushed,
+                                                linearizable=False)
+        delta = {}
+        for s in self.params:
+            x = _as_numpy(s.tensor, s.dtype)
+            delta[s.store_name] = (x - centre[s.store_name]) * x.dtype.type(self.easgd_alpha)
+            _load(s.tensor, x - delta[s.store_name])
+        self._send(delta, encoding=None, steps=self._since_push)
+
+    # ---- pushes and pulls ---------------------------------------------------------------------
+
+    def _dense_grad(self, s: _Slot) -> torch.Tensor:
+        g = s.tensor.grad
+        if g is None:
+            return torch.zeros_like(s.tensor)
+        return g.to_dense() if g.is_sparse else g
+
+    def _push_pending(self) -> None:
+        dense = {k: _as_numpy(g, self._dtypes[k]) for k, g in self._pending.items() if not g.is_sparse}
+        grads, encoding = codecs.encode_push(dense, self.compress_method, self._topk)
+        grads, encoding = dict(grads), dict(encoding or {})
+        for name, g in self._pending.items():
+            if g.is_sparse:                        # row indices + rows; the store updates those rows only
+                g = g.coalesce()
+                parts, enc = codecs.encode_rows(name, g.indices()[0].numpy(),
+                                                _as_numpy(g.values(), self._dtypes[name]))
+                grads.update(parts)
+                encoding.update(enc)
+        grads.update(self._buffer_drift(self.world_size))
+        self._pending = {}
+        self._send(grads, encoding or None, steps=self._since_push)
+
+    def _send(self, grads: dict[str, np.ndarray], encoding: dict | None, steps: int) -> None:
+        """One atomic push: gradients, buffer drift and the count of the steps they carry."""
+        grads[self.counter] = np.array([float(steps)])
+        t0 = time.perf_counter()
+        while True:
+            try:
+                self.pushed = self.client.push(grads, base_version=self.version, encoding=encoding,
+                                               ssp=self.ssp.field() if self.ssp else None)
+                break
+            except StalenessBound:        # too far ahead after all: wait for the slowest, send again
+                self.ssp.wait_turn()
+            except NotInGroup:            # dropped as dead while away: join again, send again
+                self.ssp.join()
+            except StaleBase:             # AdaRevision no longer holds our base: drop it, re-pull
+                self._pull(self.pushed)
+                break
+        self._timed("push", t0)
+        self._since_push = 0
+
+    def _pull(self, min_version: int) -> None:
+        t0 = time.perf_counter()
+        tensors, version = self.client.pull(self._pulled_names(), min_version=min_version, linearizable=False)
+        self._install(tensors, version)
+        self._timed("pull", t0)
+        self._since_fetch = 0
+
+    def _buffer_drift(self, divide: int) -> dict[str, np.ndarray]:
+        out = {}
+        for s in self.buffers:
+            now = _as_numpy(s.tensor, s.dtype)
+            drift = now - self._buffer_base[s.store_name]
+            out[s.store_name] = drift / drift.dtype.type(divide) if divide > 1 else drift
+        return out
+
+    def _timed(self, what: str, t0: float) -> None:
+        self.timings[what][0] += 1
+        self.timings[what][1] += time.perf_counter() - t0

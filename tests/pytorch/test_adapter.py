@@ -1,0 +1,194 @@
+"""raftps.torch.DistributedOptimizer against a real 3-node cluster (one per module, tests use
+their own prefixes): parity of sync mode with torch.optim on one process, resume from the store
+alone, dtypes, buffers, refusals."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import raftps.torch as rpt  # noqa: E402
+from raftps import InvalidOptimizer  # noqa: E402
+
+from conftest import start_cluster  # noqa: E402
+
+BASE_PORT = 23000
+STEPS = 50
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = start_cluster(tmp_path_factory.mktemp("torch") / "run", BASE_PORT)
+    yield cl
+    cl.wipe()
+
+
+def mlp(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(dtype)
+
+
+def batches(steps: int, batch: int = 32, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 10, generator=g)
+    y = torch.randint(0, 3, (256,), generator=g)
+    out = []
+    for s in range(steps):
+        idx = torch.randint(0, 256, (batch,), generator=g)
+        out.append((x[idx], y[idx]))
+    return out
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data, world: int = 2) -> list:
+    """``world`` sync workers in threads, each on its 1/world of every batch; their models."""
+    models = [copy.deepcopy(model) for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            with rpt.DistributedOptimizer(models[rank], cluster=cluster.client(), optimizer=spec, mode="sync",
+                                          prefix=prefix, rank=rank, world_size=world) as opt:
+                assert opt.start_step == 0
+                for x, y in data:
+                    part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+                    opt.zero_grad()
+                    loss_fn(models[rank], x[part], y[part]).backward()
+                    opt.step()
+        except BaseException as exc:          # re-raised below: a thread must not hide it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a sync worker did not finish within 120 s"
+    if errors:
+        raise errors[0]
+    return models
+
+
+@pytest.mark.parametrize("spec,reference", [
+    ({"name": "sgd", "lr": 0.1}, lambda p: torch.optim.SGD(p, lr=0.1)),
+    ({"name": "momentum", "lr": 0.05, "momentum": 0.9}, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    ({"name": "adam", "lr": 0.01}, lambda p: torch.optim.Adam(p, lr=0.01)),
+], ids=["sgd", "momentum", "adam"])
+def test_sync_two_workers_equal_one_process_with_torch_optim(cluster, spec, reference):
+    model, data = mlp(), batches(STEPS)
+    local = copy.deepcopy(model)
+    opt = reference(local.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(local, x, y).backward()
+        opt.step()
+    workers = run_sync_workers(cluster, model, spec, f"parity-{spec['name']}", data)
+    for name, p in local.named_parameters():
+        for w in workers:
+            diff = (dict(w.named_parameters())[name] - p).abs().max().item()
+            assert diff < 1e-5, f"{spec['name']}: {name} differs by {diff} after {STEPS} steps"
+    # Not trivially equal: the parameters moved.
+    assert max((p - q).abs().max().item() for p, q in zip(local.parameters(), model.parameters())) > 1e-3
+
+
+def test_resume_continues_parameters_and_optimizer_state_bit_for_bit(cluster):
+    """20 steps, a new process's worth of objects (another random init), 20 more steps ==
+    40 steps in one go, bit for bit: the store kept the parameters, Adam's m, v and step
+    counts, and the step count."""
+    spec, data = {"name": "adam", "lr": 0.01}, batches(40, seed=3)
+
+    def train(model, prefix, part):
+        with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer=spec, prefix=prefix) as opt:
+            start = opt.start_step
+            for x, y in data[start:start + part]:
+                opt.zero_grad()
+                loss_fn(model, x, y).backward()
+                opt.step()
+            return start, opt.step_count
+
+    whole = mlp(0)
+    assert train(whole, "resume-a", 40) == (0, 40)
+    first = mlp(0)
+    assert train(first, "resume-b", 20) == (0, 20)
+    second = mlp(7)                          # a different init: the store's values must win
+    assert train(second, "resume-b", 20) == (20, 40)
+    for (name, p), q in zip(whole.named_parameters(), second.parameters()):
+        assert torch.equal(p, q), f"{name} differs after resuming"
+    with cluster.client() as c:
+        versions = {t["name"]: t["version"] for t in c.tensors()}
+    assert versions["resume-b/0.weight"] == 40
+
+
+def test_first_creator_wins_and_every_worker_starts_from_the_store(cluster):
+    a, b = mlp(1), mlp(2)
+    opt_a = rpt.DistributedOptimizer(a, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.1}, prefix="init")
+    opt_b = rpt.DistributedOptimizer(b, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.1}, prefix="init",
+                                     rank=1, world_size=2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(next(b.parameters()), next(mlp(1).parameters()))
+    opt_a.close()
+    opt_b.close()
+
+
+def test_half_precision_parameters_are_kept_in_float32_and_cast_back(cluster):
+    for dtype in (torch.float16, torch.bfloat16):
+        model = mlp(0, dtype)
+        with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.5},
+                                      prefix=f"half-{str(dtype)[6:]}") as opt:
+            before = [p.detach().clone() for p in model.parameters()]
+            x, y = batches(1)[0]
+            opt.zero_grad()
+            loss_fn(model, x.to(dtype), y).backward()
+            opt.step()
+            assert all(p.dtype == dtype for p in model.parameters())
+            assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        with cluster.client() as c:
+            dtypes = {t["dtype"] for t in c.tensors() if t["name"].startswith(f"half-{str(dtype)[6:]}/0.")}
+        assert dtypes == {"float32"}
+
+
+def test_batchnorm_running_stats_are_averaged_through_the_store(cluster):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01},
+                                  prefix="bn") as opt:
+        x = torch.randn(64, 4) * 3 + 5
+        for _ in range(5):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        mean_local = model[1].running_mean.clone()
+    with cluster.client() as c:
+        stored, _ = c.pull(["bn/1.running_mean"])
+    np.testing.assert_array_equal(stored["bn/1.running_mean"], mean_local.numpy())
+    assert float(mean_local.abs().max()) > 0.1      # it moved from zeros
+    # A fresh replica starts from the store's running statistics.
+    fresh = copy.deepcopy(model)
+    fresh[1].reset_running_stats()
+    rpt.DistributedOptimizer(fresh, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01}, prefix="bn").close()
+    assert torch.equal(fresh[1].running_mean, mean_local)
+
+
+def test_bad_arguments_are_refused_before_anything_is_created(cluster):
+    model = mlp()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rpt.DistributedOptimizer(model, cluster=cluster.client(), mode="allreduce")
+    with pytest.raises(ValueError, match="n_push must be an int >= 1"):
+        rpt.DistributedOptimizer(model, cluster=cluster.client(), n_push=0)
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world_size=2\)"):
+        rpt.DistributedOptimizer(model, cluster=cluster.client(), rank=2, world_size=2)
+    with pytest.raises(InvalidOptimizer, match="unknown optimizer 'lamb'"):
+        rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "lamb", "lr": 1})
+    with pytest.raises(TypeError, match="parameter '0.weight' has dtype torch.float8_e4m3fn"):
+        rpt.DistributedOptimizer(torch.nn.Sequential(torch.nn.Linear(2, 2)).to(torch.float8_e4m3fn),
+                                 cluster=cluster.client())
+    with cluster.client() as c:
+        assert not [t for t in c.tensors() if t["name"].startswith("job/")]
