@@ -140,8 +140,8 @@ def adapter_overhead(example: str, cluster: Any, steps: int) -> dict[str, Any]:
             for _ in range(OVERHEAD_ROUNDS):
                 for _ in range(steps):
                     t = time.perf_counter()
-                    c.push({names[n]: p.grad.numpy() for n, p in model.named_parameters()})
-                    c.pull(list(names.values()))
+                    v = c.push({names[n]: p.grad.numpy() for n, p in model.named_parameters()})
+                    c.pull(list(names.values()), min_version=v, linearizable=False)   # the adapter's read
                     raw_t.append(time.perf_counter() - t)
                 for _ in range(steps):
                     t = time.perf_counter()

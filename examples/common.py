@@ -107,10 +107,10 @@ class Backend:
 
 def my_batches(backend: Backend, steps: int) -> range:
     """The global batch indices this rank works on, from where the job resumes."""
-    if backend.sharded:
+    if backend.sharded:                 # sync: start_step is the job's next step
         return range(backend.start_step, steps)
-    first = backend.start_step + (backend.rank - backend.start_step) % backend.world   # next g = rank mod world
-    return range(first, steps, backend.world)
+    # async: start_step counts this rank's own steps the store applied; its k-th is g = rank + k world
+    return range(backend.rank + backend.start_step * backend.world, steps, backend.world)
 
 
 def my_part(batch: np.ndarray, backend: Backend) -> np.ndarray:
@@ -191,13 +191,14 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
             "n_push": args.n_push, "n_fetch": args.n_fetch, "seed": args.seed, "start_step": backend.start_step,
             "parameters": sum(p.numel() for p in model.parameters())}
     rec = Metrics(args.out if rank == 0 else None, metric, higher_is_better, args.target, meta) if rank == 0 else None
+    mine = my_batches(backend, args.steps)
     if rank == 0:
-        print(f"[rank 0] {name}: {label}, {meta['parameters']:,} parameters, steps {backend.start_step}..{args.steps}",
-              flush=True)
+        print(f"[rank 0] {name}: {label}, {meta['parameters']:,} parameters, global batches "
+              f"{mine.start}..{args.steps} (start_step {backend.start_step})", flush=True)
     ema = None
     if rec is not None:
         rec.now()                                   # time 0: the first training step starts
-    for g in my_batches(backend, args.steps):
+    for g in mine:
         idx = my_part(batch_indices(g), backend)
         backend.zero_grad()
         loss = loss_on(backend.model, idx)
