@@ -97,6 +97,7 @@ def run_example(example: str, label: str, procs: int, flags: list[str], out: str
         return {"example": example, "label": label, "error": f"exit {rc}", "wall_s": wall, "tail": tail[-15:]}
     with open(summary_file) as f:
         s = json.load(f)
+    s["run_label"], s["label"] = s["label"], label       # the setting's name (e.g. "raftps downpour x4")
     s["wall_s"] = wall
     s["launch_to_first_step_s"] = s["first_step_unix"] - t_launch
     s["launch_to_target_s"] = (s["launch_to_first_step_s"] + s["time_to_target_s"]

@@ -186,6 +186,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
     torch.set_num_threads(args.threads or (1 if world > 1 else torch.get_num_threads()))
     backend = Backend(args, model, rank, world, args.prefix or name)
     label = args.backend + (f" {args.mode}" if args.backend == "raftps" else "") + f" x{world}"
+    if args.backend == "raftps" and (args.n_push, args.n_fetch) != (1, 1):
+        label += f" (n_push {args.n_push}, n_fetch {args.n_fetch})"
     meta = {"example": name, "backend": args.backend, "mode": args.mode if args.backend == "raftps" else None,
             "world_size": world, "label": label, "steps": args.steps, "batch": args.batch, "lr": args.lr,
             "n_push": args.n_push, "n_fetch": args.n_fetch, "seed": args.seed, "start_step": backend.start_step,
@@ -213,7 +215,10 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
     if rec is not None:
         final = evaluate(model)
         rec.log_step(args.steps, ema if ema is not None else math.nan, final)
-        summary = rec.finish(final)
+        extra = {}
+        if backend.kind == "raftps":         # rank 0's time in the store: {push|pull}: [calls, seconds]
+            extra = {f"raftps_{k}_{u}": v[i] for k, v in backend.opt.timings.items() for i, u in ((0, "calls"), (1, "s"))}
+        summary = rec.finish(final, extra)
         print(f"[rank 0] done: {metric} {final:.4f}, steady {summary['steady_steps_per_s']:.2f} steps/s, "
               f"time to target {summary['time_to_target_s']}", flush=True)
     backend.close()
