@@ -85,7 +85,8 @@ class Backend:
         if args.backend == "ddp":
             import torch.distributed as dist
             from datetime import timedelta
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+            if not dist.is_initialized():             # Ray Train, for one, has made one already
+                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
             self.model = nn.parallel.DistributedDataParallel(model)   # broadcasts rank 0's parameters
         elif world != 1:
             raise SystemExit("--backend local is one process: run it without torchrun (or with --nproc-per-node 1)")
