@@ -202,7 +202,8 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
     tg = targets(runs, overhead)
     lines = ["# PyTorch: raftps.torch against DDP and one process", "",
              f"`{meta['command']}`, {meta['date']}, commit {meta['commit']}, {meta['machine']}, torch {meta['torch']}, "
-             f"{meta['seconds']:.0f} s. All runs share the machine's cores (4 ranks on them at once); "
+             f"{meta['seconds']:.0f} s, 1-minute load average {meta['loadavg_1m_start_end'][0]} at the start and "
+             f"{meta['loadavg_1m_start_end'][1]} at the end (the machine is shared). All runs share the machine's cores (4 ranks on them at once); "
              "raftps runs go to a 3-node LocalCluster on the same machine. Times to target count from rank 0's first "
              "training step (from the launch, incl. process start and imports, in brackets).", "",
              "| example | setting | params | steps | steady steps/s | time to target s (from launch) | "
@@ -244,7 +245,7 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
 def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[str] | None = None,
             settings: list[str] | None = None) -> list[dict[str, Any]]:
     from raftps.localcluster import LocalCluster
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port + 460)
     runs: list[dict[str, Any]] = []
     overhead: list[dict[str, Any]] = []
@@ -276,6 +277,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
     meta = {"mode": mode, "command": "python -m bench " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} cores", "seconds": time.monotonic() - t0,
+            "loadavg_1m_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      cwd=ROOT).stdout.strip(),
             "torch": __import__("torch").__version__}
