@@ -70,7 +70,7 @@ def run_example(example: str, label: str, procs: int, flags: list[str], out: str
                 "--master-addr", "127.0.0.1", "--master-port", str(port), script]
     argv += flags + ["--out", out]
     log(f"torch {example} {label}: {' '.join(argv[1:])}")
-    t_launch = time.time()
+    t_launch, load = time.time(), os.getloadavg()[0]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          start_new_session=True)
     tail: list[str] = []
@@ -94,11 +94,12 @@ def run_example(example: str, label: str, procs: int, flags: list[str], out: str
     wall = time.time() - t_launch
     summary_file = os.path.join(out, "summary.json")
     if rc != 0 or not os.path.exists(summary_file):
-        return {"example": example, "label": label, "error": f"exit {rc}", "wall_s": wall, "tail": tail[-15:]}
+        return {"example": example, "label": label, "error": f"exit {rc}", "wall_s": wall, "tail": tail[-15:],
+                "loadavg_1m_at_launch": load}
     with open(summary_file) as f:
         s = json.load(f)
     s["run_label"], s["label"] = s["label"], label       # the setting's name (e.g. "raftps downpour x4")
-    s["wall_s"] = wall
+    s["wall_s"], s["loadavg_1m_at_launch"] = wall, load
     s["launch_to_first_step_s"] = s["first_step_unix"] - t_launch
     s["launch_to_target_s"] = (s["launch_to_first_step_s"] + s["time_to_target_s"]
                                if s["time_to_target_s"] is not None else None)
@@ -207,17 +208,19 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
              "raftps runs go to a 3-node LocalCluster on the same machine. Times to target count from rank 0's first "
              "training step (from the launch, incl. process start and imports, in brackets).", "",
              "| example | setting | params | steps | steady steps/s | time to target s (from launch) | "
-             "step at target | final metric | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+             "step at target | final metric | wall s | load at launch |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "error" in r:
-            lines.append(f"| {r['example']} | {r['label']} | | | failed: {r['error']} | | | | {r['wall_s']:.1f} |")
+            lines.append(f"| {r['example']} | {r['label']} | | | failed: {r['error']} | | | | {r['wall_s']:.1f} | "
+                         f"{r['loadavg_1m_at_launch']:.1f} |")
             continue
         metric = [k for k in r if k.startswith("final_")][0]
         ttt = (f"{r['time_to_target_s']:.1f} ({r['launch_to_target_s']:.1f})" if r["time_to_target_s"] is not None
                else "not reached")
         lines.append(f"| {r['example']} | {r['label']} | {r['parameters']:,} | {r['steps']} | "
                      f"{r['steady_steps_per_s']:.2f} | {ttt} | {_fmt(r['step_at_target'])} | "
-                     f"{metric[6:]} {r[metric]:.4f} (target {r['target']}) | {r['wall_s']:.1f} |")
+                     f"{metric[6:]} {r[metric]:.4f} (target {r['target']}) | {r['wall_s']:.1f} | "
+                     f"{r['loadavg_1m_at_launch']:.1f} |")
     lines += ["", "Adapter overhead (one process, async, world size 1, the model's own parameters, "
               f"{OVERHEAD_ROUNDS} alternating rounds; medians):", "",
               "| example | parameter MB | raw push + pull ms | opt.step() ms | ratio |", "|---|---|---|---|---|"]
