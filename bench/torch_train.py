@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from .common import log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,10 +134,13 @@ def adapter_overhead(example: str, cluster: Any, steps: int) -> dict[str, Any]:
     raw_prefix, ad_prefix = f"bench-raw-{example}", f"bench-adapter-{example}"
     raw_t: list[float] = []
     ad_t: list[float] = []
+    fields_t: list[float] = []
     with cluster.client() as c:
         names = {n: f"{raw_prefix}/{n}" for n, _ in model.named_parameters()}
         for n, p in model.named_parameters():
             c.create(names[n], p.detach().numpy().copy(), spec)
+        counter = f"{raw_prefix}/_raftps/steps.rank0"
+        c.create(counter, np.zeros(1, np.float64), {"name": "elastic"})
         opt = rpt.DistributedOptimizer(model, cluster=cluster.addresses, optimizer=spec, mode="async",
                                        prefix=ad_prefix, rank=0, world_size=1)
         try:
@@ -149,17 +154,26 @@ def adapter_overhead(example: str, cluster: Any, steps: int) -> dict[str, Any]:
                     t = time.perf_counter()
                     opt.step()
                     ad_t.append(time.perf_counter() - t)
+                for _ in range(steps):         # raw, with what the adapter's push carries besides
+                    t = time.perf_counter()
+                    grads = {names[n]: p.grad.numpy() for n, p in model.named_parameters()}
+                    grads[counter] = np.ones(1)
+                    v = c.push(grads, base_version=v)
+                    c.pull(list(names.values()), min_version=v, linearizable=False)
+                    fields_t.append(time.perf_counter() - t)
         finally:
             opt.close()
             _delete_prefix(c, raw_prefix)
             _delete_prefix(c, ad_prefix)
-    raw, ad = statistics.median(raw_t), statistics.median(ad_t)
+    raw, ad, fields = statistics.median(raw_t), statistics.median(ad_t), statistics.median(fields_t)
     mb = sum(p.numel() * 4 for p in model.parameters()) / 1e6
     log(f"torch overhead {example}: {mb:.2f} MB of parameters; raw push+pull {raw * 1e3:.2f} ms, "
-        f"opt.step() {ad * 1e3:.2f} ms (median of {len(raw_t)}): {ad / raw:.3f}x")
+        f"opt.step() {ad * 1e3:.2f} ms (median of {len(raw_t)}): {ad / raw:.3f}x; raw with base_version and "
+        f"the step counter {fields * 1e3:.2f} ms")
     return {"example": example, "param_mb": mb, "raw_push_pull_ms": raw * 1e3, "opt_step_ms": ad * 1e3,
             "ratio": ad / raw, "samples": len(raw_t), "raw_mean_ms": statistics.mean(raw_t) * 1e3,
-            "opt_step_mean_ms": statistics.mean(ad_t) * 1e3}
+            "opt_step_mean_ms": statistics.mean(ad_t) * 1e3, "raw_same_fields_ms": fields * 1e3,
+            "ratio_same_fields": ad / fields}
 
 
 def _fmt(x: Any, digits: int = 2) -> str:
@@ -223,13 +237,15 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
                      f"{r['loadavg_1m_at_launch']:.1f} |")
     lines += ["", "Adapter overhead (one process, async, world size 1, the model's own parameters, "
               f"{OVERHEAD_ROUNDS} alternating rounds; medians):", "",
-              "| example | parameter MB | raw push + pull ms | opt.step() ms | ratio |", "|---|---|---|---|---|"]
+              "| example | parameter MB | raw push + pull ms | opt.step() ms | ratio | raw push (+ base_version, "
+              "+ step counter) + pull ms | opt.step() / that |", "|---|---|---|---|---|---|---|"]
     for o in overhead:
         if "error" in o:
-            lines.append(f"| {o['example']} | failed: {o['error']} | | | |")
+            lines.append(f"| {o['example']} | failed: {o['error']} | | | | | |")
         else:
             lines.append(f"| {o['example']} | {o['param_mb']:.2f} | {o['raw_push_pull_ms']:.2f} | "
-                         f"{o['opt_step_ms']:.2f} | {o['ratio']:.3f} |")
+                         f"{o['opt_step_ms']:.2f} | {o['ratio']:.3f} | {o['raw_same_fields_ms']:.2f} | "
+                         f"{o['ratio_same_fields']:.3f} |")
     lines += ["", "| example | target | measured | met |", "|---|---|---|---|"]
     lines += [f"| {t['example']} | {t['target']} | {t['value']} | {'met' if t['met'] else 'NOT met'} |" for t in tg]
     for example in CONFIG["quick"]:
