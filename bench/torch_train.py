@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,12 +42,12 @@ WORKERS = 4
 # per example and mode: the flags every setting of it gets, and how long a run may take
 CONFIG = {
     "quick": {"cnn_digits": dict(flags=["--steps", "300", "--target", "0.95"], timeout=240),
-              "char_gpt": dict(flags=["--steps", "80", "--target", "2.5"], timeout=420)},
+              "char_gpt": dict(flags=["--steps", "50", "--target", "2.6"], timeout=420)},
     "full": {"cnn_digits": dict(flags=["--steps", "500", "--target", "0.97"], timeout=600),
              "char_gpt": dict(flags=["--steps", "300", "--target", "2.0"], timeout=1800)},
 }
 SETTINGS = [  # label, processes, flags
-    ("local x1", 1, ["--backend", "local"]),
+    ("local x1", 1, ["--backend", "local", "--threads", "1"]),     # one core: robust on a shared machine
     ("ddp x4", WORKERS, ["--backend", "ddp"]),
     ("raftps sync x4", WORKERS, ["--backend", "raftps", "--mode", "sync"]),
     ("raftps async x4", WORKERS, ["--backend", "raftps", "--mode", "async"]),
@@ -89,9 +90,11 @@ def run_example(example: str, label: str, procs: int, flags: list[str], out: str
     try:
         rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)                          # the session we started: torchrun and its ranks
-        p.wait()
         rc = "timeout"
+    finally:
+        if p.poll() is None:                         # timed out or interrupted: the session we started
+            os.killpg(p.pid, signal.SIGKILL)         # (torchrun and its ranks), by its id
+            p.wait()
     reader.join(5)
     wall = time.time() - t_launch
     summary_file = os.path.join(out, "summary.json")
@@ -269,6 +272,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
     runs: list[dict[str, Any]] = []
     overhead: list[dict[str, Any]] = []
     port = base_port + 470
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # SIGTERM: clean up as on an error
     try:
         cluster.start(timeout=60)
         env = _env(cluster.client_env)
@@ -293,6 +297,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
                 overhead.append({"example": example, "error": f"{type(e).__name__}: {e}"})
     finally:
         cluster.wipe()
+        signal.signal(signal.SIGTERM, previous)
     meta = {"mode": mode, "command": "python -m bench " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} cores", "seconds": time.monotonic() - t0,
