@@ -13,7 +13,7 @@ named_parameters as numpy arrays, alternated in rounds, medians compared.
 
 Targets (printed met / not met): raftps sync x4 steady rate >= 0.5x DDP x4's; raftps async x4
 reaches the target within 1.5x DDP x4's time; the adapter adds <= 10% over raw push + pull.
-Writes torch_train.md, torch_train.json and torch_<example>.png into --out.
+Writes torch_train.md, torch_train.json and torch_<example>.png into --out (--full: torch_train_full.md, ...).
 
 Ports from --base-port B: the cluster at B+460 (+461..463, +561..563, +661..663), torchrun
 rendezvous at B+470 + run number (< 30). gloo also opens ephemeral ports.
@@ -53,7 +53,7 @@ SETTINGS = [  # label, processes, flags
     ("raftps async x4", WORKERS, ["--backend", "raftps", "--mode", "async"]),
     ("raftps downpour x4", WORKERS, ["--backend", "raftps", "--mode", "async", "--n-fetch", "4", "--n-push", "4"]),
 ]
-OVERHEAD_ROUNDS = 3
+OVERHEAD_ROUNDS = 5
 
 
 def _env(cluster_env: dict[str, str]) -> dict[str, str]:
@@ -123,9 +123,22 @@ def _delete_prefix(client: Any, prefix: str) -> None:
 
 def adapter_overhead(example: str, cluster: Any, steps: int) -> dict[str, Any]:
     """Median seconds per opt.step() (async, world 1, n_push = n_fetch = 1) against raw
-    Client.push + Client.pull of the same named_parameters, alternating rounds."""
+    Client.push + Client.pull of the same named_parameters, and against raw with what the
+    adapter's push adds (base_version, its step counter tensor), interleaved step by step."""
     import torch
     import raftps.torch as rpt
+    # One intra-op thread, as the x4 workers run: with torch's 2 threads on this shared 2-core
+    # machine the adapter's tensor copies (clone, copy_) took 2.2-2.9x raw push + pull for the
+    # GPT (load average 8-11), against 1.03x on one thread minutes later.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _adapter_overhead(example, cluster, steps, torch, rpt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: Any) -> dict[str, Any]:
     sys.path.insert(0, EXAMPLES)
     mod = __import__(example)
     sys.path.remove(EXAMPLES)
@@ -134,7 +147,8 @@ def adapter_overhead(example: str, cluster: Any, steps: int) -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3       # a fixed gradient; the store's Adam applies it each time
     spec = {"name": "adam", "lr": 1e-4}
-    raw_prefix, ad_prefix = f"bench-raw-{example}", f"bench-adapter-{example}"
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"          # fresh names each time
+    raw_prefix, ad_prefix = f"bench-raw-{example}-{tag}", f"bench-adapter-{example}-{tag}"
     raw_t: list[float] = []
     ad_t: list[float] = []
     fields_t: list[float] = []
@@ -146,37 +160,45 @@ def adapter_overhead(example: str, cluster: Any, steps: int) -> dict[str, Any]:
         c.create(counter, np.zeros(1, np.float64), {"name": "elastic"})
         opt = rpt.DistributedOptimizer(model, cluster=cluster.addresses, optimizer=spec, mode="async",
                                        prefix=ad_prefix, rank=0, world_size=1)
+        retries = {"raw": 0, "adapter": 0}        # 'behind' replies: a node had not applied the push yet
+        for who, client in (("raw", c), ("adapter", opt.client)):
+            def counted(address: str, message: dict, timeout: float, _call=client._call, _who=who) -> dict:
+                reply = _call(address, message, timeout)
+                retries[_who] += bool(reply.get("retry"))
+                return reply
+            client._call = counted
         try:
-            for _ in range(OVERHEAD_ROUNDS):
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    v = c.push({names[n]: p.grad.numpy() for n, p in model.named_parameters()})
-                    c.pull(list(names.values()), min_version=v, linearizable=False)   # the adapter's read
-                    raw_t.append(time.perf_counter() - t)
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    opt.step()
-                    ad_t.append(time.perf_counter() - t)
-                for _ in range(steps):         # raw, with what the adapter's push carries besides
-                    t = time.perf_counter()
-                    grads = {names[n]: p.grad.numpy() for n, p in model.named_parameters()}
-                    grads[counter] = np.ones(1)
-                    v = c.push(grads, base_version=v)
-                    c.pull(list(names.values()), min_version=v, linearizable=False)
-                    fields_t.append(time.perf_counter() - t)
+            v = 0
+            for _ in range(OVERHEAD_ROUNDS * steps):     # interleaved step by step: load drift hits all three
+                t = time.perf_counter()
+                v = c.push({names[n]: p.grad.numpy() for n, p in model.named_parameters()})
+                c.pull(list(names.values()), min_version=v, linearizable=False)   # the adapter's read
+                raw_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                opt.step()
+                ad_t.append(time.perf_counter() - t)
+                t = time.perf_counter()              # raw, with what the adapter's push carries besides
+                grads = {names[n]: p.grad.numpy() for n, p in model.named_parameters()}
+                grads[counter] = np.ones(1)
+                v = c.push(grads, base_version=v)
+                c.pull(list(names.values()), min_version=v, linearizable=False)
+                fields_t.append(time.perf_counter() - t)
         finally:
             opt.close()
             _delete_prefix(c, raw_prefix)
             _delete_prefix(c, ad_prefix)
     raw, ad, fields = statistics.median(raw_t), statistics.median(ad_t), statistics.median(fields_t)
+    inside = {k: round(1e3 * v[1] / max(1, v[0]), 2) for k, v in opt.timings.items()}   # the adapter's own split
     mb = sum(p.numel() * 4 for p in model.parameters()) / 1e6
     log(f"torch overhead {example}: {mb:.2f} MB of parameters; raw push+pull {raw * 1e3:.2f} ms, "
         f"opt.step() {ad * 1e3:.2f} ms (median of {len(raw_t)}): {ad / raw:.3f}x; raw with base_version and "
-        f"the step counter {fields * 1e3:.2f} ms")
+        f"the step counter {fields * 1e3:.2f} ms; inside opt.step() push {inside['push']} ms, pull {inside['pull']} ms; "
+        f"'behind' retries: raw client {retries['raw']} (2 pulls per step), adapter {retries['adapter']}")
     return {"example": example, "param_mb": mb, "raw_push_pull_ms": raw * 1e3, "opt_step_ms": ad * 1e3,
             "ratio": ad / raw, "samples": len(raw_t), "raw_mean_ms": statistics.mean(raw_t) * 1e3,
             "opt_step_mean_ms": statistics.mean(ad_t) * 1e3, "raw_same_fields_ms": fields * 1e3,
-            "ratio_same_fields": ad / fields}
+            "ratio_same_fields": ad / fields, "opt_step_push_ms": inside["push"], "opt_step_pull_ms": inside["pull"],
+            "behind_retries": retries}
 
 
 def _fmt(x: Any, digits: int = 2) -> str:
@@ -213,6 +235,8 @@ def targets(runs: list[dict[str, Any]], overhead: list[dict[str, Any]]) -> list[
 
 
 def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], meta: dict[str, Any], out: str) -> str:
+    """torch_train.md/.json and torch_<example>.png (quick); torch_train_full.* and torch_<example>_full.png (full)."""
+    sfx = "_full" if meta.get("mode") == "full" else ""
     sys.path.insert(0, EXAMPLES)
     from plot import plot_runs
     sys.path.remove(EXAMPLES)
@@ -239,7 +263,7 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
                      f"{metric[6:]} {r[metric]:.4f} (target {r['target']}) | {r['wall_s']:.1f} | "
                      f"{r['loadavg_1m_at_launch']:.1f} |")
     lines += ["", "Adapter overhead (one process, async, world size 1, the model's own parameters, "
-              f"{OVERHEAD_ROUNDS} alternating rounds; medians):", "",
+              "the three interleaved step by step; medians):", "",
               "| example | parameter MB | raw push + pull ms | opt.step() ms | ratio | raw push (+ base_version, "
               "+ step counter) + pull ms | opt.step() / that |", "|---|---|---|---|---|---|---|"]
     for o in overhead:
@@ -254,18 +278,18 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
     for example in CONFIG["quick"]:
         dirs = [r["out"] for r in runs if r["example"] == example and "error" not in r]
         if dirs:
-            png = plot_runs(os.path.join(out, f"torch_{example}.png"), dirs, example)
+            png = plot_runs(os.path.join(out, f"torch_{example}{sfx}.png"), dirs, example)
             lines += ["", f"![{example}]({os.path.basename(png)})"]
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "torch_train.md"), "w") as f:
+    with open(os.path.join(out, f"torch_train{sfx}.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(out, "torch_train.json"), "w") as f:
+    with open(os.path.join(out, f"torch_train{sfx}.json"), "w") as f:
         json.dump({"meta": meta, "runs": runs, "overhead": overhead, "targets": tg}, f, indent=1, default=str)
     return md
 
 
 def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[str] | None = None,
-            settings: list[str] | None = None) -> list[dict[str, Any]]:
+            settings: list[str] | None = None, command: str = "python -m bench --parts torch") -> list[dict[str, Any]]:
     from raftps.localcluster import LocalCluster
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port + 460)
@@ -298,7 +322,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
     finally:
         cluster.wipe()
         signal.signal(signal.SIGTERM, previous)
-    meta = {"mode": mode, "command": "python -m bench " + " ".join(sys.argv[1:]),
+    meta = {"mode": mode, "command": command + " " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} cores", "seconds": time.monotonic() - t0,
             "loadavg_1m_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
@@ -314,7 +338,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
 
 def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     """``python -m bench --parts torch``: writes its own files; no rows for results.md."""
-    measure(run_dir, base_port, mode, out)
+    measure(run_dir, base_port, mode, out, command="python -m bench")
     return []
 
 
@@ -331,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="raftps-torch-bench-") as run_dir:
         measure(run_dir, a.base_port, "full" if a.full else "quick", a.out,
                 a.examples.split(",") if a.examples else None,
-                [s.strip() for s in a.settings.split(",")] if a.settings else None)
+                [s.strip() for s in a.settings.split(",")] if a.settings else None, "python -m bench.torch_train")
     return 0
 
 

@@ -207,7 +207,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
         loss = loss_on(backend.model, idx)
         loss.backward()
         backend.step()
-        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        w = 0.9 ** (1 if backend.sharded else world)    # the same time constant in global batches
+        ema = loss.item() if ema is None else w * ema + (1 - w) * loss.item()
         if rec is not None:
             # evaluate when this rank's batches cross a multiple of eval_every (async ranks skip g's)
             due = (g + (1 if backend.sharded else world)) // args.eval_every > g // args.eval_every
