@@ -223,7 +223,7 @@ def targets(runs: list[dict[str, Any]], overhead: list[dict[str, Any]]) -> list[
             a, d = asy.get("time_to_target_s"), ddp.get("time_to_target_s")
             met = a is not None and d is not None and a <= 1.5 * d
             value = (f"{a / d:.2f}x ({a:.1f} s vs {d:.1f} s)" if a is not None and d is not None
-                     else f"async {_fmt(a, 1)} s, DDP {_fmt(d, 1)} s")
+                     else f"async {_fmt(a, 1)}, DDP {_fmt(d, 1)} (s)")
             out.append({"example": example, "target": "raftps async x4 time to target <= 1.5x DDP x4", "value": value,
                         "met": met})
     for o in overhead:
