@@ -193,7 +193,7 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
             "world_size": world, "label": label, "steps": args.steps, "batch": args.batch, "lr": args.lr,
             "n_push": args.n_push, "n_fetch": args.n_fetch, "seed": args.seed, "start_step": backend.start_step,
             "parameters": sum(p.numel() for p in model.parameters())}
-    rec = Metrics(args.out if rank == 0 else None, metric, higher_is_better, args.target, meta) if rank == 0 else None
+    rec = Metrics(args.out, metric, higher_is_better, args.target, meta) if rank == 0 else None
     mine = my_batches(backend, args.steps)
     if rank == 0:
         print(f"[rank 0] {name}: {label}, {meta['parameters']:,} parameters, global batches "
