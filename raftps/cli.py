@@ -1,4 +1,5 @@
-"""Command line: ``raftps serve`` runs a node; ``raftps status`` and ``raftps cluster ...`` manage one."""
+"""Command line: ``raftps serve`` runs a node; ``raftps status``, ``export``, ``import`` and
+``cluster ...`` manage one."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 from . import auth, codec
 from .client import Client
@@ -125,18 +127,67 @@ def cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def status(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace, **kwargs) -> Client:
     token = auth.read_secret_file(args.token_file) if args.token_file else None
+    return Client(args.cluster, token=token, tls=args.tls_ca, **kwargs)
+
+
+def _run(name: str, fn: Callable[[], int]) -> int:
+    """Run a client command: a refused request or file says why on stderr (exit 2 for bad input
+    or files, 1 for the cluster's errors) instead of a traceback."""
+    from .models import ModelFileError
     try:
-        with Client(args.cluster, token=token, tls=args.tls_ca) as client:
-            print(_status_table(client.status()))
+        return fn()
+    except ModelFileError as exc:
+        print(f"raftps {name}: {exc}", file=sys.stderr)
+        return 2
     except RaftpsError as exc:
-        print(f"raftps status: {exc.code}: {exc}", file=sys.stderr)
+        print(f"raftps {name}: {exc.code}: {exc}", file=sys.stderr)
         return 1
-    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    def run() -> int:
+        with _client(args) as client:
+            print(_status_table(client.status()))
+        return 0
+    return _run("status", run)
+
+
+def export(args: argparse.Namespace) -> int:
+    from .models import export_model
+
+    def run() -> int:
+        with _client(args, timeout=args.timeout) as client:
+            out = export_model(client, args.prefix, args.format, args.file)
+        print(f"exported {out['tensors']} tensors ({out['bytes']} bytes) under {args.prefix.rstrip('/')}/ at store "
+              f"version {out['version']} (digest {out['digest'][:16]}) to {out['path']} ({out['format']})")
+        return 0
+    return _run("export", run)
+
+
+def import_(args: argparse.Namespace) -> int:
+    from .models import import_model, parse_optimizer
+
+    def run() -> int:
+        spec = parse_optimizer(args.optimizer)
+        with _client(args, timeout=args.timeout) as client:
+            out = import_model(client, args.file, args.prefix, spec)
+        print(f"imported {out['tensors']} tensors ({out['bytes']} bytes) from {args.file} under "
+              f"{args.prefix.rstrip('/')}/: {out['created']} created, {out['existing']} already there; "
+              f"store version {out['version']}")
+        return 0
+    return _run("import", run)
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
+    p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
+    p.add_argument("--tls-ca", default=None, help="CA file for nodes serving TLS (default: $RAFTPS_TLS_CA)")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .models import FORMATS
     from .node import NodeConfig
     parser = argparse.ArgumentParser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,10 +232,25 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve)
 
     p = sub.add_parser("status", help="a table of every node's role, term, applied index and digest")
-    p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
-    p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
-    p.add_argument("--tls-ca", default=None, help="CA file for nodes serving TLS (default: $RAFTPS_TLS_CA)")
+    _client_options(p)
     p.set_defaults(func=status)
+
+    p = sub.add_parser("export", help="write the tensors under a prefix, at one store version, to a file")
+    p.add_argument("file", help="the file to write (replaced whole, or left as it was)")
+    p.add_argument("--prefix", required=True, help="export tensors named PREFIX/<name>; the file names them <name>")
+    p.add_argument("--format", default="safetensors", choices=FORMATS, help="file format (default: safetensors)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=export)
+
+    p = sub.add_parser("import", help="create PREFIX/<name> for every tensor of a safetensors or npz file")
+    p.add_argument("file", help="a safetensors file or an npz archive (told apart by content)")
+    p.add_argument("--prefix", required=True, help="create tensors named PREFIX/<name>")
+    p.add_argument("--optimizer", required=True,
+                   help='the tensors\' optimizer: JSON (\'{"name": "adam", "lr": 0.001}\') or adam,lr=0.001')
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=import_)
 
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
     p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])

@@ -206,6 +206,11 @@ class Client:
         return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
                            optimizer=dict(optimizers))["version"]
 
+    def create_result(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> dict:
+        """As create_many, but the whole result: version and ``created`` (the names that did not exist)."""
+        return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
+                           optimizer=dict(optimizers))
+
     def push(self, grads: dict[str, np.ndarray], base_version: int | None = None,
              encoding: dict | None = None, ssp: dict | None = None) -> int:
         """Apply one gradient per tensor, atomically, exactly once; returns the store version.
@@ -320,6 +325,20 @@ class Client:
         """Name, dtype, shape, version and optimizer of every tensor (from the leader)."""
         with self._lock:
             return self._request({"op": "tensors"})["tensors"]
+
+    def export(self, prefix: str) -> dict:
+        """Every tensor whose name starts with ``prefix`` (a plain string prefix), read through the
+        leader's log at one store version: tensors, tensor_versions, optimizers, version, and the
+        store's digest at that version."""
+        with self._lock:
+            return self._request({"op": "export", "prefix": prefix})
+
+    def snapshot(self) -> dict:
+        """The whole store at one version: {version, digest, snapshot} (``TensorStore.snapshot()``
+        form). A store beyond this client's ``limits`` (1 GiB, 4096 arrays by default) needs a
+        Client with larger ones (``raftps snapshot save`` makes one)."""
+        with self._lock:
+            return self._request({"op": "snapshot"})
 
     def stats(self) -> dict:
         with self._lock:

@@ -17,11 +17,10 @@ import threading
 import time
 from typing import Any, Callable
 
-
 from . import auth, codec
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result)
-from .machine import check_finite, check_group, check_tensors
+from .machine import check_finite, check_group, check_tensors, snapshot_digest
 from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
@@ -58,6 +57,8 @@ class ClientServer:
             "sync_applied": self._sync_applied,
             "ssp_wait": self._ssp_wait,
             "tensors": self._tensors,
+            "export": self._export,
+            "snapshot": self._snapshot,
             **{op: self._write for op in WRITES},
         }
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
@@ -250,6 +251,32 @@ class ClientServer:
         return self._linearizable(lambda m: {"version": m.version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
              "optimizer": t.optimizer} for n, t in sorted(m.tensors.items())]})
+
+    def _export(self, req: dict) -> dict:
+        """Every tensor whose name starts with ``prefix``, with the store's version and digest,
+        all from one state read through the leader's log (``raftps export``)."""
+        prefix = req.get("prefix")
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidRequest("export needs a non-empty 'prefix' string")
+
+        def take(m: Any) -> dict:        # tick thread: no copy, no hashing
+            return {"version": m.version, "snap": m.snapshot(),
+                    "chosen": [(n, t) for n, t in sorted(m.tensors.items()) if n.startswith(prefix)]}
+        out = self._linearizable(take)
+        if "snap" not in out:
+            return out                   # a redirect or a retry
+        chosen = out["chosen"]
+        return {"version": out["version"], "digest": snapshot_digest(out["snap"]),
+                "tensors": {n: t.data for n, t in chosen}, "tensor_versions": {n: t.version for n, t in chosen},
+                "optimizers": {n: t.optimizer for n, t in chosen}}
+
+    def _snapshot(self, req: dict) -> dict:
+        """The whole state machine at one version with its digest (``raftps snapshot save``):
+        taken between two applies in the tick thread, hashed and encoded outside it."""
+        out = self._linearizable(lambda m: {"version": m.version, "snap": m.snapshot()})
+        if "snap" not in out:
+            return out
+        return {"version": out["version"], "digest": snapshot_digest(out["snap"]), "snapshot": out["snap"]}
 
     def _stats(self, req: dict) -> dict:
         return self._not_leader() or self.node.stats()
