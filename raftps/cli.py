@@ -1,5 +1,5 @@
-"""Command line: ``raftps serve`` runs a node; ``raftps status``, ``export``, ``import`` and
-``cluster ...`` manage one."""
+"""Command line: ``raftps serve`` runs a node; ``raftps status``, ``export``, ``import``,
+``snapshot`` and ``cluster ...`` manage one."""
 from __future__ import annotations
 
 import argparse
@@ -135,10 +135,10 @@ def _client(args: argparse.Namespace, **kwargs) -> Client:
 def _run(name: str, fn: Callable[[], int]) -> int:
     """Run a client command: a refused request or file says why on stderr (exit 2 for bad input
     or files, 1 for the cluster's errors) instead of a traceback."""
-    from .models import ModelFileError
+    from .models import UsageError
     try:
         return fn()
-    except ModelFileError as exc:
+    except UsageError as exc:
         print(f"raftps {name}: {exc}", file=sys.stderr)
         return 2
     except RaftpsError as exc:
@@ -178,6 +178,27 @@ def import_(args: argparse.Namespace) -> int:
               f"store version {out['version']}")
         return 0
     return _run("import", run)
+
+
+def snapshot(args: argparse.Namespace) -> int:
+    from . import backup
+
+    def run() -> int:
+        if args.action == "save":
+            with _client(args, timeout=args.timeout, limits=backup.SAVE_LIMITS) as client:
+                out = backup.save(client, args.file)
+            print(f"saved the store at version {out['version']} (digest {out['digest'][:16]}, {out['tensors']} "
+                  f"tensors, {out['bytes']} bytes) to {out['path']}")
+            return 0
+        dirs = list(args.data_dir or [])
+        if args.run_dir:
+            from .localcluster import LocalCluster
+            dirs += [LocalCluster(args.run_dir, nodes=args.nodes).data_dir(n) for n in range(1, args.nodes + 1)]
+        out = backup.restore(args.file, dirs, args.peers.split(",") if args.peers else None)
+        print(f"seeded {len(dirs)} data dir(s) with the store at version {out['version']} (digest "
+              f"{out['digest'][:16]}, {out['tensors']} tensors, saved {out['created']}); start the nodes")
+        return 0
+    return _run(f"snapshot {args.action}", run)
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -251,6 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
     _client_options(p)
     p.set_defaults(func=import_)
+
+    p = sub.add_parser("snapshot", help="save the whole store to a backup file, or seed new nodes from one")
+    p.add_argument("action", choices=["save", "restore"])
+    p.add_argument("file", help="the backup file")
+    p.add_argument("--data-dir", action="append", help="restore: an empty data dir of a new node (repeat per node)")
+    p.add_argument("--run-dir", default=None, help="restore: seed RUN_DIR/node1..N of a local cluster (--nodes N)")
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
+    p.add_argument("--peers", default=None, help="restore: the new cluster's --peers (recorded in the seed)")
+    p.add_argument("--timeout", type=float, default=120.0, help="save: seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=snapshot)
 
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
     p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])

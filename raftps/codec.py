@@ -277,7 +277,12 @@ def write_frame(f: BinaryIO, message: Any) -> int:
     return sum(len(b) for b in buffers)
 
 
-def read_frame_file(path: str, limits: Limits = DEFAULT_LIMITS) -> Any:
+def read_frame_file(path: str, limits: Limits | None = None) -> Any:
+    """One frame from a file. Default limits: the file's own size, which bounds every allocation
+    (the network limits, 4096 arrays and 1 GiB, would refuse a large store's own snapshot)."""
     with open(path, "rb") as f:
         data = bytearray(f.read())
+    if limits is None:
+        n = len(data)
+        limits = Limits(max_header_bytes=n, max_blob_bytes=n, max_arrays=n, max_tensor_bytes=n)
     return decode(data, limits)

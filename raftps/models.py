@@ -33,15 +33,15 @@ UPCAST = {np.dtype(np.float16): np.dtype(np.float32)}
 BATCH_TENSORS, BATCH_BYTES = 256, 256 << 20
 
 
-class ModelFileError(ValueError):
-    """A bad export/import request or file; nothing was written."""
+class UsageError(ValueError):
+    """A bad request or file for an operator command (export, import, snapshot); nothing was written."""
 
 
 def prefix_root(prefix: str) -> str:
     """``P/`` for prefix ``P`` (a trailing slash is optional): ``job1`` selects ``job1/...``, never ``job10/...``."""
     root = (prefix or "").rstrip("/")
     if not root or not NAME_RE.fullmatch(root):
-        raise ModelFileError(f"bad prefix {prefix!r}: 1-200 characters from [A-Za-z0-9_.:/-], e.g. 'job1'")
+        raise UsageError(f"bad prefix {prefix!r}: 1-200 characters from [A-Za-z0-9_.:/-], e.g. 'job1'")
     return root + "/"
 
 
@@ -53,14 +53,14 @@ def parse_optimizer(text: str) -> dict:
         try:
             spec = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ModelFileError(f"--optimizer {text!r} is not valid JSON: {exc}") from None
+            raise UsageError(f"--optimizer {text!r} is not valid JSON: {exc}") from None
     else:
         name, *pairs = [p.strip() for p in text.split(",")]
         spec = {"name": name}
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep:
-                raise ModelFileError(f"--optimizer: {pair!r} is not key=value (e.g. adam,lr=0.001)")
+                raise UsageError(f"--optimizer: {pair!r} is not key=value (e.g. adam,lr=0.001)")
             spec[key.strip()] = _value(value.strip())
     return _checked_spec(spec)
 
@@ -69,7 +69,7 @@ def _checked_spec(spec: Any) -> dict:
     try:
         return optim.normalize(spec, "--optimizer")
     except InvalidOptimizer as exc:
-        raise ModelFileError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _value(text: str) -> Any:
@@ -82,7 +82,7 @@ def _value(text: str) -> Any:
     try:
         return float(text)
     except ValueError:
-        raise ModelFileError(f"--optimizer: {text!r} is not a number or true/false") from None
+        raise UsageError(f"--optimizer: {text!r} is not a number or true/false") from None
 
 
 # ---- export ------------------------------------------------------------------------------
@@ -91,13 +91,13 @@ def export_model(client: Client, prefix: str, fmt: str, path: str) -> dict:
     """Write every tensor under ``prefix`` at one store version to ``path``; returns a summary
     (version, digest, tensors, bytes). The file appears whole or not at all."""
     if fmt not in FORMATS:
-        raise ModelFileError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+        raise UsageError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     root = prefix_root(prefix)
     out = client.export(root)
     tensors = {name[len(root):]: arr for name, arr in out["tensors"].items()
                if not name[len(root):].startswith(INTERNAL)}
     if not tensors:
-        raise ModelFileError(f"no tensor named {root}... in the store at version {out['version']}; nothing written")
+        raise UsageError(f"no tensor named {root}... in the store at version {out['version']}; nothing written")
     metadata = {
         "format": "pt",                  # what Hugging Face loaders expect of a state_dict file
         "raftps.prefix": root,
@@ -130,13 +130,13 @@ def read_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as exc:
-        raise ModelFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     if head[:2] == b"PK":                      # a zip archive (an empty one starts PK\x05\x06)
         tensors, metadata = _read_npz(path)
     else:
         tensors, metadata = _read_safetensors(path)
     if not tensors:
-        raise ModelFileError(f"{path} holds no tensors")
+        raise UsageError(f"{path} holds no tensors")
     return tensors, metadata
 
 
@@ -145,14 +145,14 @@ def _read_npz(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         with np.load(path, allow_pickle=False) as z:          # never unpickle a file's bytes
             members = {name: z[name] for name in z.files}
     except Exception as exc:                                   # zipfile, numpy format, object arrays
-        raise ModelFileError(f"{path} is not a readable npz archive: {exc}") from None
+        raise UsageError(f"{path} is not a readable npz archive: {exc}") from None
     raw = members.pop(NPZ_METADATA, None)
     metadata: dict[str, str] = {}
     if raw is not None:
         try:
             metadata = json.loads(str(raw))
         except (json.JSONDecodeError, TypeError):
-            raise ModelFileError(f"{path}: its {NPZ_METADATA} member is not JSON") from None
+            raise UsageError(f"{path}: its {NPZ_METADATA} member is not JSON") from None
     return members, metadata
 
 
@@ -160,7 +160,7 @@ def _safetensors() -> Any:
     try:
         import safetensors.numpy
     except ImportError:
-        raise ModelFileError("the safetensors package is missing: pip install 'raftps[ops]' (cluster/setup.sh "
+        raise UsageError("the safetensors package is missing: pip install 'raftps[ops]' (cluster/setup.sh "
                              "installs it), or use --format npz") from None
     return safetensors
 
@@ -172,13 +172,13 @@ def _read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]
             # bfloat16 has no numpy dtype: refuse it by name before numpy is asked to load it
             bf16 = [n for n in f.keys() if f.get_slice(n).get_dtype() == "BF16"]
             if bf16:
-                raise ModelFileError(f"{path}: tensor(s) {bf16[:5]} are bfloat16, which numpy cannot hold; "
+                raise UsageError(f"{path}: tensor(s) {bf16[:5]} are bfloat16, which numpy cannot hold; "
                                      "save them as float32 (tensor.float()) and import again")
             return {n: f.get_tensor(n) for n in f.keys()}, dict(f.metadata() or {})
-    except ModelFileError:
+    except UsageError:
         raise
     except Exception as exc:                                   # SafetensorError and friends
-        raise ModelFileError(f"{path} is neither an npz archive nor a readable safetensors file: {exc}") from None
+        raise UsageError(f"{path} is neither an npz archive nor a readable safetensors file: {exc}") from None
 
 
 def import_model(client: Client, path: str, prefix: str, optimizer: dict) -> dict:
@@ -190,19 +190,19 @@ def import_model(client: Client, path: str, prefix: str, optimizer: dict) -> dic
     tensors, metadata = read_model(path)
     bad = {n: str(a.dtype) for n, a in tensors.items() if a.dtype not in STORED and a.dtype not in UPCAST}
     if bad:
-        raise ModelFileError(f"{path}: the store holds float32/float64 tensors (float16 is widened to float32); "
+        raise UsageError(f"{path}: the store holds float32/float64 tensors (float16 is widened to float32); "
                              f"refusing {dict(list(bad.items())[:5])}{' ...' if len(bad) > 5 else ''}")
     values: dict[str, np.ndarray] = {}
     for name, arr in sorted(tensors.items()):
         full = root + name
         if not NAME_RE.fullmatch(full):
-            raise ModelFileError(f"{path}: tensor {name!r} would be {full!r}, not a valid tensor name "
+            raise UsageError(f"{path}: tensor {name!r} would be {full!r}, not a valid tensor name "
                                  "(1-200 characters from [A-Za-z0-9_.:/-])")
         arr = np.ascontiguousarray(arr, dtype=UPCAST.get(arr.dtype, arr.dtype))
         try:
             check_finite(full, arr, "value")
         except RaftpsError as exc:
-            raise ModelFileError(f"{path}: {exc}") from None
+            raise UsageError(f"{path}: {exc}") from None
         values[full] = arr
     created: list[str] = []
     version = 0

@@ -331,7 +331,10 @@ class RaftNode(SyncObj):
         self._snapshot_index = last[1]
 
     def _read_snapshot(self, filename: str) -> tuple:
-        snap = codec.read_frame_file(filename, self.config.limits)
+        # Limits from the file's size, not the client-facing ones: a store of more than 4096
+        # arrays (1,366 Adam tensors) or 1 GiB would otherwise fail to load its own snapshot,
+        # and pysyncobj, logging "failed to load full dump", would go on with an empty store.
+        snap = codec.read_frame_file(filename)
         with self.lock:
             self.machine.restore(snap["machine"])
             self.applied.notify_all()
