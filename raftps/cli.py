@@ -16,7 +16,7 @@ from .errors import RaftpsError
 
 
 def _status_table(rows: list[dict]) -> str:
-    cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader"]
+    cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader", "metrics"]
     lines = [cols]
     for r in rows:
         lines.append(["-" if r.get(c) is None else (str(r[c])[:16] if c == "digest" else str(r[c])) for c in cols])
@@ -80,14 +80,21 @@ def serve(args: argparse.Namespace) -> int:
                         tls_cert=args.tls_cert, tls_key=args.tls_key, max_connections=args.max_connections,
                         max_connections_per_ip=args.max_connections_per_ip,
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
-                        idle_timeout=args.idle_timeout)
+                        idle_timeout=args.idle_timeout, metrics_port=args.metrics_port)
     node = RaftNode(config)
     server = ClientServer(node, *config.bind(config.client_offset))
+    metrics_at = config.metrics_bind()
+    if metrics_at is not None:
+        from . import metrics
+        tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+        if metrics.serve(node, server, *metrics_at, tls=tls) is not None:
+            node.metrics_address = "%s:%d" % metrics_at
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"node {args.id}: raft {config.raft_address}, clients {config.address(args.id, config.client_offset)}, "
-          f"data plane {config.address(args.id, config.data_offset)}", flush=True)
+          f"data plane {config.address(args.id, config.data_offset)}, metrics {node.metrics_address or 'off'}",
+          flush=True)
     while not stop.wait(1.0):
         if not node.tick_thread_alive():
             print(f"node {args.id}: the raft tick thread died; exiting so a supervisor restarts the node",
@@ -226,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-cert", default=None, help="serve the client port over TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     p.add_argument("--bind-host", default=None, help="address to bind (default: this node's host in --peers)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port of this node's host (default: Raft port + 300, "
+                        "over HTTPS with --tls-cert); 0 turns it off")
     p.add_argument("--payload-dir", default=None,
                    help="where payloads wait for a snapshot (default: tmpfs /dev/shm if present, else DATA_DIR/payloads)")
     defaults = NodeConfig.__dataclass_fields__

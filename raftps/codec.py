@@ -205,7 +205,8 @@ def blob_digest(buffers: list) -> bytes:
 
 
 def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
-               frame_timeout: float | None = None, mac: FrameMac | None = None) -> Any:
+               frame_timeout: float | None = None, mac: FrameMac | None = None,
+               on_size: Callable[[int], None] | None = None) -> Any:
     """Read and decode one frame. Raises ConnectionError on EOF, ProtocolError on bad bytes.
 
     ``first_byte_timeout`` lets an idle connection wait longer for the next request than a
@@ -213,6 +214,7 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
     arrive within it of its first byte (LimitExceeded otherwise), however slowly the bytes
     trickle, so a stalled sender cannot hold a server thread for long. Without it, the socket's
     own timeout applies to each recv. ``mac`` checks the frame's tag before it is decoded.
+    ``on_size`` is told the frame's size once its prefix is read (metrics).
     """
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
@@ -226,6 +228,8 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
         try:
             recv_exactly(sock, view[1:], deadline=deadline)
             header_len, blob_len = _parse_prefix(bytes(prefix), limits)
+            if on_size is not None:
+                on_size(PREFIX.size + header_len + blob_len)
             header = bytearray(header_len)
             recv_exactly(sock, memoryview(header), deadline=deadline)
             blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)

@@ -30,6 +30,7 @@ from . import codec, stored_zlib
 from .dataplane import DataPlaneServer, Peers
 from .errors import RaftpsError, StepTimeout
 from .machine import TensorStore
+from .metrics import Instruments
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
 from .pysyncobj_fixes import limit_peer_reads, limit_unknown_connections
@@ -51,6 +52,8 @@ class NodeConfig:
     secret: bytes
     client_offset: int = 100                  # client port = Raft port + client_offset
     data_offset: int = 200                    # data-plane port = Raft port + data_offset
+    metrics_offset: int = 300                 # /metrics port = Raft port + metrics_offset ...
+    metrics_port: int | None = None           # ... unless given here; 0: no metrics server
     bind_host: str | None = None              # default: the host of this node's Raft address
     payload_dir: str | None = None            # default: default_payload_dir(data_dir)
     # Payloads up to this size travel inside the entry. Above a few KiB pysyncobj's per-follower
@@ -85,6 +88,13 @@ class NodeConfig:
     def bind(self, offset: int) -> tuple[str, int]:
         host, port = self.address(self.node_id, offset).rsplit(":", 1)
         return self.bind_host or host, int(port)
+
+    def metrics_bind(self) -> tuple[str, int] | None:
+        """Where this node serves /metrics (its own host), or None when turned off."""
+        if self.metrics_port == 0:
+            return None
+        host, port = self.bind(self.metrics_offset)
+        return host, self.metrics_port or port
 
 
 def default_payload_dir(data_dir: str) -> str:
@@ -130,6 +140,9 @@ class Outcome(Exception):
 class RaftNode(SyncObj):
     def __init__(self, config: NodeConfig):
         self.config = config
+        self.instruments = Instruments()
+        self.metrics_address: str | None = None   # host:port of /metrics once it is served
+        self._leader_seen: Any = None
         os.makedirs(config.data_dir, exist_ok=True)
         self.machine = TensorStore()
         self.lock = threading.Lock()              # guards machine against readers in other threads
@@ -180,6 +193,7 @@ class RaftNode(SyncObj):
         limit_unknown_connections(self)
         self.addOnTickCallback(self._housekeeping)
         self.addOnTickCallback(self._commit_alone)
+        self.addOnTickCallback(self._watch_leader)
 
     # ---- the replicated entry and our applier ----------------------------------------------
 
@@ -201,9 +215,11 @@ class RaftNode(SyncObj):
             raise
         except Exception as exc:    # same bytes on every replica, so the same error everywhere
             command = {"op": "invalid", "reason": f"undecodable entry: {exc}"}
+        started = time.perf_counter()
         with self.lock:
             result = self.machine.apply(index, command)
             self.applied.notify_all()
+        self.instruments.apply_seconds.observe(time.perf_counter() - started)
         if pid is not None:
             self.payloads.applied(pid, index)
         return result
@@ -277,6 +293,7 @@ class RaftNode(SyncObj):
                 tensors = self.peers.fetch(pid)
                 if tensors is None:
                     failures += 1
+                    self.instruments.errors.labels("PayloadNotOnPeers").inc()
                     log.warning("payload %s of the next entry is on no reachable peer yet", pid)
                     # Peers delete a payload once their snapshot covers its entry, so when none has
                     # it, a peer's snapshot covers it: that committed state replaces the entry.
@@ -315,6 +332,12 @@ class RaftNode(SyncObj):
                 and self._SyncObj__getCurrentLogIndex() > self._SyncObj__raftCommitIndex):
             self._wake_tick()
 
+    def _watch_leader(self) -> None:
+        leader = self._getLeader()
+        if leader is not None and leader != self._leader_seen:
+            self._leader_seen = leader
+            self.instruments.leader_changes.inc()
+
     def _wake_tick(self) -> None:
         notifier = getattr(self, "_SyncObj__pipeNotifier", None)
         if notifier is not None:
@@ -329,6 +352,7 @@ class RaftNode(SyncObj):
                                   "cluster": sorted(node.address for node in cluster),
                                   "machine": self.machine.snapshot()})
         self._snapshot_index = last[1]
+        self.instruments.snapshots.labels("write").inc()
 
     def _read_snapshot(self, filename: str) -> tuple:
         # Limits from the file's size, not the client-facing ones: a store of more than 4096
@@ -340,6 +364,7 @@ class RaftNode(SyncObj):
             self.applied.notify_all()
         last, previous = (tuple(e) for e in snap["raft"])
         self._snapshot_index = last[1]
+        self.instruments.snapshots.labels("load").inc()
         return last, previous, {TCPNode(address) for address in snap["cluster"]}
 
     def _housekeeping(self) -> None:
@@ -379,6 +404,7 @@ class RaftNode(SyncObj):
                on_applied: Callable[[dict], Any] | None = None) -> Any:
         """Replicate one command and return the state machine's result (or ``on_applied``'s value,
         computed in the tick thread right after the entry is applied). Raises Outcome."""
+        started = time.perf_counter()
         deadline = time.monotonic() + self.config.request_timeout
         if tensors:
             size = sum(a.nbytes for a in tensors.values())
@@ -402,12 +428,17 @@ class RaftNode(SyncObj):
             box.append((result, error))
             done.set()
 
+        proposed = time.perf_counter()
         self._entry(msgpack.packb(command, use_bin_type=True), callback=callback)
         if not done.wait(max(0.0, deadline - time.monotonic())):
             raise Outcome("no commit before the request timeout", applied=None)
         result, error = box[0]
         if error != FAIL_REASON.SUCCESS:
             raise Outcome(f"raft reported failure code {error}", applied=False if error in NOT_APPLIED else None)
+        now = time.perf_counter()
+        self.instruments.commit_seconds.observe(now - proposed)
+        if command["op"] != "barrier":       # reads commit barriers: their latency is in commit_seconds
+            self.instruments.write_seconds.observe(now - started)
         return result
 
     def read(self, names: list[str] | None) -> tuple[dict, int]:
@@ -470,8 +501,33 @@ class RaftNode(SyncObj):
                     "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram(),
                     "sync_applied": m.sync_applied, "version": m.version, "sessions": len(m.sessions)}
 
+    def _raft_status(self) -> dict:
+        # pysyncobj builds it from the tick thread's dicts; a rare concurrent resize is retried
+        for _ in range(3):
+            try:
+                return self.getStatus()
+            except RuntimeError:
+                continue
+        return self.getStatus()
+
+    def metrics_view(self) -> dict:
+        """What /metrics shows, cheap enough for every scrape: no digest (it hashes the store)."""
+        raft = self._raft_status()
+        with self.lock:
+            m = self.machine
+            view = {"version": m.version, "tensors": len(m.tensors), "sessions": len(m.sessions),
+                    "model_bytes": m.model_bytes(), "pushes": m.stats["pushes"], "rejected": m.stats["rejected"],
+                    "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram()}
+        prefix, link = "match_idx_server_", "partner_node_status_server_"
+        return {**view, "role": ROLES.get(raft["state"], str(raft["state"])), "term": raft["raft_term"],
+                "commit": raft["commit_idx"], "applied": raft["last_applied"], "log_len": raft["log_len"],
+                "snapshot_index": self._snapshot_index,
+                "has_quorum": 1 if raft["has_quorum"] else 0,
+                "match": {k[len(prefix):]: v for k, v in raft.items() if k.startswith(prefix)},
+                "connected": {k[len(link):]: 1 if v == 2 else 0 for k, v in raft.items() if k.startswith(link)}}
+
     def status(self) -> dict:
-        raft = self.getStatus()
+        raft = self._raft_status()
         with self.lock:
             version, digest, model_bytes = self.machine.version, self.machine.digest(), self.machine.model_bytes()
             staleness = self.machine.staleness_histogram()
@@ -495,6 +551,7 @@ class RaftNode(SyncObj):
             "fetched_payloads": self.fetched[0],      # received from peers' get/get_range, not pushed
             "fetched_bytes": self.fetched[1],
             "staleness": staleness,
+            "metrics": self.metrics_address,          # host:port of this node's /metrics, or None
             "pid": os.getpid(),
         }
 

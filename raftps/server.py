@@ -49,6 +49,9 @@ class ClientServer:
         self._open: dict[str, int] = {}           # client IP -> open connections
         self._open_lock = threading.Lock()
         self.sock = socket.create_server((host, port), backlog=128)
+        self.instruments = node.instruments
+        self._bytes_in = self.instruments.client_bytes.labels("in")
+        self._bytes_out = self.instruments.client_bytes.labels("out")
         self._handlers: dict[str, Callable[[dict], dict]] = {
             "status": lambda req: self.node.status(),
             "stats": self._stats,
@@ -73,6 +76,10 @@ class ClientServer:
                                                    f"{self.max_connections_per_ip} connections open to this node")
             self._open[ip] = self._open.get(ip, 0) + 1
         return None
+
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return sum(self._open.values())
 
     def _release(self, ip: str) -> None:
         with self._open_lock:
@@ -101,12 +108,14 @@ class ClientServer:
                 if conn is None:
                     return
             if not self._hello(conn):
+                self.instruments.errors.labels(AuthenticationFailed.code).inc()
                 return
             while True:
                 try:
                     request = codec.recv_frame(conn, self.limits, first_byte_timeout=self.idle_timeout,
-                                               frame_timeout=self.frame_timeout)
+                                               frame_timeout=self.frame_timeout, on_size=self._bytes_in.inc)
                 except ProtocolError as exc:
+                    self.instruments.errors.labels(type(exc).code).inc()
                     codec.send_frame(conn, error_result(type(exc), str(exc)))
                     _linger(conn)
                     return                        # the stream cannot be resynchronised
@@ -114,7 +123,7 @@ class ClientServer:
                     if "mid-frame" in str(exc):   # a sender that half-closed may still read
                         codec.send_frame(conn, error_result(ProtocolError, f"truncated frame: {exc}"))
                     return
-                codec.send_frame(conn, self.handle(request))
+                self._bytes_out.inc(codec.send_frame(conn, self.handle(request)))
         except (ConnectionError, OSError) as exc:
             log.debug("client connection closed: %s", exc)
         finally:
@@ -161,6 +170,16 @@ class ClientServer:
         return True
 
     def handle(self, request: Any) -> dict:
+        op = request.get("op") if isinstance(request, dict) else None
+        reply = self._handle(request)
+        # Labels only from known values: a client must not grow the metrics with op names of its own.
+        outcome = "retry" if reply.get("retry") else reply.get("error") or "ok"
+        self.instruments.requests.labels(op if op in self._handlers else "unknown", outcome).inc()
+        if outcome not in ("ok", "retry"):
+            self.instruments.errors.labels(outcome).inc()
+        return reply
+
+    def _handle(self, request: Any) -> dict:
         try:
             if not isinstance(request, dict) or not isinstance(request.get("op"), str):
                 raise InvalidRequest("a request is a map with an 'op' string")
