@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -156,9 +157,32 @@ def _run(name: str, fn: Callable[[], int]) -> int:
 def status(args: argparse.Namespace) -> int:
     def run() -> int:
         with _client(args) as client:
-            print(_status_table(client.status()))
+            rows = client.status()
+        if args.output == "json":
+            print(json.dumps(rows, indent=1, sort_keys=True))
+        else:
+            print(_status_table(rows))
         return 0
     return _run("status", run)
+
+
+def top(args: argparse.Namespace) -> int:
+    if args.count is not None and args.count < 1 or not args.interval > 0:
+        print("raftps top: --count must be >= 1 and --interval > 0", file=sys.stderr)
+        return 2
+    try:
+        from . import top as live
+    except ImportError as exc:
+        print(f"raftps top: {exc}: pip install 'raftps[ops]' (cluster/setup.sh installs it)", file=sys.stderr)
+        return 2
+
+    def run() -> int:
+        with _client(args, timeout=5.0) as client:
+            try:
+                return live.run(client, args.count, args.interval)
+            except KeyboardInterrupt:
+                return 0
+    return _run("top", run)
 
 
 def export(args: argparse.Namespace) -> int:
@@ -263,8 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve)
 
     p = sub.add_parser("status", help="a table of every node's role, term, applied index and digest")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="table (default) or json: every field of every node's status, one list")
     _client_options(p)
     p.set_defaults(func=status)
+
+    p = sub.add_parser("top", help="a live view of every node: rates, lag, staleness (rich)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--count", type=int, default=None, help="stop after this many refreshes (default: until Ctrl-C)")
+    _client_options(p)
+    p.set_defaults(func=top)
 
     p = sub.add_parser("export", help="write the tensors under a prefix, at one store version, to a file")
     p.add_argument("file", help="the file to write (replaced whole, or left as it was)")

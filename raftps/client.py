@@ -344,13 +344,14 @@ class Client:
         with self._lock:
             return self._request({"op": "stats"})
 
-    def status(self, timeout: float = 2.0) -> list[dict]:
-        """One dict per node (node, address, role, term, applied, digest, ...); 'down' if unreachable."""
+    def status(self, timeout: float = 2.0, digest: bool = True) -> list[dict]:
+        """One dict per node (node, address, role, term, applied, digest, ...); 'down' if unreachable.
+        ``digest=False``: no digest (each node hashes its whole store for it)."""
         out = []
         with self._lock:
             for number, address in enumerate(self.addresses, 1):
                 try:
-                    out.append(self._call(address, {"op": "status"}, timeout))
+                    out.append(self._call(address, {"op": "status", "digest": digest}, timeout))
                 except (OSError, ConnectionError, ProtocolError) as exc:
                     out.append({"node": number, "address": address, "role": "down", "term": None,
                                 "applied": None, "digest": None, "error": str(exc) or type(exc).__name__})

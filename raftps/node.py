@@ -526,11 +526,15 @@ class RaftNode(SyncObj):
                 "match": {k[len(prefix):]: v for k, v in raft.items() if k.startswith(prefix)},
                 "connected": {k[len(link):]: 1 if v == 2 else 0 for k, v in raft.items() if k.startswith(link)}}
 
-    def status(self) -> dict:
+    def status(self, digest: bool = True) -> dict:
+        """This node's row of ``raftps status``. ``digest=False`` skips hashing the store (a poller
+        such as ``raftps top`` would otherwise hash it at every new version)."""
         raft = self._raft_status()
         with self.lock:
-            version, digest, model_bytes = self.machine.version, self.machine.digest(), self.machine.model_bytes()
+            version, model_bytes = self.machine.version, self.machine.model_bytes()
+            digest = self.machine.digest() if digest else None
             staleness = self.machine.staleness_histogram()
+            pushes = self.machine.stats["pushes"]
         return {
             "node": self.config.node_id,
             "address": self.config.address(self.config.node_id, self.config.client_offset),
@@ -551,6 +555,7 @@ class RaftNode(SyncObj):
             "fetched_payloads": self.fetched[0],      # received from peers' get/get_range, not pushed
             "fetched_bytes": self.fetched[1],
             "staleness": staleness,
+            "pushes": pushes,                         # applied by the state machine (replicated)
             "metrics": self.metrics_address,          # host:port of this node's /metrics, or None
             "pid": os.getpid(),
         }

@@ -53,7 +53,8 @@ class ClientServer:
         self._bytes_in = self.instruments.client_bytes.labels("in")
         self._bytes_out = self.instruments.client_bytes.labels("out")
         self._handlers: dict[str, Callable[[dict], dict]] = {
-            "status": lambda req: self.node.status(),
+            "status": lambda req: {**self.node.status(digest=req.get("digest", True) is not False),
+                                   "connections": self.open_connections()},
             "stats": self._stats,
             "pull": self._pull,
             "wait_step": self._wait_step,
