@@ -186,10 +186,11 @@ def top(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
+    from .backup import SAVE_LIMITS
     from .models import export_model
 
     def run() -> int:
-        with _client(args, timeout=args.timeout) as client:
+        with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=SAVE_LIMITS) as client:   # a model may exceed 1 GiB
             out = export_model(client, args.prefix, args.format, args.file)
         print(f"exported {out['tensors']} tensors ({out['bytes']} bytes) under {args.prefix.rstrip('/')}/ at store "
               f"version {out['version']} (digest {out['digest'][:16]}) to {out['path']} ({out['format']})")
@@ -202,7 +203,7 @@ def import_(args: argparse.Namespace) -> int:
 
     def run() -> int:
         spec = parse_optimizer(args.optimizer)
-        with _client(args, timeout=args.timeout) as client:
+        with _client(args, timeout=args.timeout, attempt_timeout=30.0) as client:
             out = import_model(client, args.file, args.prefix, spec)
         print(f"imported {out['tensors']} tensors ({out['bytes']} bytes) from {args.file} under "
               f"{args.prefix.rstrip('/')}/: {out['created']} created, {out['existing']} already there; "
@@ -216,7 +217,7 @@ def snapshot(args: argparse.Namespace) -> int:
 
     def run() -> int:
         if args.action == "save":
-            with _client(args, timeout=args.timeout, limits=backup.SAVE_LIMITS) as client:
+            with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=backup.SAVE_LIMITS) as client:
                 out = backup.save(client, args.file)
             print(f"saved the store at version {out['version']} (digest {out['digest'][:16]}, {out['tensors']} "
                   f"tensors, {out['bytes']} bytes) to {out['path']}")

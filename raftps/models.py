@@ -29,8 +29,9 @@ INTERNAL = "_raftps/"                  # raftps.torch's step counters live under
 STORED = (np.dtype(np.float32), np.dtype(np.float64))
 # Like raftps.torch: half precision is kept in float32 in the store (its optimizers need the range).
 UPCAST = {np.dtype(np.float16): np.dtype(np.float32)}
-# One create per batch: far below max_tensors_per_push (1024) and the 1 GiB frame limit.
-BATCH_TENSORS, BATCH_BYTES = 256, 256 << 20
+# One create per batch, well below max_tensors_per_push (1024) and small enough to replicate within
+# a node's request timeout (3 s) on a busy machine: a 256 MiB create never did here (load 5-10).
+BATCH_TENSORS, BATCH_BYTES = 256, 32 << 20
 
 
 class UsageError(ValueError):

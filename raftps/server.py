@@ -175,7 +175,8 @@ class ClientServer:
         reply = self._handle(request)
         # Labels only from known values: a client must not grow the metrics with op names of its own.
         outcome = "retry" if reply.get("retry") else reply.get("error") or "ok"
-        self.instruments.requests.labels(op if op in self._handlers else "unknown", outcome).inc()
+        known = isinstance(op, str) and op in self._handlers      # (a list is unhashable: fuzzed requests)
+        self.instruments.requests.labels(op if known else "unknown", outcome).inc()
         if outcome not in ("ok", "retry"):
             self.instruments.errors.labels(outcome).inc()
         return reply
