@@ -233,6 +233,25 @@ def snapshot(args: argparse.Namespace) -> int:
     return _run(f"snapshot {args.action}", run)
 
 
+def member(args: argparse.Namespace) -> int:
+    def run() -> int:
+        if args.action in ("add", "remove") and len(args.nodes) != 1 or args.action == "replace" and len(args.nodes) != 2 \
+                or args.action == "list" and args.nodes:
+            print("raftps member: list | add NODE | remove NODE | replace OLD NEW (NODE: a Raft address host:port)",
+                  file=sys.stderr)
+            return 2
+        with _client(args, timeout=args.timeout) as client:
+            if args.action == "replace":
+                out = client.members("replace", node=args.nodes[1], old=args.nodes[0])
+            else:
+                out = client.members(args.action, node=args.nodes[0] if args.nodes else None)
+        if "changed" in out:
+            print("changed" if out["changed"] else "nothing to change")
+        print("members: " + ", ".join(out["members"]))
+        return 0
+    return _run("member", run)
+
+
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
     p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
@@ -315,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
     _client_options(p)
     p.set_defaults(func=import_)
+
+    p = sub.add_parser("member", help="list, add, remove or replace cluster members (Raft addresses)")
+    p.add_argument("action", choices=["list", "add", "remove", "replace"])
+    p.add_argument("nodes", nargs="*", help="add/remove: NODE; replace: OLD NEW (Raft addresses host:port)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=member)
 
     p = sub.add_parser("snapshot", help="save the whole store to a backup file, or seed new nodes from one")
     p.add_argument("action", choices=["save", "restore"])

@@ -340,6 +340,13 @@ class Client:
         with self._lock:
             return self._request({"op": "snapshot"})
 
+    def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
+        """Cluster membership (Raft addresses): ``list``, or ``add`` / ``remove`` ``node``, or
+        ``replace`` ``old`` with ``node``. Returns members and, for changes, ``changed``."""
+        with self._lock:
+            return self._request({"op": "member", "action": action, "node": node, "old": old},
+                                 attempt_timeout=max(self.attempt_timeout, 25.0))
+
     def stats(self) -> dict:
         with self._lock:
             return self._request({"op": "stats"})

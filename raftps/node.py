@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -28,7 +29,7 @@ from pysyncobj.node import TCPNode
 
 from . import codec, stored_zlib
 from .dataplane import DataPlaneServer, Peers
-from .errors import RaftpsError, StepTimeout
+from .errors import InvalidRequest, RaftpsError, StepTimeout
 from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore, payload_id
@@ -97,6 +98,12 @@ class NodeConfig:
         return host, self.metrics_port or port
 
 
+def offset_address(address: str, offset: int) -> str:
+    """The port ``offset`` above a node's Raft address (client +100, data plane +200, metrics +300)."""
+    host, port = address.rsplit(":", 1)
+    return f"{host}:{int(port) + offset}"
+
+
 def default_payload_dir(data_dir: str) -> str:
     """Payloads live in tmpfs where there is one: they survive a process crash (the guarantee
     pysyncobj's own unsynced journal gives) and need no disk bandwidth. Three nodes on one disk
@@ -150,8 +157,12 @@ class RaftNode(SyncObj):
         sweep_abandoned_payload_dirs()
         self.payloads = PayloadStore(config.payload_dir or default_payload_dir(config.data_dir),
                                      owner=os.path.abspath(config.data_dir))
-        others = [n for n in range(1, len(config.peers) + 1) if n != config.node_id]
-        self.peers = Peers([config.address(n, config.data_offset) for n in others], config.secret)
+        others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
+        # The other members' Raft addresses. pysyncobj's dynamic membership changes them (raftps
+        # member add/remove); _watch_members keeps the data plane and the majority in step.
+        self._members: frozenset[str] = frozenset(others)
+        self._tick_jobs: queue.SimpleQueue[Callable[[], bool]] = queue.SimpleQueue()
+        self.peers = Peers([offset_address(a, config.data_offset) for a in sorted(others)], config.secret)
         self.data_server = DataPlaneServer(*config.bind(config.data_offset), config.secret,
                                            self.payloads, config.limits,
                                            snapshot_file=os.path.join(config.data_dir, "raft.snapshot"))
@@ -170,6 +181,7 @@ class RaftNode(SyncObj):
             bindAddress=":".join(map(str, config.bind(0))),
             journalFile=os.path.join(config.data_dir, "raft.journal"),
             fullDumpFile=os.path.join(config.data_dir, "raft.snapshot"),
+            dynamicMembershipChange=True,                  # raftps member add/remove/replace
             serializer=self._write_snapshot,
             deserializer=self._read_snapshot,
             appendEntriesUseBatch=False,                   # send at once: ~1 ms commits on loopback
@@ -188,12 +200,14 @@ class RaftNode(SyncObj):
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
         limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
-        super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
+        super().__init__(config.raft_address, sorted(others), conf)
         install_pysyncobj_fixes(self)
         limit_unknown_connections(self)
         self.addOnTickCallback(self._housekeeping)
         self.addOnTickCallback(self._commit_alone)
         self.addOnTickCallback(self._watch_leader)
+        self.addOnTickCallback(self._watch_members)
+        self.addOnTickCallback(self._run_tick_jobs)
 
     # ---- the replicated entry and our applier ----------------------------------------------
 
@@ -332,6 +346,27 @@ class RaftNode(SyncObj):
                 and self._SyncObj__getCurrentLogIndex() > self._SyncObj__raftCommitIndex):
             self._wake_tick()
 
+    def _watch_members(self) -> None:
+        members = frozenset(node.address for node in self._SyncObj__otherNodes)
+        if members != self._members:
+            log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
+            self._members = members
+            self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
+
+    def _run_tick_jobs(self) -> None:
+        """Jobs that must run in the tick thread (pysyncobj is not thread-safe); a job returning
+        False runs again on the next tick."""
+        again = []
+        while True:
+            try:
+                job = self._tick_jobs.get_nowait()
+            except queue.Empty:
+                break
+            if not job():
+                again.append(job)
+        for job in again:
+            self._tick_jobs.put(job)
+
     def _watch_leader(self) -> None:
         leader = self._getLeader()
         if leader is not None and leader != self._leader_seen:
@@ -365,7 +400,10 @@ class RaftNode(SyncObj):
         last, previous = (tuple(e) for e in snap["raft"])
         self._snapshot_index = last[1]
         self.instruments.snapshots.labels("load").inc()
-        return last, previous, {TCPNode(address) for address in snap["cluster"]}
+        # pysyncobj takes the membership from the snapshot; a seed without one (snapshot restore
+        # without --peers) keeps the membership this node was started with.
+        cluster = snap["cluster"] or [self.config.raft_address, *self._members]
+        return last, previous, {TCPNode(address) for address in cluster}
 
     def _housekeeping(self) -> None:
         # pysyncobj renamed the snapshot into place right after _write_snapshot returned, so the
@@ -384,8 +422,13 @@ class RaftNode(SyncObj):
     # ---- what the client server asks --------------------------------------------------------
 
     @property
+    def members(self) -> list[str]:
+        """Raft addresses of every member, this node included."""
+        return sorted([self.config.raft_address, *self._members])
+
+    @property
     def majority(self) -> int:
-        return len(self.config.peers) // 2 + 1
+        return (len(self._members) + 1) // 2 + 1
 
     def is_leader(self) -> bool:
         return self._isLeader()
@@ -394,11 +437,7 @@ class RaftNode(SyncObj):
         leader = self._getLeader()
         if leader is None:
             return None
-        try:
-            node = self.config.peers.index(leader.address) + 1
-        except ValueError:
-            return None
-        return self.config.address(node, self.config.client_offset)
+        return offset_address(leader.address, self.config.client_offset)
 
     def submit(self, command: dict, tensors: dict[str, np.ndarray] | None = None,
                on_applied: Callable[[dict], Any] | None = None) -> Any:
@@ -416,7 +455,7 @@ class RaftNode(SyncObj):
                 needed = self.majority - 1
                 acks = self.peers.replicate(pid, tensors, needed, timeout=self.config.request_timeout)
                 if acks < needed:
-                    raise Outcome(f"payload reached {acks + 1} of {len(self.config.peers)} nodes, "
+                    raise Outcome(f"payload reached {acks + 1} of {len(self._members) + 1} nodes, "
                                   f"a majority is {self.majority}", applied=False)
                 command["payload"] = pid
         done = threading.Event()
@@ -556,9 +595,64 @@ class RaftNode(SyncObj):
             "fetched_bytes": self.fetched[1],
             "staleness": staleness,
             "pushes": pushes,                         # applied by the state machine (replicated)
+            "members": self.members,                  # Raft addresses, as this node knows them
             "metrics": self.metrics_address,          # host:port of this node's /metrics, or None
             "pid": os.getpid(),
         }
+
+    # ---- membership (raftps member ...) ----------------------------------------------------
+
+    def change_members(self, action: str, address: str, timeout: float = 10.0) -> dict:
+        """Add or remove one member (Raft single-server changes, through pysyncobj's dynamic
+        membership: the change is a log entry, in force from the moment it is appended). On
+        the leader only. Idempotent: adding a member or removing a non-member changes nothing.
+        The leader cannot remove itself: it hands leadership to a caught-up follower and raises
+        Outcome, so the client retries with the new leader."""
+        if action == "add" and (address == self.config.raft_address or address in self._members) or \
+                action == "remove" and address != self.config.raft_address and address not in self._members:
+            return {"changed": False, "members": self.members}
+        if action == "remove" and address == self.config.raft_address:
+            if not self._members:
+                raise InvalidRequest(f"{address} is the only member: a cluster cannot remove its last node")
+            self._transfer_leadership(timeout)
+            raise Outcome(f"{address} is the leader: leadership handed to another member; retry there", applied=False)
+        done, box = threading.Event(), []
+
+        def callback(_result: Any, error: int) -> None:
+            box.append(error)
+            done.set()
+        change = self.addNodeToCluster if action == "add" else self.removeNodeFromCluster
+        self._tick_jobs.put(lambda: change(address, callback) or True)
+        self._wake_tick()
+        if not done.wait(timeout):
+            raise Outcome(f"membership change not committed within {timeout:.0f} s", applied=None)
+        if box[0] != FAIL_REASON.SUCCESS:
+            # REQUEST_DENIED: an earlier change is not committed yet, or this leader's first entry is not
+            raise Outcome(f"membership change refused by Raft (code {box[0]}): another change may be "
+                          "under way; retry", applied=False)
+        return {"changed": True, "members": self.members}
+
+    def _transfer_leadership(self, timeout: float) -> None:
+        """Ask pysyncobj (in the tick thread) to hand leadership to the most caught-up connected
+        follower; it refuses while that follower's log is behind, so try on every tick."""
+        deadline = time.monotonic() + timeout
+        sent = threading.Event()
+
+        def attempt() -> bool:
+            if sent.is_set() or time.monotonic() > deadline or not self._isLeader():
+                sent.set()
+                return True
+            self.transferLeadership(None, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
+            return sent.is_set()
+        self._tick_jobs.put(attempt)
+        self._wake_tick()
+        sent.wait(timeout)
+        end = time.monotonic() + min(timeout, 2 * self.config.election_timeout[1])
+        while self._isLeader() and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def is_connected(self, address: str) -> bool:
+        return self.isNodeConnected(TCPNode(address))
 
     def stop(self, snapshot_timeout: float = 30.0) -> None:
         """Stop gracefully: first a snapshot, so the data dir alone restores this node."""

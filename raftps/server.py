@@ -63,6 +63,7 @@ class ClientServer:
             "tensors": self._tensors,
             "export": self._export,
             "snapshot": self._snapshot,
+            "member": self._member,
             **{op: self._write for op in WRITES},
         }
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
@@ -299,6 +300,37 @@ class ClientServer:
             return out
         return {"version": out["version"], "digest": snapshot_digest(out["snap"]), "snapshot": out["snap"]}
 
+    def _member(self, req: dict) -> dict:
+        """raftps member list|add|remove|replace: one Raft single-server change at a time, on
+        the leader. Each step is idempotent, so a retried replace goes on where it stopped."""
+        action = req.get("action")
+        if action not in ("list", "add", "remove", "replace"):
+            raise InvalidRequest("member needs action: list, add, remove or replace")
+        redirect = self._not_leader()
+        if redirect:
+            return redirect
+        if action == "list":
+            return {"members": self.node.members, "leader": self.node.config.raft_address}
+        new = _raft_address(req.get("node"))
+        old = _raft_address(req.get("old")) if action == "replace" else None
+        if old == new:
+            raise InvalidRequest(f"replace {old} with itself")
+        try:
+            if action != "replace":
+                return self.node.change_members(action, new)
+            # A live old member stays until the new one is in (a 3-node cluster keeps its majority
+            # with one node down either way); a dead one goes first, so that the new member's
+            # entry commits with the live ones before the new node is even up.
+            steps = [("add", new), ("remove", old)] if self.node.is_connected(old) or \
+                old == self.node.config.raft_address else [("remove", old), ("add", new)]
+            changed = False
+            for step, address in steps:
+                changed = self.node.change_members(step, address)["changed"] or changed
+            return {"changed": changed, "members": self.node.members}
+        except Outcome as outcome:
+            return _retry(str(outcome), not_leader=not self.node.is_leader(), leader=None,
+                          unknown=outcome.applied is None)
+
     def _stats(self, req: dict) -> dict:
         return self._not_leader() or self.node.stats()
 
@@ -327,6 +359,15 @@ class ClientServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _raft_address(value: Any) -> str:
+    """A member's Raft address, host:port (the --peers form)."""
+    if isinstance(value, str) and ":" in value and 0 < len(value) <= 255:
+        host, port = value.rsplit(":", 1)
+        if host and port.isdigit() and 0 < int(port) < 65536 - 300:
+            return value
+    raise InvalidRequest(f"a member is its Raft address HOST:PORT (as in --peers), not {value!r}")
 
 
 def _seconds(value: Any, field: str) -> float:
