@@ -327,7 +327,9 @@ class RaftNode(SyncObj):
         with open(filename, "wb") as f:
             codec.write_frame(f, {"raft": [list(last), list(previous)],
                                   "cluster": sorted(node.address for node in cluster),
-                                  "machine": self.machine.snapshot()})
+                                  # The tick thread (pysyncobj does not fork with our serializer):
+                                  # no apply runs until the frame is written, so nothing is frozen.
+                                  "machine": self.machine.snapshot(share=False)})
         self._snapshot_index = last[1]
 
     def _read_snapshot(self, filename: str) -> tuple:

@@ -54,6 +54,7 @@ class ClientServer:
             "status": lambda req: self.node.status(),
             "stats": self._stats,
             "pull": self._pull,
+            "pull_rows": self._pull_rows,
             "wait_step": self._wait_step,
             "sync_applied": self._sync_applied,
             "ssp_wait": self._ssp_wait,
@@ -223,6 +224,24 @@ class ClientServer:
         return {"version": version,
                 "tensors": {name: t.data for name, t in tensors.items()},
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
+
+    def _pull_rows(self, req: dict) -> dict:
+        """Some rows of one tensor, copied under the apply lock (or in the tick thread): O(rows)."""
+        name, rows = req.get("name"), req.get("rows")
+
+        def read(m: Any) -> dict:
+            values, tensor_version, version = m.read_rows(name, rows)
+            return {"version": version, "rows": values, "tensor_version": tensor_version}
+        if req.get("linearizable", True):
+            return self._linearizable(read)
+        min_version = req.get("min_version") or 0
+        if type(min_version) is not int:
+            raise InvalidRequest("min_version must be an int")
+        if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
+            return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
+                          behind=True)
+        with self.node.lock:
+            return read(self.node.machine)
 
     def _leader_read(self, names: list[str] | None) -> tuple[dict, int] | dict:
         """(tensors, version) read through the leader's log, or the reply that sends the client on."""
