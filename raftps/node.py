@@ -28,7 +28,7 @@ from pysyncobj.node import TCPNode
 
 from . import codec, stored_zlib
 from .dataplane import DataPlaneServer, Peers
-from .errors import RaftpsError, StepTimeout
+from .errors import Internal, RaftpsError, StepTimeout
 from .machine import TensorStore
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
@@ -422,6 +422,9 @@ class RaftNode(SyncObj):
                 return fn(self.machine)
             except RaftpsError as exc:
                 return exc
+            except Exception as exc:      # a bug: it must cost this read, not the tick thread
+                log.exception("linearizable read failed")
+                return Internal(f"internal error: {exc!r}")
         out = self.submit({"op": "barrier"}, on_applied=run_now)
         if isinstance(out, RaftpsError):
             raise out

@@ -245,15 +245,9 @@ class ClientServer:
 
     def _leader_read(self, names: list[str] | None) -> tuple[dict, int] | dict:
         """(tensors, version) read through the leader's log, or the reply that sends the client on."""
-        redirect = self._not_leader()
-        if redirect:
-            return redirect
-        try:
-            return self.node.linearizable_read(names)
-        except Outcome as outcome:
-            return _retry(str(outcome))
+        return self._linearizable(lambda m: m.read(names))
 
-    def _linearizable(self, fn: Callable[[Any], dict]) -> dict:
+    def _linearizable(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or
         the reply that sends the client on."""
         redirect = self._not_leader()
