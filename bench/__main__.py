@@ -8,12 +8,16 @@ log, 4 and 64 MiB models), train (time to 0.95: --local, raftps workers, torch.d
 all-reduce), and, only when named in --parts, async_algos (bench/async_algos.py: asynchrony-aware
 optimizers, SSP, EASGD and top-k; writes its own async_algos.md/.json/.png; ``--parts async_algos``
 alone still rewrites results.md in --out, without tables: give it another --out, or run
-``python -m bench.async_algos``). Each is bounded in count and time; a part that fails is reported as failed and the
+``python -m bench.async_algos``), sparse (bench/sparse.py, only when named: row-sparse pushes
+touching 1% of a 1M x 64 embedding against dense pushes of it; writes sparse.md/.json; the same
+caveat), and torch (bench/torch_train.py, only when named: examples/
+cnn_digits.py and examples/char_gpt.py through raftps.torch in sync, async and Downpour mode
+against one process and DDP x4; writes torch_train.md/.json and torch_<example>.png). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
-B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), each using +1..+3, +101..+103,
-+201..+203; etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440.
+B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
++201..+203; etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import async_algos, catchup, etcd, failover, loopback, naive_store, push, report, train
+from . import async_algos, catchup, etcd, failover, loopback, naive_store, push, report, sparse, torch_train, train
 from .common import KiB, MiB, log
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -52,7 +56,7 @@ TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates w
 def setup_if_needed(parts: list[str]) -> None:
     """Run bench/setup.sh once if a chosen part needs etcd or torch and it is missing."""
     need = ({"etcd", "failover"} & set(parts) and etcd.etcd_binary() is None) or \
-        ("train" in parts and train.torch_version() is None)
+        ({"train", "torch"} & set(parts) and train.torch_version() is None)
     if not need:
         return
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "setup.sh")
@@ -119,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                                         m["torch_workers"], B + 440))
     # Its own report files (async_algos.md/.json/.png); nothing for results.md's tables.
     part("async_algos", lambda: async_algos.bench_part(os.path.join(run_dir, "async_algos"), B + 180, mode, a.out))
+    # Their own report files too (torch_train.md/.json, torch_<example>.png; sparse.md/.json).
+    part("torch", lambda: torch_train.bench_part(os.path.join(run_dir, "torch"), B, mode, a.out))
+    part("sparse", lambda: sparse.bench_part(os.path.join(run_dir, "sparse"), B + 250, mode, a.out))
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,

@@ -321,6 +321,19 @@ class Client:
         with self._lock:
             return self._request(request, to_leader=linearizable)
 
+    def pull_rows(self, name: str, rows: Any, min_version: int | None = None,
+                  linearizable: bool = True) -> tuple[np.ndarray, int]:
+        """Rows ``rows`` (integers in [0, rows of the tensor), any order) of tensor ``name`` and
+        the store version they are at; the reply's size grows with len(rows), not the table."""
+        rows = np.asarray(rows)
+        if rows.size == 0 or rows.dtype.kind in "iu" and rows.dtype not in (np.int32, np.int64):
+            rows = rows.astype(np.int64)      # the store takes int32 or int64; others are refused there
+        request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
+                   "min_version": min_version or 0}
+        with self._lock:
+            reply = self._request(request, to_leader=linearizable)
+        return reply["rows"], reply["version"]
+
     def tensors(self) -> list[dict]:
         """Name, dtype, shape, version and optimizer of every tensor (from the leader)."""
         with self._lock:

@@ -69,7 +69,7 @@ def encode(message: Any) -> list[memoryview | bytes]:
         nonlocal total
         if isinstance(obj, np.ndarray):
             arr = np.ascontiguousarray(obj, dtype=np.dtype(DTYPES[dtype_name(obj.dtype)]))
-            buffers.append(memoryview(arr).cast("B"))
+            buffers.append(memoryview(arr.reshape(-1)).cast("B"))    # 1-D: a (0, n) array casts too
             total += arr.nbytes
             return msgpack.ExtType(ARRAY_EXT, msgpack.packb([dtype_name(arr.dtype), list(arr.shape)]))
         if isinstance(obj, np.generic):

@@ -29,7 +29,7 @@ from pysyncobj.node import TCPNode
 
 from . import codec, stored_zlib
 from .dataplane import DataPlaneServer, Peers
-from .errors import InvalidRequest, RaftpsError, StepTimeout
+from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
 from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore, payload_id
@@ -385,7 +385,9 @@ class RaftNode(SyncObj):
         with open(filename, "wb") as f:
             codec.write_frame(f, {"raft": [list(last), list(previous)],
                                   "cluster": sorted(node.address for node in cluster),
-                                  "machine": self.machine.snapshot()})
+                                  # The tick thread (pysyncobj does not fork with our serializer):
+                                  # no apply runs until the frame is written, so nothing is frozen.
+                                  "machine": self.machine.snapshot(share=False)})
         self._snapshot_index = last[1]
         self.instruments.snapshots.labels("write").inc()
 
@@ -493,6 +495,9 @@ class RaftNode(SyncObj):
                 return fn(self.machine)
             except RaftpsError as exc:
                 return exc
+            except Exception as exc:      # a bug: it must cost this read, not the tick thread
+                log.exception("linearizable read failed")
+                return Internal(f"internal error: {exc!r}")
         out = self.submit({"op": "barrier"}, on_applied=run_now)
         if isinstance(out, RaftpsError):
             raise out

@@ -57,6 +57,7 @@ class ClientServer:
                                    "connections": self.open_connections()},
             "stats": self._stats,
             "pull": self._pull,
+            "pull_rows": self._pull_rows,
             "wait_step": self._wait_step,
             "sync_applied": self._sync_applied,
             "ssp_wait": self._ssp_wait,
@@ -247,17 +248,29 @@ class ClientServer:
                 "tensors": {name: t.data for name, t in tensors.items()},
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
 
+    def _pull_rows(self, req: dict) -> dict:
+        """Some rows of one tensor, copied under the apply lock (or in the tick thread): O(rows)."""
+        name, rows = req.get("name"), req.get("rows")
+
+        def read(m: Any) -> dict:
+            values, tensor_version, version = m.read_rows(name, rows)
+            return {"version": version, "rows": values, "tensor_version": tensor_version}
+        if req.get("linearizable", True):
+            return self._linearizable(read)
+        min_version = req.get("min_version") or 0
+        if type(min_version) is not int:
+            raise InvalidRequest("min_version must be an int")
+        if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
+            return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
+                          behind=True)
+        with self.node.lock:
+            return read(self.node.machine)
+
     def _leader_read(self, names: list[str] | None) -> tuple[dict, int] | dict:
         """(tensors, version) read through the leader's log, or the reply that sends the client on."""
-        redirect = self._not_leader()
-        if redirect:
-            return redirect
-        try:
-            return self.node.linearizable_read(names)
-        except Outcome as outcome:
-            return _retry(str(outcome))
+        return self._linearizable(lambda m: m.read(names))
 
-    def _linearizable(self, fn: Callable[[Any], dict]) -> dict:
+    def _linearizable(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or
         the reply that sends the client on."""
         redirect = self._not_leader()

@@ -1,0 +1,220 @@
+"""What every example shares: flags, rank/world from the launcher, the three backends, the
+batch schedule, metrics files and plots. Each example script only defines its data, its model
+and its evaluation, and calls ``train``.
+
+Backends (``--backend``):
+  local   one process, torch.optim on the full batch;
+  ddp     torch DistributedDataParallel, gloo all-reduce (CPU), started by torchrun;
+  raftps  raftps.torch.DistributedOptimizer against a raftps cluster (``--cluster`` or
+          RAFTPS_CLUSTER, token from RAFTPS_TOKEN / RAFTPS_TOKEN_FILE); ``--mode`` sync, async,
+          ssp or easgd. Started by torchrun or anything that sets RANK and WORLD_SIZE.
+
+The global schedule is a sequence of batches g = 0, 1, ... of ``--batch`` examples, a pure
+function of (seed, g), so a restarted worker can skip to any g without replaying data.
+  ddp, raftps sync (and local): every rank computes the mean gradient of its 1/world part of
+      batch g; the all-reduce (or the store) averages the parts: world ranks == one process.
+  raftps async / ssp / easgd: rank r trains on whole batches g = r, r + world, r + 2 world, ...
+      and every push is one update (Downpour: "each worker its own data shard").
+"""
+from __future__ import annotations
+
+import time
+
+T_START = time.time()          # about the process's start (before importing torch): startup_s = first step - this
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+
+def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace:
+    """The flags every example takes; ``defaults`` sets each script's own steps/batch/lr/target."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--backend", choices=["local", "ddp", "raftps"], default="local")
+    ap.add_argument("--mode", default="sync", help="raftps: sync | async | ssp | easgd")
+    ap.add_argument("--cluster", default=None, help="raftps addresses host:port,... (default: RAFTPS_CLUSTER)")
+    ap.add_argument("--prefix", default=None, help="raftps tensor name prefix (default: the script's name)")
+    ap.add_argument("--n-push", type=int, default=1, help="raftps async: local steps summed per push")
+    ap.add_argument("--n-fetch", type=int, default=1, help="raftps async: steps between pulls")
+    ap.add_argument("--staleness-aware", action="store_true", help="raftps async: store divides lr by staleness")
+    ap.add_argument("--steps", type=int, default=defaults["steps"], help="global batches in the whole run")
+    ap.add_argument("--batch", type=int, default=defaults["batch"], help="global batch (split over ranks in sync/ddp)")
+    ap.add_argument("--lr", type=float, default=defaults["lr"], help="Adam learning rate")
+    ap.add_argument("--eval-every", type=int, default=defaults["eval_every"], help="global batches between evaluations")
+    ap.add_argument("--target", type=float, default=defaults["target"],
+                    help="summary records when the eval metric first reaches it")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: 1 if several ranks, else torch's)")
+    ap.add_argument("--out", default=None, help="directory for metrics.csv and summary.json (rank 0)")
+    return ap.parse_args()
+
+
+def rank_world() -> tuple[int, int]:
+    """RANK/WORLD_SIZE as torchrun (or Ray Train) sets them; Slurm's SLURM_PROCID/SLURM_NTASKS
+    when started by plain srun; (0, 1) otherwise."""
+    for r, w in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if r in os.environ and w in os.environ:
+            return int(os.environ[r]), int(os.environ[w])
+    return 0, 1
+
+
+class Backend:
+    """One interface over the three backends: ``start_step``, ``model`` (what to call forward
+    on), ``zero_grad()``, ``step()``, ``close()``; ``sharded`` says whether a rank computes
+    its part of every batch (sync) or whole batches of its own (async)."""
+
+    def __init__(self, args: argparse.Namespace, model: nn.Module, rank: int, world: int, prefix: str):
+        self.kind, self.rank, self.world = args.backend, rank, world
+        self.model, self.start_step, self.sharded = model, 0, True
+        if args.backend == "raftps":
+            import raftps.torch as rpt
+            self.opt = rpt.DistributedOptimizer(
+                model, cluster=args.cluster, optimizer={"name": "adam", "lr": args.lr}, mode=args.mode,
+                n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware,
+                prefix=prefix, rank=rank, world_size=world)
+            self.start_step = int(self.opt.start_step)
+            self.sharded = args.mode == "sync"
+            return
+        if args.backend == "ddp":
+            import torch.distributed as dist
+            from datetime import timedelta
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+            self.model = nn.parallel.DistributedDataParallel(model)   # broadcasts rank 0's parameters
+        elif world != 1:
+            raise SystemExit("--backend local is one process: run it without torchrun (or with --nproc-per-node 1)")
+        self.opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def close(self) -> None:
+        if self.kind == "raftps":
+            self.opt.close()
+        elif self.kind == "ddp":
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def my_batches(backend: Backend, steps: int) -> range:
+    """The global batch indices this rank works on, from where the job resumes."""
+    if backend.sharded:                 # sync: start_step is the job's next step
+        return range(backend.start_step, steps)
+    # async: start_step counts this rank's own steps the store applied; its k-th is g = rank + k world
+    return range(backend.rank + backend.start_step * backend.world, steps, backend.world)
+
+
+def my_part(batch: np.ndarray, backend: Backend) -> np.ndarray:
+    """Rank r's equal part of a global batch in sync/ddp mode; the whole batch otherwise."""
+    if not backend.sharded:
+        return batch
+    if len(batch) % backend.world:
+        raise SystemExit(f"--batch {len(batch)} must be divisible by the world size {backend.world}")
+    n = len(batch) // backend.world
+    return batch[backend.rank * n:(backend.rank + 1) * n]
+
+
+class Metrics:
+    """Rank 0's metrics.csv (time, step, loss, metric) and summary.json. time is seconds since
+    the first training step; startup_s (process start to first step) is in the summary."""
+
+    def __init__(self, out: str | None, metric: str, higher_is_better: bool, target: float | None, meta: dict):
+        self.out, self.metric, self.higher, self.target = out, metric, higher_is_better, target
+        self.meta, self.rows, self.t0, self.first_step = meta, [], None, None
+        self.reached: tuple[float, int] | None = None
+        self.step_times: list[tuple[float, int]] = []
+        if out:
+            os.makedirs(out, exist_ok=True)
+
+    def now(self) -> float:
+        if self.t0 is None:
+            self.t0 = time.time()
+            self.first_step = self.t0
+        return time.time() - self.t0
+
+    def log_step(self, step: int, loss: float, metric: float | None = None) -> None:
+        t = self.now()
+        self.step_times.append((t, step))
+        self.rows.append({"time": round(t, 4), "step": step, "loss": round(loss, 5),
+                          self.metric: "" if metric is None else round(metric, 5)})
+        if metric is not None:
+            hit = self.target is not None and (metric >= self.target if self.higher else metric <= self.target)
+            if hit and self.reached is None:
+                self.reached = (t, step)
+            print(f"[rank 0] step {step:5d}  {t:7.1f} s  loss {loss:.4f}  {self.metric} {metric:.4f}", flush=True)
+
+    def steady_rate(self) -> float:
+        """Global batches per second between 10% and 90% of the logged steps (no startup, no tail)."""
+        if len(self.step_times) < 10:
+            return float("nan")
+        (ta, sa), (tb, sb) = self.step_times[len(self.step_times) // 10], self.step_times[9 * len(self.step_times) // 10]
+        return (sb - sa) / (tb - ta) if tb > ta else float("nan")
+
+    def finish(self, final_metric: float, extra: dict | None = None) -> dict:
+        s = {**self.meta, "final_" + self.metric: final_metric, "target": self.target,
+             "time_to_target_s": self.reached[0] if self.reached else None,
+             "step_at_target": self.reached[1] if self.reached else None,
+             "train_s": self.now(), "startup_s": (self.first_step or time.time()) - T_START,
+             "first_step_unix": self.first_step,
+             "steady_steps_per_s": self.steady_rate(), **(extra or {})}
+        if self.out:
+            with open(os.path.join(self.out, "metrics.csv"), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=["time", "step", "loss", self.metric])
+                w.writeheader()
+                w.writerows(self.rows)
+            with open(os.path.join(self.out, "summary.json"), "w") as f:
+                json.dump(s, f, indent=1, default=float)
+        return s
+
+
+def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: Callable[[int], np.ndarray],
+          loss_on: Callable[[nn.Module, np.ndarray], torch.Tensor], evaluate: Callable[[nn.Module], float],
+          metric: str, higher_is_better: bool) -> dict | None:
+    """The loop every example runs. ``batch_indices(g)``: global batch g (example indices);
+    ``loss_on(model, idx)``: the mean loss on those examples; ``evaluate(model)``: the metric.
+    Returns rank 0's summary (None on other ranks)."""
+    rank, world = rank_world()
+    torch.set_num_threads(args.threads or (1 if world > 1 else torch.get_num_threads()))
+    backend = Backend(args, model, rank, world, args.prefix or name)
+    label = args.backend + (f" {args.mode}" if args.backend == "raftps" else "") + f" x{world}"
+    meta = {"example": name, "backend": args.backend, "mode": args.mode if args.backend == "raftps" else None,
+            "world_size": world, "label": label, "steps": args.steps, "batch": args.batch, "lr": args.lr,
+            "n_push": args.n_push, "n_fetch": args.n_fetch, "seed": args.seed, "start_step": backend.start_step,
+            "parameters": sum(p.numel() for p in model.parameters())}
+    rec = Metrics(args.out if rank == 0 else None, metric, higher_is_better, args.target, meta) if rank == 0 else None
+    mine = my_batches(backend, args.steps)
+    if rank == 0:
+        print(f"[rank 0] {name}: {label}, {meta['parameters']:,} parameters, global batches "
+              f"{mine.start}..{args.steps} (start_step {backend.start_step})", flush=True)
+    ema = None
+    if rec is not None:
+        rec.now()                                   # time 0: the first training step starts
+    for g in mine:
+        idx = my_part(batch_indices(g), backend)
+        backend.zero_grad()
+        loss = loss_on(backend.model, idx)
+        loss.backward()
+        backend.step()
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        if rec is not None:
+            # evaluate when this rank's batches cross a multiple of eval_every (async ranks skip g's)
+            due = (g + (1 if backend.sharded else world)) // args.eval_every > g // args.eval_every
+            rec.log_step(g + 1, ema, evaluate(model) if due or g == 0 else None)
+    summary = None
+    if rec is not None:
+        final = evaluate(model)
+        rec.log_step(args.steps, ema if ema is not None else math.nan, final)
+        summary = rec.finish(final)
+        print(f"[rank 0] done: {metric} {final:.4f}, steady {summary['steady_steps_per_s']:.2f} steps/s, "
+              f"time to target {summary['time_to_target_s']}", flush=True)
+    backend.close()
+    return summary
