@@ -1,5 +1,5 @@
-"""Command line: ``raftps serve`` runs a node; ``raftps status``, ``export``, ``import``,
-``snapshot`` and ``cluster ...`` manage one."""
+"""Command line: ``raftps serve`` runs a node; ``status``, ``top``, ``export``, ``import``,
+``member``, ``snapshot`` and ``cluster ...`` operate a cluster (README, Operations)."""
 from __future__ import annotations
 
 import argparse
