@@ -8,13 +8,15 @@ log, 4 and 64 MiB models), train (time to 0.95: --local, raftps workers, torch.d
 all-reduce), and, only when named in --parts, async_algos (bench/async_algos.py: asynchrony-aware
 optimizers, SSP, EASGD and top-k; writes its own async_algos.md/.json/.png; ``--parts async_algos``
 alone still rewrites results.md in --out, without tables: give it another --out, or run
-``python -m bench.async_algos``), and torch (bench/torch_train.py, only when named: examples/
+``python -m bench.async_algos``), sparse (bench/sparse.py, only when named: row-sparse pushes
+touching 1% of a 1M x 64 embedding against dense pushes of it; writes sparse.md/.json; the same
+caveat), and torch (bench/torch_train.py, only when named: examples/
 cnn_digits.py and examples/char_gpt.py through raftps.torch in sync, async and Downpour mode
 against one process and DDP x4; writes torch_train.md/.json and torch_<example>.png). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
-B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+460 (torch), each using +1..+3, +101..+103,
+B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
 +201..+203; etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import async_algos, catchup, etcd, failover, loopback, naive_store, push, report, torch_train, train
+from . import async_algos, catchup, etcd, failover, loopback, naive_store, push, report, sparse, torch_train, train
 from .common import KiB, MiB, log
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -121,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                                         m["torch_workers"], B + 440))
     # Its own report files (async_algos.md/.json/.png); nothing for results.md's tables.
     part("async_algos", lambda: async_algos.bench_part(os.path.join(run_dir, "async_algos"), B + 180, mode, a.out))
-    # Its own report files too (torch_train.md/.json, torch_<example>.png).
+    # Their own report files too (torch_train.md/.json, torch_<example>.png; sparse.md/.json).
     part("torch", lambda: torch_train.bench_part(os.path.join(run_dir, "torch"), B, mode, a.out))
+    part("sparse", lambda: sparse.bench_part(os.path.join(run_dir, "sparse"), B + 250, mode, a.out))
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,

@@ -9,7 +9,7 @@ export RAFTPS_RUN_DIR="${RAFTPS_RUN_DIR:-$(mktemp -d /tmp/raftps-demo.XXXXXX)}"
 source "$HERE/_env.sh"
 trap '"$PY" -m raftps cluster wipe >/dev/null 2>&1 || true' EXIT
 echo "== starting a 3-node cluster in $RAFTPS_RUN_DIR"
-eval "$(bash "$HERE/start.sh" | tee /dev/stderr | tail -n 1 | sed 's/^/export /')"
+start_and_export
 "$PY" - <<'PY'
 import os, subprocess, time
 import numpy as np

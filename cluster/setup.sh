@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Make .venv with raftps installed from this checkout. `--test` adds what the test suite needs:
 # pytest, the trainer's extras, torch's CPU build (raftps.torch), Debian's iptables
-# (network-partition tests) and openssl (TLS tests). `--torch` adds torch alone.
+# (network-partition tests) and openssl (TLS tests). `--torch` adds torch alone. Every mode installs
+# the `ops` extra (safetensors, rich: the operator's commands).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-extras="train"
+extras="train,ops"
 
 # need COMMAND PACKAGE WHY: install Debian's PACKAGE when COMMAND is missing (as root), or say what
 # will be skipped.
@@ -23,10 +24,10 @@ need() {
 with_torch=0
 case "${1:-}" in
   --test)
-    extras="test,train,torch"; with_torch=1
+    extras="test,train,torch,ops"; with_torch=1
     need iptables iptables "the network-partition tests"
     need openssl openssl "the TLS tests (cluster/make-certs.sh)" ;;
-  --torch) extras="train,torch"; with_torch=1 ;;
+  --torch) extras="train,torch,ops"; with_torch=1 ;;
 esac
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

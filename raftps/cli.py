@@ -1,12 +1,15 @@
-"""Command line: ``raftps serve`` runs a node; ``raftps status`` and ``raftps cluster ...`` manage one."""
+"""Command line: ``raftps serve`` runs a node; ``status``, ``top``, ``export``, ``import``,
+``member``, ``snapshot`` and ``cluster ...`` operate a cluster (README, Operations)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 from . import auth, codec
 from .client import Client
@@ -14,7 +17,7 @@ from .errors import RaftpsError
 
 
 def _status_table(rows: list[dict]) -> str:
-    cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader"]
+    cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader", "metrics"]
     lines = [cols]
     for r in rows:
         lines.append(["-" if r.get(c) is None else (str(r[c])[:16] if c == "digest" else str(r[c])) for c in cols])
@@ -78,14 +81,21 @@ def serve(args: argparse.Namespace) -> int:
                         tls_cert=args.tls_cert, tls_key=args.tls_key, max_connections=args.max_connections,
                         max_connections_per_ip=args.max_connections_per_ip,
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
-                        idle_timeout=args.idle_timeout)
+                        idle_timeout=args.idle_timeout, metrics_port=args.metrics_port)
     node = RaftNode(config)
     server = ClientServer(node, *config.bind(config.client_offset))
+    metrics_at = config.metrics_bind()
+    if metrics_at is not None:
+        from . import metrics
+        tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+        if metrics.serve(node, server, *metrics_at, tls=tls) is not None:
+            node.metrics_address = "%s:%d" % metrics_at
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"node {args.id}: raft {config.raft_address}, clients {config.address(args.id, config.client_offset)}, "
-          f"data plane {config.address(args.id, config.data_offset)}", flush=True)
+          f"data plane {config.address(args.id, config.data_offset)}, metrics {node.metrics_address or 'off'}",
+          flush=True)
     while not stop.wait(1.0):
         if not node.tick_thread_alive():
             print(f"node {args.id}: the raft tick thread died; exiting so a supervisor restarts the node",
@@ -125,18 +135,131 @@ def cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def status(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace, **kwargs) -> Client:
     token = auth.read_secret_file(args.token_file) if args.token_file else None
+    return Client(args.cluster, token=token, tls=args.tls_ca, **kwargs)
+
+
+def _run(name: str, fn: Callable[[], int]) -> int:
+    """Run a client command: a refused request or file says why on stderr (exit 2 for bad input
+    or files, 1 for the cluster's errors) instead of a traceback."""
+    from .models import UsageError
     try:
-        with Client(args.cluster, token=token, tls=args.tls_ca) as client:
-            print(_status_table(client.status()))
+        return fn()
+    except UsageError as exc:
+        print(f"raftps {name}: {exc}", file=sys.stderr)
+        return 2
     except RaftpsError as exc:
-        print(f"raftps status: {exc.code}: {exc}", file=sys.stderr)
+        print(f"raftps {name}: {exc.code}: {exc}", file=sys.stderr)
         return 1
-    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    def run() -> int:
+        with _client(args) as client:
+            rows = client.status()
+        if args.output == "json":
+            print(json.dumps(rows, indent=1, sort_keys=True))
+        else:
+            print(_status_table(rows))
+        return 0
+    return _run("status", run)
+
+
+def top(args: argparse.Namespace) -> int:
+    if args.count is not None and args.count < 1 or not args.interval > 0:
+        print("raftps top: --count must be >= 1 and --interval > 0", file=sys.stderr)
+        return 2
+    try:
+        from . import top as live
+    except ImportError as exc:
+        print(f"raftps top: {exc}: pip install 'raftps[ops]' (cluster/setup.sh installs it)", file=sys.stderr)
+        return 2
+
+    def run() -> int:
+        with _client(args, timeout=5.0) as client:
+            try:
+                return live.run(client, args.count, args.interval)
+            except KeyboardInterrupt:
+                return 0
+    return _run("top", run)
+
+
+def export(args: argparse.Namespace) -> int:
+    from .backup import SAVE_LIMITS
+    from .models import export_model
+
+    def run() -> int:
+        with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=SAVE_LIMITS) as client:   # a model may exceed 1 GiB
+            out = export_model(client, args.prefix, args.format, args.file)
+        print(f"exported {out['tensors']} tensors ({out['bytes']} bytes) under {args.prefix.rstrip('/')}/ at store "
+              f"version {out['version']} (digest {out['digest'][:16]}) to {out['path']} ({out['format']})")
+        return 0
+    return _run("export", run)
+
+
+def import_(args: argparse.Namespace) -> int:
+    from .models import import_model, parse_optimizer
+
+    def run() -> int:
+        spec = parse_optimizer(args.optimizer)
+        with _client(args, timeout=args.timeout, attempt_timeout=30.0) as client:
+            out = import_model(client, args.file, args.prefix, spec)
+        print(f"imported {out['tensors']} tensors ({out['bytes']} bytes) from {args.file} under "
+              f"{args.prefix.rstrip('/')}/: {out['created']} created, {out['existing']} already there; "
+              f"store version {out['version']}")
+        return 0
+    return _run("import", run)
+
+
+def snapshot(args: argparse.Namespace) -> int:
+    from . import backup
+
+    def run() -> int:
+        if args.action == "save":
+            with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=backup.SAVE_LIMITS) as client:
+                out = backup.save(client, args.file)
+            print(f"saved the store at version {out['version']} (digest {out['digest'][:16]}, {out['tensors']} "
+                  f"tensors, {out['bytes']} bytes) to {out['path']}")
+            return 0
+        dirs = list(args.data_dir or [])
+        if args.run_dir:
+            from .localcluster import LocalCluster
+            dirs += [LocalCluster(args.run_dir, nodes=args.nodes).data_dir(n) for n in range(1, args.nodes + 1)]
+        out = backup.restore(args.file, dirs, args.peers.split(",") if args.peers else None)
+        print(f"seeded {len(dirs)} data dir(s) with the store at version {out['version']} (digest "
+              f"{out['digest'][:16]}, {out['tensors']} tensors, saved {out['created']}); start the nodes")
+        return 0
+    return _run(f"snapshot {args.action}", run)
+
+
+def member(args: argparse.Namespace) -> int:
+    def run() -> int:
+        if args.action in ("add", "remove") and len(args.nodes) != 1 or args.action == "replace" and len(args.nodes) != 2 \
+                or args.action == "list" and args.nodes:
+            print("raftps member: list | add NODE | remove NODE | replace OLD NEW (NODE: a Raft address host:port)",
+                  file=sys.stderr)
+            return 2
+        with _client(args, timeout=args.timeout) as client:
+            if args.action == "replace":
+                out = client.members("replace", node=args.nodes[1], old=args.nodes[0])
+            else:
+                out = client.members(args.action, node=args.nodes[0] if args.nodes else None)
+        if "changed" in out:
+            print("changed" if out["changed"] else "nothing to change")
+        print("members: " + ", ".join(out["members"]))
+        return 0
+    return _run("member", run)
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
+    p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
+    p.add_argument("--tls-ca", default=None, help="CA file for nodes serving TLS (default: $RAFTPS_TLS_CA)")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .models import FORMATS
     from .node import NodeConfig
     parser = argparse.ArgumentParser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-cert", default=None, help="serve the client port over TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     p.add_argument("--bind-host", default=None, help="address to bind (default: this node's host in --peers)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port of this node's host (default: Raft port + 300, "
+                        "over HTTPS with --tls-cert); 0 turns it off")
     p.add_argument("--payload-dir", default=None,
                    help="where payloads wait for a snapshot (default: tmpfs /dev/shm if present, else DATA_DIR/payloads)")
     defaults = NodeConfig.__dataclass_fields__
@@ -181,10 +307,51 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve)
 
     p = sub.add_parser("status", help="a table of every node's role, term, applied index and digest")
-    p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
-    p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
-    p.add_argument("--tls-ca", default=None, help="CA file for nodes serving TLS (default: $RAFTPS_TLS_CA)")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="table (default) or json: every field of every node's status, one list")
+    _client_options(p)
     p.set_defaults(func=status)
+
+    p = sub.add_parser("top", help="a live view of every node: rates, lag, staleness (rich)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--count", type=int, default=None, help="stop after this many refreshes (default: until Ctrl-C)")
+    _client_options(p)
+    p.set_defaults(func=top)
+
+    p = sub.add_parser("export", help="write the tensors under a prefix, at one store version, to a file")
+    p.add_argument("file", help="the file to write (replaced whole, or left as it was)")
+    p.add_argument("--prefix", required=True, help="export tensors named PREFIX/<name>; the file names them <name>")
+    p.add_argument("--format", default="safetensors", choices=FORMATS, help="file format (default: safetensors)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=export)
+
+    p = sub.add_parser("import", help="create PREFIX/<name> for every tensor of a safetensors or npz file")
+    p.add_argument("file", help="a safetensors file or an npz archive (told apart by content)")
+    p.add_argument("--prefix", required=True, help="create tensors named PREFIX/<name>")
+    p.add_argument("--optimizer", required=True,
+                   help='the tensors\' optimizer: JSON (\'{"name": "adam", "lr": 0.001}\') or adam,lr=0.001')
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=import_)
+
+    p = sub.add_parser("member", help="list, add, remove or replace cluster members (Raft addresses)")
+    p.add_argument("action", choices=["list", "add", "remove", "replace"])
+    p.add_argument("nodes", nargs="*", help="add/remove: NODE; replace: OLD NEW (Raft addresses host:port)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=member)
+
+    p = sub.add_parser("snapshot", help="save the whole store to a backup file, or seed new nodes from one")
+    p.add_argument("action", choices=["save", "restore"])
+    p.add_argument("file", help="the backup file")
+    p.add_argument("--data-dir", action="append", help="restore: an empty data dir of a new node (repeat per node)")
+    p.add_argument("--run-dir", default=None, help="restore: seed RUN_DIR/node1..N of a local cluster (--nodes N)")
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
+    p.add_argument("--peers", default=None, help="restore: the new cluster's --peers (recorded in the seed)")
+    p.add_argument("--timeout", type=float, default=120.0, help="save: seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=snapshot)
 
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
     p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])

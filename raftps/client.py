@@ -206,6 +206,11 @@ class Client:
         return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
                            optimizer=dict(optimizers))["version"]
 
+    def create_result(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> dict:
+        """As create_many, but the whole result: version and ``created`` (the names that did not exist)."""
+        return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
+                           optimizer=dict(optimizers))
+
     def push(self, grads: dict[str, np.ndarray], base_version: int | None = None,
              encoding: dict | None = None, ssp: dict | None = None) -> int:
         """Apply one gradient per tensor, atomically, exactly once; returns the store version.
@@ -316,22 +321,57 @@ class Client:
         with self._lock:
             return self._request(request, to_leader=linearizable)
 
+    def pull_rows(self, name: str, rows: Any, min_version: int | None = None,
+                  linearizable: bool = True) -> tuple[np.ndarray, int]:
+        """Rows ``rows`` (integers in [0, rows of the tensor), any order) of tensor ``name`` and
+        the store version they are at; the reply's size grows with len(rows), not the table."""
+        rows = np.asarray(rows)
+        if rows.size == 0 or rows.dtype.kind in "iu" and rows.dtype not in (np.int32, np.int64):
+            rows = rows.astype(np.int64)      # the store takes int32 or int64; others are refused there
+        request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
+                   "min_version": min_version or 0}
+        with self._lock:
+            reply = self._request(request, to_leader=linearizable)
+        return reply["rows"], reply["version"]
+
     def tensors(self) -> list[dict]:
         """Name, dtype, shape, version and optimizer of every tensor (from the leader)."""
         with self._lock:
             return self._request({"op": "tensors"})["tensors"]
 
+    def export(self, prefix: str) -> dict:
+        """Every tensor whose name starts with ``prefix`` (a plain string prefix), read through the
+        leader's log at one store version: tensors, tensor_versions, optimizers, version, and the
+        store's digest at that version."""
+        with self._lock:
+            return self._request({"op": "export", "prefix": prefix})
+
+    def snapshot(self) -> dict:
+        """The whole store at one version: {version, digest, snapshot} (``TensorStore.snapshot()``
+        form). A store beyond this client's ``limits`` (1 GiB, 4096 arrays by default) needs a
+        Client with larger ones (``raftps snapshot save`` makes one)."""
+        with self._lock:
+            return self._request({"op": "snapshot"})
+
+    def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
+        """Cluster membership (Raft addresses): ``list``, or ``add`` / ``remove`` ``node``, or
+        ``replace`` ``old`` with ``node``. Returns members and, for changes, ``changed``."""
+        with self._lock:
+            return self._request({"op": "member", "action": action, "node": node, "old": old},
+                                 attempt_timeout=max(self.attempt_timeout, 25.0))
+
     def stats(self) -> dict:
         with self._lock:
             return self._request({"op": "stats"})
 
-    def status(self, timeout: float = 2.0) -> list[dict]:
-        """One dict per node (node, address, role, term, applied, digest, ...); 'down' if unreachable."""
+    def status(self, timeout: float = 2.0, digest: bool = True) -> list[dict]:
+        """One dict per node (node, address, role, term, applied, digest, ...); 'down' if unreachable.
+        ``digest=False``: no digest (each node hashes its whole store for it)."""
         out = []
         with self._lock:
             for number, address in enumerate(self.addresses, 1):
                 try:
-                    out.append(self._call(address, {"op": "status"}, timeout))
+                    out.append(self._call(address, {"op": "status", "digest": digest}, timeout))
                 except (OSError, ConnectionError, ProtocolError) as exc:
                     out.append({"node": number, "address": address, "role": "down", "term": None,
                                 "applied": None, "digest": None, "error": str(exc) or type(exc).__name__})

@@ -69,7 +69,7 @@ def encode(message: Any) -> list[memoryview | bytes]:
         nonlocal total
         if isinstance(obj, np.ndarray):
             arr = np.ascontiguousarray(obj, dtype=np.dtype(DTYPES[dtype_name(obj.dtype)]))
-            buffers.append(memoryview(arr).cast("B"))
+            buffers.append(memoryview(arr.reshape(-1)).cast("B"))    # 1-D: a (0, n) array casts too
             total += arr.nbytes
             return msgpack.ExtType(ARRAY_EXT, msgpack.packb([dtype_name(arr.dtype), list(arr.shape)]))
         if isinstance(obj, np.generic):
@@ -205,7 +205,8 @@ def blob_digest(buffers: list) -> bytes:
 
 
 def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
-               frame_timeout: float | None = None, mac: FrameMac | None = None) -> Any:
+               frame_timeout: float | None = None, mac: FrameMac | None = None,
+               on_size: Callable[[int], None] | None = None) -> Any:
     """Read and decode one frame. Raises ConnectionError on EOF, ProtocolError on bad bytes.
 
     ``first_byte_timeout`` lets an idle connection wait longer for the next request than a
@@ -213,6 +214,7 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
     arrive within it of its first byte (LimitExceeded otherwise), however slowly the bytes
     trickle, so a stalled sender cannot hold a server thread for long. Without it, the socket's
     own timeout applies to each recv. ``mac`` checks the frame's tag before it is decoded.
+    ``on_size`` is told the frame's size once its prefix is read (metrics).
     """
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
@@ -226,6 +228,8 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
         try:
             recv_exactly(sock, view[1:], deadline=deadline)
             header_len, blob_len = _parse_prefix(bytes(prefix), limits)
+            if on_size is not None:
+                on_size(PREFIX.size + header_len + blob_len)
             header = bytearray(header_len)
             recv_exactly(sock, memoryview(header), deadline=deadline)
             blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
@@ -277,7 +281,12 @@ def write_frame(f: BinaryIO, message: Any) -> int:
     return sum(len(b) for b in buffers)
 
 
-def read_frame_file(path: str, limits: Limits = DEFAULT_LIMITS) -> Any:
+def read_frame_file(path: str, limits: Limits | None = None) -> Any:
+    """One frame from a file. Default limits: the file's own size, which bounds every allocation
+    (the network limits, 4096 arrays and 1 GiB, would refuse a large store's own snapshot)."""
     with open(path, "rb") as f:
         data = bytearray(f.read())
+    if limits is None:
+        n = len(data)
+        limits = Limits(max_header_bytes=n, max_blob_bytes=n, max_arrays=n, max_tensor_bytes=n)
     return decode(data, limits)

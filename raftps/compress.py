@@ -12,12 +12,19 @@ A push names its encoded tensors in an ``encoding`` field; every other tensor in
   the tensor's optimizer to that dense gradient. 8 (int32) bytes per kept value, so the
   payload and the log scale with k. The worker keeps what it did not send (error feedback).
 
+- ``{"kind": "rows"}``: a row-sparse gradient (``nn.Embedding(sparse=True)``): the tensor travels
+  as the values of k rows, shape ``(k, *tensor.shape[1:])`` in the tensor's dtype, and
+  ``NAME:indices`` their row numbers (int32 or int64, 1-D, strictly increasing: coalesced). The
+  store does not densify it: it applies the optimizer to those rows only (machine.py), so bytes and
+  apply cost grow with k, not the table. ``encode_rows`` sorts and sums duplicate rows.
+
 Decoding uses only casts, division and a scatter to distinct positions: every replica gets the
 same bits. Nothing here is random.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +34,15 @@ from .errors import InvalidGradient, InvalidRequest
 INDICES_SUFFIX = ":indices"
 FP16_TARGET = 2.0 ** 14
 INDEX_DTYPES = (np.dtype("int32"), np.dtype("int64"))
+KINDS = ("fp16", "topk", "rows")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A decoded row-sparse gradient: ``values[i]`` is the gradient of row ``indices[i]``;
+    indices strictly increasing and in range (checked by the decoder)."""
+    indices: np.ndarray
+    values: np.ndarray
 
 
 # ---- worker side ---------------------------------------------------------------------------
@@ -74,6 +90,27 @@ class TopK:
         return {name: values, name + INDICES_SUFFIX: idx}, {"kind": "topk"}
 
 
+def encode_rows(name: str, rows: np.ndarray, values: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
+    """A row-sparse push of tensor ``name``: (tensors entries, encoding entry). ``rows`` may be
+    unsorted and repeat a row (torch's uncoalesced sparse gradients): repeated rows are summed."""
+    rows, values = np.asarray(rows), np.asarray(values)
+    if rows.ndim != 1 or not (rows.dtype.kind in "iu" or rows.size == 0):
+        raise InvalidRequest(f"tensor {name!r}: row indices must be a 1-D integer array, got {rows.dtype} "
+                             f"of shape {rows.shape}")
+    if values.ndim < 1 or len(values) != len(rows):
+        raise InvalidRequest(f"tensor {name!r}: {len(rows)} row indices but values of shape {values.shape}")
+    if rows.size and int(rows.min()) < 0:
+        raise InvalidGradient(f"tensor {name!r}: negative row index {int(rows.min())}")
+    if rows.size > 1 and not bool(np.all(rows[1:] > rows[:-1])):
+        order = np.argsort(rows, kind="stable")
+        rows, values = rows[order], values[order]
+        starts = np.flatnonzero(np.concatenate(([True], rows[1:] != rows[:-1])))
+        rows, values = rows[starts], np.add.reduceat(values, starts, axis=0)
+    index_dtype = np.int32 if not rows.size or int(rows[-1]) < 2**31 else np.int64
+    return ({name: np.ascontiguousarray(values), name + INDICES_SUFFIX: rows.astype(index_dtype)},
+            {name: {"kind": "rows"}})
+
+
 def encode_push(grads: dict[str, np.ndarray], method: str, topk: TopK | None = None) -> tuple[dict, dict | None]:
     """(tensors to send, encoding field or None) for ``method`` none | fp16 | topk."""
     if method == "none":
@@ -105,9 +142,11 @@ def parse(text: str) -> tuple[str, float]:
 
 # ---- state machine side --------------------------------------------------------------------
 
-def decode_push(tensors: dict[str, np.ndarray], encoding: Any, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Dense gradients from a push's tensors and its encoding field. ``like`` maps each pushed
-    tensor's name to the stored array (shape and dtype). Raises InvalidRequest/InvalidGradient."""
+def decode_push(tensors: dict[str, np.ndarray], encoding: Any,
+                like: dict[str, np.ndarray]) -> dict[str, np.ndarray | Rows]:
+    """Gradients from a push's tensors and its encoding field: dense arrays, or Rows for the
+    "rows" kind. ``like`` maps each pushed tensor's name to the stored array (shape and dtype).
+    Raises InvalidRequest/InvalidGradient."""
     if encoding is None:
         return tensors
     if not isinstance(encoding, dict) or not encoding:
@@ -116,8 +155,9 @@ def decode_push(tensors: dict[str, np.ndarray], encoding: Any, like: dict[str, n
     used = set()
     for name in sorted(encoding):
         enc = encoding[name]
-        if not isinstance(enc, dict) or enc.get("kind") not in ("fp16", "topk"):
-            raise InvalidRequest(f"tensor {name!r}: encoding must be {{'kind': 'fp16'|'topk', ...}}, got {enc!r}")
+        if not isinstance(enc, dict) or enc.get("kind") not in KINDS:
+            raise InvalidRequest(f"tensor {name!r}: encoding must be {{'kind': 'fp16'|'topk'|'rows', ...}}, "
+                                 f"got {enc!r}")
         if name not in like:
             raise InvalidRequest(f"tensor {name!r}: encoded but not known to the store")
         if name not in tensors:
@@ -126,8 +166,11 @@ def decode_push(tensors: dict[str, np.ndarray], encoding: Any, like: dict[str, n
         if enc["kind"] == "fp16":
             out[name] = _decode_fp16(name, tensors[name], enc, target)
             used.add(name)
-        else:
+        elif enc["kind"] == "topk":
             out[name] = _decode_topk(name, tensors[name], tensors.get(name + INDICES_SUFFIX), target)
+            used.update((name, name + INDICES_SUFFIX))
+        else:
+            out[name] = _decode_rows(name, tensors[name], tensors.get(name + INDICES_SUFFIX), target)
             used.update((name, name + INDICES_SUFFIX))
     for name in tensors:
         if name not in used:
@@ -167,3 +210,25 @@ def _decode_topk(name: str, values: np.ndarray, idx: np.ndarray | None, target: 
     dense = np.zeros(target.size, target.dtype)
     dense[idx] = values
     return dense.reshape(target.shape)
+
+
+def _decode_rows(name: str, values: np.ndarray, idx: np.ndarray | None, target: np.ndarray) -> Rows:
+    key = name + INDICES_SUFFIX
+    if idx is None:
+        raise InvalidRequest(f"tensor {name!r}: rows encoding needs the row numbers in {key!r}")
+    if idx.dtype not in INDEX_DTYPES or idx.ndim != 1:
+        raise InvalidRequest(f"tensor {name!r}: {key!r} must be a 1-D int32 or int64 array, got {idx.dtype} "
+                             f"of shape {idx.shape}")
+    if target.ndim < 1:
+        raise InvalidRequest(f"tensor {name!r}: a scalar tensor has no rows")
+    if values.dtype != target.dtype:
+        raise InvalidRequest(f"tensor {name!r}: row values are {values.dtype}, the tensor is {target.dtype}")
+    want = (len(idx), *target.shape[1:])
+    if values.shape != want:
+        raise InvalidRequest(f"tensor {name!r}: {len(idx)} rows need values of shape {want}, got {values.shape}")
+    if len(idx) > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        raise InvalidGradient(f"tensor {name!r}: row indices must be strictly increasing (sorted, no "
+                              f"duplicates): use raftps.compress.encode_rows")
+    if len(idx) and (int(idx[0]) < 0 or int(idx[-1]) >= target.shape[0]):     # sorted: the ends suffice
+        raise InvalidGradient(f"tensor {name!r}: row index out of range [0, {target.shape[0]})")
+    return Rows(idx, values)

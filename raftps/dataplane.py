@@ -207,11 +207,24 @@ class Peers:
         self._pool = ThreadPoolExecutor(max_workers=8 * max(1, len(addresses)), thread_name_prefix="dataplane-send")
         self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dataplane-hash")
 
+    def set_addresses(self, addresses: list[str]) -> None:
+        """The cluster's membership changed: send to these peers from now on. Idle links to
+        peers no longer listed are closed; a call under way to one finishes and closes its link."""
+        for address in addresses:
+            self._idle.setdefault(address, queue.SimpleQueue())
+        gone = [a for a in self.addresses if a not in addresses]
+        self.addresses = list(addresses)          # a new list: iterations under way keep the old one
+        for address in gone:
+            idle = self._idle.pop(address, None)
+            while idle is not None and not idle.empty():
+                idle.get_nowait().close()
+
     def _call(self, address: str, msg: dict, frame: list | None = None,
               digest: Callable[[], bytes] | None = None) -> dict:
         """``msg``, or its ready ``frame`` and digest, over an idle link to ``address``."""
+        idle = self._idle.get(address)
         try:
-            link = self._idle[address].get_nowait()
+            link = idle.get_nowait() if idle is not None else PeerLink(address, self.secret, self.timeout)
         except queue.Empty:
             link = PeerLink(address, self.secret, self.timeout)
         try:
@@ -219,7 +232,10 @@ class Peers:
         except BaseException:
             link.close()
             raise
-        self._idle[address].put(link)
+        if idle is not None and address in self.addresses:
+            idle.put(link)
+        else:
+            link.close()
         return reply
 
     def _put(self, address: str, pid: str, frame: list, digest: Callable[[], bytes]) -> bool:

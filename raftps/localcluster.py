@@ -50,7 +50,7 @@ class LocalCluster:
         self.run_dir = os.path.abspath(run_dir)
         self.nodes = nodes
         self.base_port = base_port
-        self.hosts = hosts or ["127.0.0.1"] * nodes
+        self.hosts = list(hosts or ["127.0.0.1"] * nodes)
         if len(self.hosts) != nodes:
             raise ValueError(f"{nodes} nodes need {nodes} hosts, got {self.hosts}")
         self.command_prefix = command_prefix
@@ -100,6 +100,13 @@ class LocalCluster:
     def client(self, addresses: str | list[str] | None = None, **kwargs) -> Client:
         """A Client of this cluster (all nodes, or ``addresses``) with its token (and TLS CA)."""
         return Client(addresses or self.addresses, token=self.token, tls=self.tls_ca or False, **kwargs)
+
+    def add_node(self, host: str = "127.0.0.1") -> int:
+        """Make room for one more node (not started): its number. Start it after `raftps member
+        add` has made it a member; its --peers name every node so far."""
+        self.hosts.append(host)
+        self.nodes += 1
+        return self.nodes
 
     def data_dir(self, node: int) -> str:
         return os.path.join(self.run_dir, f"node{node}")

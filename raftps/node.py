@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -28,8 +29,9 @@ from pysyncobj.node import TCPNode
 
 from . import codec, stored_zlib
 from .dataplane import DataPlaneServer, Peers
-from .errors import RaftpsError, StepTimeout
+from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
 from .machine import TensorStore
+from .metrics import Instruments
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
 from .pysyncobj_fixes import limit_peer_reads, limit_unknown_connections
@@ -51,6 +53,8 @@ class NodeConfig:
     secret: bytes
     client_offset: int = 100                  # client port = Raft port + client_offset
     data_offset: int = 200                    # data-plane port = Raft port + data_offset
+    metrics_offset: int = 300                 # /metrics port = Raft port + metrics_offset ...
+    metrics_port: int | None = None           # ... unless given here; 0: no metrics server
     bind_host: str | None = None              # default: the host of this node's Raft address
     payload_dir: str | None = None            # default: default_payload_dir(data_dir)
     # Payloads up to this size travel inside the entry. Above a few KiB pysyncobj's per-follower
@@ -85,6 +89,19 @@ class NodeConfig:
     def bind(self, offset: int) -> tuple[str, int]:
         host, port = self.address(self.node_id, offset).rsplit(":", 1)
         return self.bind_host or host, int(port)
+
+    def metrics_bind(self) -> tuple[str, int] | None:
+        """Where this node serves /metrics (its own host), or None when turned off."""
+        if self.metrics_port == 0:
+            return None
+        host, port = self.bind(self.metrics_offset)
+        return host, self.metrics_port or port
+
+
+def offset_address(address: str, offset: int) -> str:
+    """The port ``offset`` above a node's Raft address (client +100, data plane +200, metrics +300)."""
+    host, port = address.rsplit(":", 1)
+    return f"{host}:{int(port) + offset}"
 
 
 def default_payload_dir(data_dir: str) -> str:
@@ -130,6 +147,9 @@ class Outcome(Exception):
 class RaftNode(SyncObj):
     def __init__(self, config: NodeConfig):
         self.config = config
+        self.instruments = Instruments()
+        self.metrics_address: str | None = None   # host:port of /metrics once it is served
+        self._leader_seen: Any = None
         os.makedirs(config.data_dir, exist_ok=True)
         self.machine = TensorStore()
         self.lock = threading.Lock()              # guards machine against readers in other threads
@@ -137,8 +157,12 @@ class RaftNode(SyncObj):
         sweep_abandoned_payload_dirs()
         self.payloads = PayloadStore(config.payload_dir or default_payload_dir(config.data_dir),
                                      owner=os.path.abspath(config.data_dir))
-        others = [n for n in range(1, len(config.peers) + 1) if n != config.node_id]
-        self.peers = Peers([config.address(n, config.data_offset) for n in others], config.secret)
+        others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
+        # The other members' Raft addresses. pysyncobj's dynamic membership changes them (raftps
+        # member add/remove); _watch_members keeps the data plane and the majority in step.
+        self._members: frozenset[str] = frozenset(others)
+        self._tick_jobs: queue.SimpleQueue[Callable[[], bool]] = queue.SimpleQueue()
+        self.peers = Peers([offset_address(a, config.data_offset) for a in sorted(others)], config.secret)
         self.data_server = DataPlaneServer(*config.bind(config.data_offset), config.secret,
                                            self.payloads, config.limits,
                                            snapshot_file=os.path.join(config.data_dir, "raft.snapshot"))
@@ -157,6 +181,7 @@ class RaftNode(SyncObj):
             bindAddress=":".join(map(str, config.bind(0))),
             journalFile=os.path.join(config.data_dir, "raft.journal"),
             fullDumpFile=os.path.join(config.data_dir, "raft.snapshot"),
+            dynamicMembershipChange=True,                  # raftps member add/remove/replace
             serializer=self._write_snapshot,
             deserializer=self._read_snapshot,
             appendEntriesUseBatch=False,                   # send at once: ~1 ms commits on loopback
@@ -175,11 +200,14 @@ class RaftNode(SyncObj):
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
         limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
-        super().__init__(config.raft_address, [p for i, p in enumerate(config.peers, 1) if i != config.node_id], conf)
+        super().__init__(config.raft_address, sorted(others), conf)
         install_pysyncobj_fixes(self)
         limit_unknown_connections(self)
         self.addOnTickCallback(self._housekeeping)
         self.addOnTickCallback(self._commit_alone)
+        self.addOnTickCallback(self._watch_leader)
+        self.addOnTickCallback(self._watch_members)
+        self.addOnTickCallback(self._run_tick_jobs)
 
     # ---- the replicated entry and our applier ----------------------------------------------
 
@@ -201,9 +229,11 @@ class RaftNode(SyncObj):
             raise
         except Exception as exc:    # same bytes on every replica, so the same error everywhere
             command = {"op": "invalid", "reason": f"undecodable entry: {exc}"}
+        started = time.perf_counter()
         with self.lock:
             result = self.machine.apply(index, command)
             self.applied.notify_all()
+        self.instruments.apply_seconds.observe(time.perf_counter() - started)
         if pid is not None:
             self.payloads.applied(pid, index)
         return result
@@ -277,6 +307,7 @@ class RaftNode(SyncObj):
                 tensors = self.peers.fetch(pid)
                 if tensors is None:
                     failures += 1
+                    self.instruments.errors.labels("PayloadNotOnPeers").inc()
                     log.warning("payload %s of the next entry is on no reachable peer yet", pid)
                     # Peers delete a payload once their snapshot covers its entry, so when none has
                     # it, a peer's snapshot covers it: that committed state replaces the entry.
@@ -315,6 +346,33 @@ class RaftNode(SyncObj):
                 and self._SyncObj__getCurrentLogIndex() > self._SyncObj__raftCommitIndex):
             self._wake_tick()
 
+    def _watch_members(self) -> None:
+        members = frozenset(node.address for node in self._SyncObj__otherNodes)
+        if members != self._members:
+            log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
+            self._members = members
+            self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
+
+    def _run_tick_jobs(self) -> None:
+        """Jobs that must run in the tick thread (pysyncobj is not thread-safe); a job returning
+        False runs again on the next tick."""
+        again = []
+        while True:
+            try:
+                job = self._tick_jobs.get_nowait()
+            except queue.Empty:
+                break
+            if not job():
+                again.append(job)
+        for job in again:
+            self._tick_jobs.put(job)
+
+    def _watch_leader(self) -> None:
+        leader = self._getLeader()
+        if leader is not None and leader != self._leader_seen:
+            self._leader_seen = leader
+            self.instruments.leader_changes.inc()
+
     def _wake_tick(self) -> None:
         notifier = getattr(self, "_SyncObj__pipeNotifier", None)
         if notifier is not None:
@@ -327,17 +385,27 @@ class RaftNode(SyncObj):
         with open(filename, "wb") as f:
             codec.write_frame(f, {"raft": [list(last), list(previous)],
                                   "cluster": sorted(node.address for node in cluster),
-                                  "machine": self.machine.snapshot()})
+                                  # The tick thread (pysyncobj does not fork with our serializer):
+                                  # no apply runs until the frame is written, so nothing is frozen.
+                                  "machine": self.machine.snapshot(share=False)})
         self._snapshot_index = last[1]
+        self.instruments.snapshots.labels("write").inc()
 
     def _read_snapshot(self, filename: str) -> tuple:
-        snap = codec.read_frame_file(filename, self.config.limits)
+        # Limits from the file's size, not the client-facing ones: a store of more than 4096
+        # arrays (1,366 Adam tensors) or 1 GiB would otherwise fail to load its own snapshot,
+        # and pysyncobj, logging "failed to load full dump", would go on with an empty store.
+        snap = codec.read_frame_file(filename)
         with self.lock:
             self.machine.restore(snap["machine"])
             self.applied.notify_all()
         last, previous = (tuple(e) for e in snap["raft"])
         self._snapshot_index = last[1]
-        return last, previous, {TCPNode(address) for address in snap["cluster"]}
+        self.instruments.snapshots.labels("load").inc()
+        # pysyncobj takes the membership from the snapshot; a seed without one (snapshot restore
+        # without --peers) keeps the membership this node was started with.
+        cluster = snap["cluster"] or [self.config.raft_address, *self._members]
+        return last, previous, {TCPNode(address) for address in cluster}
 
     def _housekeeping(self) -> None:
         # pysyncobj renamed the snapshot into place right after _write_snapshot returned, so the
@@ -356,8 +424,13 @@ class RaftNode(SyncObj):
     # ---- what the client server asks --------------------------------------------------------
 
     @property
+    def members(self) -> list[str]:
+        """Raft addresses of every member, this node included."""
+        return sorted([self.config.raft_address, *self._members])
+
+    @property
     def majority(self) -> int:
-        return len(self.config.peers) // 2 + 1
+        return (len(self._members) + 1) // 2 + 1
 
     def is_leader(self) -> bool:
         return self._isLeader()
@@ -366,16 +439,13 @@ class RaftNode(SyncObj):
         leader = self._getLeader()
         if leader is None:
             return None
-        try:
-            node = self.config.peers.index(leader.address) + 1
-        except ValueError:
-            return None
-        return self.config.address(node, self.config.client_offset)
+        return offset_address(leader.address, self.config.client_offset)
 
     def submit(self, command: dict, tensors: dict[str, np.ndarray] | None = None,
                on_applied: Callable[[dict], Any] | None = None) -> Any:
         """Replicate one command and return the state machine's result (or ``on_applied``'s value,
         computed in the tick thread right after the entry is applied). Raises Outcome."""
+        started = time.perf_counter()
         deadline = time.monotonic() + self.config.request_timeout
         if tensors:
             size = sum(a.nbytes for a in tensors.values())
@@ -387,7 +457,7 @@ class RaftNode(SyncObj):
                 needed = self.majority - 1
                 acks = self.peers.replicate(pid, tensors, needed, timeout=self.config.request_timeout)
                 if acks < needed:
-                    raise Outcome(f"payload reached {acks + 1} of {len(self.config.peers)} nodes, "
+                    raise Outcome(f"payload reached {acks + 1} of {len(self._members) + 1} nodes, "
                                   f"a majority is {self.majority}", applied=False)
                 command["payload"] = pid
         done = threading.Event()
@@ -399,12 +469,17 @@ class RaftNode(SyncObj):
             box.append((result, error))
             done.set()
 
+        proposed = time.perf_counter()
         self._entry(msgpack.packb(command, use_bin_type=True), callback=callback)
         if not done.wait(max(0.0, deadline - time.monotonic())):
             raise Outcome("no commit before the request timeout", applied=None)
         result, error = box[0]
         if error != FAIL_REASON.SUCCESS:
             raise Outcome(f"raft reported failure code {error}", applied=False if error in NOT_APPLIED else None)
+        now = time.perf_counter()
+        self.instruments.commit_seconds.observe(now - proposed)
+        if command["op"] != "barrier":       # reads commit barriers: their latency is in commit_seconds
+            self.instruments.write_seconds.observe(now - started)
         return result
 
     def read(self, names: list[str] | None) -> tuple[dict, int]:
@@ -420,6 +495,9 @@ class RaftNode(SyncObj):
                 return fn(self.machine)
             except RaftpsError as exc:
                 return exc
+            except Exception as exc:      # a bug: it must cost this read, not the tick thread
+                log.exception("linearizable read failed")
+                return Internal(f"internal error: {exc!r}")
         out = self.submit({"op": "barrier"}, on_applied=run_now)
         if isinstance(out, RaftpsError):
             raise out
@@ -467,11 +545,40 @@ class RaftNode(SyncObj):
                     "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram(),
                     "sync_applied": m.sync_applied, "version": m.version, "sessions": len(m.sessions)}
 
-    def status(self) -> dict:
-        raft = self.getStatus()
+    def _raft_status(self) -> dict:
+        # pysyncobj builds it from the tick thread's dicts; a rare concurrent resize is retried
+        for _ in range(3):
+            try:
+                return self.getStatus()
+            except RuntimeError:
+                continue
+        return self.getStatus()
+
+    def metrics_view(self) -> dict:
+        """What /metrics shows, cheap enough for every scrape: no digest (it hashes the store)."""
+        raft = self._raft_status()
         with self.lock:
-            version, digest, model_bytes = self.machine.version, self.machine.digest(), self.machine.model_bytes()
+            m = self.machine
+            view = {"version": m.version, "tensors": len(m.tensors), "sessions": len(m.sessions),
+                    "model_bytes": m.model_bytes(), "pushes": m.stats["pushes"], "rejected": m.stats["rejected"],
+                    "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram()}
+        prefix, link = "match_idx_server_", "partner_node_status_server_"
+        return {**view, "role": ROLES.get(raft["state"], str(raft["state"])), "term": raft["raft_term"],
+                "commit": raft["commit_idx"], "applied": raft["last_applied"], "log_len": raft["log_len"],
+                "snapshot_index": self._snapshot_index,
+                "has_quorum": 1 if raft["has_quorum"] else 0,
+                "match": {k[len(prefix):]: v for k, v in raft.items() if k.startswith(prefix)},
+                "connected": {k[len(link):]: 1 if v == 2 else 0 for k, v in raft.items() if k.startswith(link)}}
+
+    def status(self, digest: bool = True) -> dict:
+        """This node's row of ``raftps status``. ``digest=False`` skips hashing the store (a poller
+        such as ``raftps top`` would otherwise hash it at every new version)."""
+        raft = self._raft_status()
+        with self.lock:
+            version, model_bytes = self.machine.version, self.machine.model_bytes()
+            digest = self.machine.digest() if digest else None
             staleness = self.machine.staleness_histogram()
+            pushes = self.machine.stats["pushes"]
         return {
             "node": self.config.node_id,
             "address": self.config.address(self.config.node_id, self.config.client_offset),
@@ -492,8 +599,65 @@ class RaftNode(SyncObj):
             "fetched_payloads": self.fetched[0],      # received from peers' get/get_range, not pushed
             "fetched_bytes": self.fetched[1],
             "staleness": staleness,
+            "pushes": pushes,                         # applied by the state machine (replicated)
+            "members": self.members,                  # Raft addresses, as this node knows them
+            "metrics": self.metrics_address,          # host:port of this node's /metrics, or None
             "pid": os.getpid(),
         }
+
+    # ---- membership (raftps member ...) ----------------------------------------------------
+
+    def change_members(self, action: str, address: str, timeout: float = 10.0) -> dict:
+        """Add or remove one member (Raft single-server changes, through pysyncobj's dynamic
+        membership: the change is a log entry, in force from the moment it is appended). On
+        the leader only. Idempotent: adding a member or removing a non-member changes nothing.
+        The leader cannot remove itself: it hands leadership to a caught-up follower and raises
+        Outcome, so the client retries with the new leader."""
+        if action == "add" and (address == self.config.raft_address or address in self._members) or \
+                action == "remove" and address != self.config.raft_address and address not in self._members:
+            return {"changed": False, "members": self.members}
+        if action == "remove" and address == self.config.raft_address:
+            if not self._members:
+                raise InvalidRequest(f"{address} is the only member: a cluster cannot remove its last node")
+            self._transfer_leadership(timeout)
+            raise Outcome(f"{address} is the leader: leadership handed to another member; retry there", applied=False)
+        done, box = threading.Event(), []
+
+        def callback(_result: Any, error: int) -> None:
+            box.append(error)
+            done.set()
+        change = self.addNodeToCluster if action == "add" else self.removeNodeFromCluster
+        self._tick_jobs.put(lambda: change(address, callback) or True)
+        self._wake_tick()
+        if not done.wait(timeout):
+            raise Outcome(f"membership change not committed within {timeout:.0f} s", applied=None)
+        if box[0] != FAIL_REASON.SUCCESS:
+            # REQUEST_DENIED: an earlier change is not committed yet, or this leader's first entry is not
+            raise Outcome(f"membership change refused by Raft (code {box[0]}): another change may be "
+                          "under way; retry", applied=False)
+        return {"changed": True, "members": self.members}
+
+    def _transfer_leadership(self, timeout: float) -> None:
+        """Ask pysyncobj (in the tick thread) to hand leadership to the most caught-up connected
+        follower; it refuses while that follower's log is behind, so try on every tick."""
+        deadline = time.monotonic() + timeout
+        sent = threading.Event()
+
+        def attempt() -> bool:
+            if sent.is_set() or time.monotonic() > deadline or not self._isLeader():
+                sent.set()
+                return True
+            self.transferLeadership(None, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
+            return sent.is_set()
+        self._tick_jobs.put(attempt)
+        self._wake_tick()
+        sent.wait(timeout)
+        end = time.monotonic() + min(timeout, 2 * self.config.election_timeout[1])
+        while self._isLeader() and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def is_connected(self, address: str) -> bool:
+        return self.isNodeConnected(TCPNode(address))
 
     def stop(self, snapshot_timeout: float = 30.0) -> None:
         """Stop gracefully: first a snapshot, so the data dir alone restores this node."""

@@ -17,11 +17,10 @@ import threading
 import time
 from typing import Any, Callable
 
-
 from . import auth, codec
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result)
-from .machine import check_finite, check_group, check_tensors
+from .machine import check_finite, check_group, check_tensors, snapshot_digest
 from .node import Outcome, RaftNode
 
 log = logging.getLogger("raftps.server")
@@ -50,14 +49,22 @@ class ClientServer:
         self._open: dict[str, int] = {}           # client IP -> open connections
         self._open_lock = threading.Lock()
         self.sock = socket.create_server((host, port), backlog=128)
+        self.instruments = node.instruments
+        self._bytes_in = self.instruments.client_bytes.labels("in")
+        self._bytes_out = self.instruments.client_bytes.labels("out")
         self._handlers: dict[str, Callable[[dict], dict]] = {
-            "status": lambda req: self.node.status(),
+            "status": lambda req: {**self.node.status(digest=req.get("digest", True) is not False),
+                                   "connections": self.open_connections()},
             "stats": self._stats,
             "pull": self._pull,
+            "pull_rows": self._pull_rows,
             "wait_step": self._wait_step,
             "sync_applied": self._sync_applied,
             "ssp_wait": self._ssp_wait,
             "tensors": self._tensors,
+            "export": self._export,
+            "snapshot": self._snapshot,
+            "member": self._member,
             **{op: self._write for op in WRITES},
         }
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
@@ -72,6 +79,10 @@ class ClientServer:
                                                    f"{self.max_connections_per_ip} connections open to this node")
             self._open[ip] = self._open.get(ip, 0) + 1
         return None
+
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return sum(self._open.values())
 
     def _release(self, ip: str) -> None:
         with self._open_lock:
@@ -100,12 +111,14 @@ class ClientServer:
                 if conn is None:
                     return
             if not self._hello(conn):
+                self.instruments.errors.labels(AuthenticationFailed.code).inc()
                 return
             while True:
                 try:
                     request = codec.recv_frame(conn, self.limits, first_byte_timeout=self.idle_timeout,
-                                               frame_timeout=self.frame_timeout)
+                                               frame_timeout=self.frame_timeout, on_size=self._bytes_in.inc)
                 except ProtocolError as exc:
+                    self.instruments.errors.labels(type(exc).code).inc()
                     codec.send_frame(conn, error_result(type(exc), str(exc)))
                     _linger(conn)
                     return                        # the stream cannot be resynchronised
@@ -113,7 +126,7 @@ class ClientServer:
                     if "mid-frame" in str(exc):   # a sender that half-closed may still read
                         codec.send_frame(conn, error_result(ProtocolError, f"truncated frame: {exc}"))
                     return
-                codec.send_frame(conn, self.handle(request))
+                self._bytes_out.inc(codec.send_frame(conn, self.handle(request)))
         except (ConnectionError, OSError) as exc:
             log.debug("client connection closed: %s", exc)
         finally:
@@ -160,6 +173,17 @@ class ClientServer:
         return True
 
     def handle(self, request: Any) -> dict:
+        op = request.get("op") if isinstance(request, dict) else None
+        reply = self._handle(request)
+        # Labels only from known values: a client must not grow the metrics with op names of its own.
+        outcome = "retry" if reply.get("retry") else reply.get("error") or "ok"
+        known = isinstance(op, str) and op in self._handlers      # (a list is unhashable: fuzzed requests)
+        self.instruments.requests.labels(op if known else "unknown", outcome).inc()
+        if outcome not in ("ok", "retry"):
+            self.instruments.errors.labels(outcome).inc()
+        return reply
+
+    def _handle(self, request: Any) -> dict:
         try:
             if not isinstance(request, dict) or not isinstance(request.get("op"), str):
                 raise InvalidRequest("a request is a map with an 'op' string")
@@ -224,17 +248,29 @@ class ClientServer:
                 "tensors": {name: t.data for name, t in tensors.items()},
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
 
+    def _pull_rows(self, req: dict) -> dict:
+        """Some rows of one tensor, copied under the apply lock (or in the tick thread): O(rows)."""
+        name, rows = req.get("name"), req.get("rows")
+
+        def read(m: Any) -> dict:
+            values, tensor_version, version = m.read_rows(name, rows)
+            return {"version": version, "rows": values, "tensor_version": tensor_version}
+        if req.get("linearizable", True):
+            return self._linearizable(read)
+        min_version = req.get("min_version") or 0
+        if type(min_version) is not int:
+            raise InvalidRequest("min_version must be an int")
+        if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
+            return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
+                          behind=True)
+        with self.node.lock:
+            return read(self.node.machine)
+
     def _leader_read(self, names: list[str] | None) -> tuple[dict, int] | dict:
         """(tensors, version) read through the leader's log, or the reply that sends the client on."""
-        redirect = self._not_leader()
-        if redirect:
-            return redirect
-        try:
-            return self.node.linearizable_read(names)
-        except Outcome as outcome:
-            return _retry(str(outcome))
+        return self._linearizable(lambda m: m.read(names))
 
-    def _linearizable(self, fn: Callable[[Any], dict]) -> dict:
+    def _linearizable(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or
         the reply that sends the client on."""
         redirect = self._not_leader()
@@ -250,6 +286,63 @@ class ClientServer:
         return self._linearizable(lambda m: {"version": m.version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
              "optimizer": t.optimizer} for n, t in sorted(m.tensors.items())]})
+
+    def _export(self, req: dict) -> dict:
+        """Every tensor whose name starts with ``prefix``, with the store's version and digest,
+        all from one state read through the leader's log (``raftps export``)."""
+        prefix = req.get("prefix")
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidRequest("export needs a non-empty 'prefix' string")
+
+        def take(m: Any) -> dict:        # tick thread: no copy, no hashing
+            return {"version": m.version, "snap": m.snapshot(),
+                    "chosen": [(n, t) for n, t in sorted(m.tensors.items()) if n.startswith(prefix)]}
+        out = self._linearizable(take)
+        if "snap" not in out:
+            return out                   # a redirect or a retry
+        chosen = out["chosen"]
+        return {"version": out["version"], "digest": snapshot_digest(out["snap"]),
+                "tensors": {n: t.data for n, t in chosen}, "tensor_versions": {n: t.version for n, t in chosen},
+                "optimizers": {n: t.optimizer for n, t in chosen}}
+
+    def _snapshot(self, req: dict) -> dict:
+        """The whole state machine at one version with its digest (``raftps snapshot save``):
+        taken between two applies in the tick thread, hashed and encoded outside it."""
+        out = self._linearizable(lambda m: {"version": m.version, "snap": m.snapshot()})
+        if "snap" not in out:
+            return out
+        return {"version": out["version"], "digest": snapshot_digest(out["snap"]), "snapshot": out["snap"]}
+
+    def _member(self, req: dict) -> dict:
+        """raftps member list|add|remove|replace: one Raft single-server change at a time, on
+        the leader. Each step is idempotent, so a retried replace goes on where it stopped."""
+        action = req.get("action")
+        if action not in ("list", "add", "remove", "replace"):
+            raise InvalidRequest("member needs action: list, add, remove or replace")
+        redirect = self._not_leader()
+        if redirect:
+            return redirect
+        if action == "list":
+            return {"members": self.node.members, "leader": self.node.config.raft_address}
+        new = _raft_address(req.get("node"))
+        old = _raft_address(req.get("old")) if action == "replace" else None
+        if old == new:
+            raise InvalidRequest(f"replace {old} with itself")
+        try:
+            if action != "replace":
+                return self.node.change_members(action, new)
+            # A live old member stays until the new one is in (a 3-node cluster keeps its majority
+            # with one node down either way); a dead one goes first, so that the new member's
+            # entry commits with the live ones before the new node is even up.
+            steps = [("add", new), ("remove", old)] if self.node.is_connected(old) or \
+                old == self.node.config.raft_address else [("remove", old), ("add", new)]
+            changed = False
+            for step, address in steps:
+                changed = self.node.change_members(step, address)["changed"] or changed
+            return {"changed": changed, "members": self.node.members}
+        except Outcome as outcome:
+            return _retry(str(outcome), not_leader=not self.node.is_leader(), leader=None,
+                          unknown=outcome.applied is None)
 
     def _stats(self, req: dict) -> dict:
         return self._not_leader() or self.node.stats()
@@ -279,6 +372,15 @@ class ClientServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _raft_address(value: Any) -> str:
+    """A member's Raft address, host:port (the --peers form)."""
+    if isinstance(value, str) and ":" in value and 0 < len(value) <= 255:
+        host, port = value.rsplit(":", 1)
+        if host and port.isdigit() and 0 < int(port) < 65536 - 300:
+            return value
+    raise InvalidRequest(f"a member is its Raft address HOST:PORT (as in --peers), not {value!r}")
 
 
 def _seconds(value: Any, field: str) -> float:

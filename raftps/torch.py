@@ -67,6 +67,7 @@ class _Slot:
     store_name: str
     tensor: torch.Tensor           # a parameter or a buffer, updated in place
     dtype: type                    # numpy dtype in the store
+    sparse: bool = False           # the weight of an Embedding(sparse=True): pushed and pulled by rows
 
 
 def _env_int(name: str) -> int | None:
@@ -133,7 +134,9 @@ class DistributedOptimizer:
         self.lr = float(self.local_spec.get("lr", 0.0))             # the replica's own steps
         self.easgd_alpha = easgd_alpha if easgd_alpha is not None else 0.9 / self.world_size
 
-        self.params = self._slots(model.named_parameters(), "parameter", trainable=True)
+        sparse = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+        self.params = self._slots(model.named_parameters(), "parameter", trainable=True, sparse=sparse)
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
         self.counter = f"{prefix}/_raftps/steps.rank{self.rank}" if mode != "sync" else None
 
@@ -149,6 +152,7 @@ class DistributedOptimizer:
             raise
         self.step_count = self.start_step      # steps taken, counting those of earlier runs
         self._pending: dict[str, torch.Tensor] = {}
+        self._touched: dict[str, torch.Tensor] = {}     # sparse table -> rows in the last push
         self._since_push = self._since_fetch = 0
         self._easgd_state = {s.store_name: optim.init_state(self.local_spec, _as_numpy(s.tensor, s.dtype))
                              for s in self.params} if mode == "easgd" else {}
@@ -157,7 +161,8 @@ class DistributedOptimizer:
 
     # ---- setup ------------------------------------------------------------------------------
 
-    def _slots(self, named: Iterable[tuple[str, torch.Tensor]], what: str, trainable: bool = False) -> list[_Slot]:
+    def _slots(self, named: Iterable[tuple[str, torch.Tensor]], what: str, trainable: bool = False,
+               sparse: set[int] = frozenset()) -> list[_Slot]:
         out = []
         for name, t in named:
             if trainable and not t.requires_grad:
@@ -165,7 +170,7 @@ class DistributedOptimizer:
             if t.dtype not in STORED_AS:
                 raise TypeError(f"{what} {name!r} has dtype {t.dtype}: raftps stores float32/float64 "
                                 "(float16 and bfloat16 are kept in float32)")
-            out.append(_Slot(f"{self.prefix}/{name}", t, STORED_AS[t.dtype]))
+            out.append(_Slot(f"{self.prefix}/{name}", t, STORED_AS[t.dtype], id(t) in sparse))
         if trainable and not out:
             raise ValueError("the model has no trainable parameters")
         return out
@@ -186,7 +191,7 @@ class DistributedOptimizer:
 
     def _resume(self) -> int:
         """Load the store's parameters; return the step to start at."""
-        names = self._pulled_names() + ([self.counter] if self.counter else [])
+        names = [s.store_name for s in self.params + self.buffers] + ([self.counter] if self.counter else [])
         result = self.client.pull_result(names)                 # linearizable: the newest state
         self._install(result["tensors"], result["version"])
         if self.mode == "sync":
@@ -194,11 +199,13 @@ class DistributedOptimizer:
         return int(result["tensors"][self.counter][0])
 
     def _pulled_names(self) -> list[str]:
-        return [s.store_name for s in self.params] + [s.store_name for s in self.buffers]
+        """What a pull brings: all but sparse tables, which async modes pull by rows."""
+        return [s.store_name for s in self.params + self.buffers if not s.sparse or self.mode in ("sync", "easgd")]
 
     def _install(self, tensors: dict[str, np.ndarray], version: int) -> None:
         for s in self.params + self.buffers:
-            _load(s.tensor, tensors[s.store_name])
+            if s.store_name in tensors:
+                _load(s.tensor, tensors[s.store_name])
         # What the store held at this version: a buffer's change since then is this worker's.
         self._buffer_base = {s.store_name: np.array(tensors[s.store_name]) for s in self.buffers}
         self.version = self.pushed = version
@@ -220,6 +227,24 @@ class DistributedOptimizer:
         {"sync": self._step_sync, "easgd": self._step_easgd}.get(self.mode, self._step_async)()
         self.step_count += 1
         return self.version
+
+    @torch.no_grad()
+    def pull_rows(self, param: torch.Tensor, rows: Any) -> int:
+        """Bring rows ``rows`` of a sparse embedding's weight up to date from the store (e.g. the
+        rows the next batch looks up); returns the store version they are at."""
+        slot = next((s for s in self.params if s.tensor is param), None)
+        if slot is None:
+            raise ValueError("pull_rows: not a parameter of this optimizer's model")
+        return self._pull_rows(slot, torch.as_tensor(rows).reshape(-1).unique())
+
+    def _pull_rows(self, slot: _Slot, rows: torch.Tensor) -> int:
+        values, version = self.client.pull_rows(slot.store_name, rows.cpu().numpy(), min_version=self.pushed,
+                                                linearizable=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
+            src = torch.from_numpy(values)
+        slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.dtype))
+        return version
 
     def close(self) -> None:
         if getattr(self, "ssp", None) is not None:
@@ -304,6 +329,7 @@ class DistributedOptimizer:
         for name, g in self._pending.items():
             if g.is_sparse:                        # row indices + rows; the store updates those rows only
                 g = g.coalesce()
+                self._touched[name] = g.indices()[0]
                 parts, enc = codecs.encode_rows(name, g.indices()[0].numpy(),
                                                 _as_numpy(g.values(), self._dtypes[name]))
                 grads.update(parts)
@@ -335,6 +361,10 @@ class DistributedOptimizer:
         t0 = time.perf_counter()
         tensors, version = self.client.pull(self._pulled_names(), min_version=min_version, linearizable=False)
         self._install(tensors, version)
+        for s in self.params:       # sparse tables: the rows this worker just pushed (others' updates too)
+            rows = self._touched.pop(s.store_name, None)
+            if rows is not None and s.sparse and self.mode not in ("sync", "easgd"):
+                self._pull_rows(s, rows)
         self._timed("pull", t0)
         self._since_fetch = 0
 

@@ -81,3 +81,9 @@ def test_recv_frame_over_a_socket_and_eof_mid_frame():
             codec.recv_frame(b)
     finally:
         b.close()
+
+
+def test_empty_multidimensional_array_roundtrips():
+    # memoryview cannot cast a (0, n) array to bytes; a pull_rows of no rows sends one
+    out = codec.decode(codec.encode_bytes({"a": np.zeros((0, 16), np.float32)}))
+    assert out["a"].shape == (0, 16) and out["a"].dtype == np.float32

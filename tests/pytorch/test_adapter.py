@@ -192,3 +192,49 @@ def test_bad_arguments_are_refused_before_anything_is_created(cluster):
                                  cluster=cluster.client())
     with cluster.client() as c:
         assert not [t for t in c.tensors() if t["name"].startswith("job/")]
+
+
+class Bag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(5000, 8, sparse=True)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens).mean(1))
+
+
+@pytest.mark.parametrize("spec", [{"name": "sgd", "lr": 0.5}, {"name": "adagrad", "lr": 0.5},
+                                  {"name": "adam", "lr": 0.05}], ids=lambda s: s["name"])
+def test_sparse_embedding_push_changes_exactly_the_rows_looked_up(cluster, spec):
+    model = Bag()
+    prefix = f"sparse-{spec['name']}"
+    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer=spec, prefix=prefix) as opt:
+        table = f"{prefix}/emb.weight"
+        with cluster.client() as c:
+            before, _ = c.pull([table])
+        tokens = torch.tensor([[3, 7, 7, 42], [7, 4999, 3, 3]])
+        opt.zero_grad()
+        model(tokens).pow(2).mean().backward()
+        assert model.emb.weight.grad.is_sparse
+        opt.step()
+        with cluster.client() as c:
+            after, _ = c.pull([table])
+        changed = np.flatnonzero(np.any(after[table] != before[table], axis=1))
+        assert changed.tolist() == [3, 7, 42, 4999]
+        # The replica holds the store's rows (pulled by rows, not the whole table).
+        assert torch.equal(model.emb.weight, torch.from_numpy(after[table]))
+        # A second worker starts from the store's table, not its own init.
+        second = Bag()
+        rpt.DistributedOptimizer(second, cluster=cluster.client(), optimizer=spec, prefix=prefix,
+                                 rank=1, world_size=2).close()
+        assert torch.equal(second.emb.weight, model.emb.weight)
+        # pull_rows brings another writer's update of a row this replica did not touch.
+        with cluster.client() as c:
+            c.push({table: np.ones((1, 8), np.float32), f"{table}:indices": np.array([10], np.int32)},
+                   encoding={table: {"kind": "rows"}})
+            latest, _ = c.pull([table])
+        assert not torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
+        opt.pull_rows(model.emb.weight, [10])
+        assert torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
