@@ -125,32 +125,56 @@ def my_part(batch: np.ndarray, backend: Backend) -> np.ndarray:
 
 
 class Metrics:
-    """Rank 0's metrics.csv (time, step, loss, metric) and summary.json. time is seconds since
-    the first training step; startup_s (process start to first step) is in the summary."""
+    """Rank 0's metrics.csv (time, step, loss, metric, unix) and summary.json. time is seconds
+    since the job's first training step; startup_s (process start to first step) is in the
+    summary. Rows are appended as they come, so a killed worker loses none; a resumed job
+    (start_step > 0) appends to the file its earlier run wrote and keeps its time axis."""
 
-    def __init__(self, out: str | None, metric: str, higher_is_better: bool, target: float | None, meta: dict):
+    def __init__(self, out: str | None, metric: str, higher_is_better: bool, target: float | None, meta: dict,
+                 resumed: bool = False):
         self.out, self.metric, self.higher, self.target = out, metric, higher_is_better, target
-        self.meta, self.rows, self.t0, self.first_step = meta, [], None, None
+        self.meta, self.t0, self.first_step = meta, None, None
         self.reached: tuple[float, int] | None = None
         self.step_times: list[tuple[float, int]] = []
+        self.fields = ["time", "step", "loss", metric, "unix"]
+        self.file = None
         if out:
             os.makedirs(out, exist_ok=True)
+            path = os.path.join(out, "metrics.csv")
+            earlier = []
+            if resumed and os.path.exists(path):
+                with open(path, newline="") as f:
+                    earlier = [r for r in csv.DictReader(f) if r.get("unix")]
+            if earlier:                  # the job's time axis starts at its first run's first step
+                self.t0 = float(earlier[0]["unix"]) - float(earlier[0]["time"])
+                for r in earlier:
+                    if r[metric] != "":
+                        self._check_target(float(r["time"]), int(r["step"]), float(r[metric]))
+            self.file = open(path, "a" if earlier else "w", newline="")
+            self.writer = csv.DictWriter(self.file, fieldnames=self.fields)
+            if not earlier:
+                self.writer.writeheader()
 
     def now(self) -> float:
-        if self.t0 is None:
-            self.t0 = time.time()
-            self.first_step = self.t0
+        if self.first_step is None:
+            self.first_step = time.time()
+            self.t0 = self.t0 if self.t0 is not None else self.first_step
         return time.time() - self.t0
+
+    def _check_target(self, t: float, step: int, metric: float) -> None:
+        hit = self.target is not None and (metric >= self.target if self.higher else metric <= self.target)
+        if hit and self.reached is None:
+            self.reached = (t, step)
 
     def log_step(self, step: int, loss: float, metric: float | None = None) -> None:
         t = self.now()
         self.step_times.append((t, step))
-        self.rows.append({"time": round(t, 4), "step": step, "loss": round(loss, 5),
-                          self.metric: "" if metric is None else round(metric, 5)})
+        if self.file is not None:
+            self.writer.writerow({"time": round(t, 4), "step": step, "loss": round(loss, 5),
+                                  self.metric: "" if metric is None else round(metric, 5), "unix": round(time.time(), 3)})
+            self.file.flush()
         if metric is not None:
-            hit = self.target is not None and (metric >= self.target if self.higher else metric <= self.target)
-            if hit and self.reached is None:
-                self.reached = (t, step)
+            self._check_target(t, step, metric)
             print(f"[rank 0] step {step:5d}  {t:7.1f} s  loss {loss:.4f}  {self.metric} {metric:.4f}", flush=True)
 
     def steady_rate(self) -> float:
@@ -168,10 +192,7 @@ class Metrics:
              "first_step_unix": self.first_step,
              "steady_steps_per_s": self.steady_rate(), **(extra or {})}
         if self.out:
-            with open(os.path.join(self.out, "metrics.csv"), "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=["time", "step", "loss", self.metric])
-                w.writeheader()
-                w.writerows(self.rows)
+            self.file.close()
             with open(os.path.join(self.out, "summary.json"), "w") as f:
                 json.dump(s, f, indent=1, default=float)
         return s
@@ -193,7 +214,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
             "world_size": world, "label": label, "steps": args.steps, "batch": args.batch, "lr": args.lr,
             "n_push": args.n_push, "n_fetch": args.n_fetch, "seed": args.seed, "start_step": backend.start_step,
             "parameters": sum(p.numel() for p in model.parameters())}
-    rec = Metrics(args.out, metric, higher_is_better, args.target, meta) if rank == 0 else None
+    rec = Metrics(args.out, metric, higher_is_better, args.target, meta, resumed=backend.start_step > 0) \
+        if rank == 0 else None
     mine = my_batches(backend, args.steps)
     if rank == 0:
         print(f"[rank 0] {name}: {label}, {meta['parameters']:,} parameters, global batches "

@@ -8,6 +8,7 @@ plot's path.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -59,10 +60,15 @@ def main() -> None:
         json.dump(run.events, f)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
+    with open(os.path.join(out, "metrics.csv"), newline="") as f:
+        first = next(csv.DictReader(f))
+    t0 = float(first["unix"]) - float(first["time"])          # the job's first training step
+    kills = [(unix - t0, text.split(" at ")[0].replace("SIGKILL ", "kill ")) for unix, text in run.events
+             if text.startswith("SIGKILL")]
     sys.path.insert(0, HERE)
     from plot import plot_runs
-    png = plot_runs(os.path.join(out, "plot.png"), [out],
-                    title=f"char GPT, raftps {args.mode} x{args.workers}: store leader and a worker SIGKILLed")
+    png = plot_runs(os.path.join(out, "plot.png"), [out], events=kills,
+                    title=f"char GPT, raftps {args.mode} x{args.workers}")
     print(f"== final validation loss {summary['final_val_loss']:.4f} after {args.steps} global batches "
           f"(resumed at step {summary['start_step']} after the worker kill); plot: {png}")
 

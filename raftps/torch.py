@@ -246,7 +246,16 @@ class DistributedOptimizer:
         slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.dtype))
         return version
 
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Push the gradients of steps not pushed yet (async with n_push > 1); close() does."""
+        if self.mode in ("async", "ssp") and self._pending:
+            self._push_pending()
+
     def close(self) -> None:
+        """Flush, leave the SSP group, close the client (if this optimizer made it)."""
+        if getattr(self, "_pending", None):
+            self.flush()
         if getattr(self, "ssp", None) is not None:
             try:
                 self.ssp.leave()          # a finished worker must not hold the others back

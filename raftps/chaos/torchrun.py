@@ -91,7 +91,7 @@ def steps_done(client: Client, prefix: str, ranks: int) -> int:
 @dataclass
 class KillRun:
     exit_code: int | None
-    events: list[tuple[float, str]] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)     # (unix time, what happened)
 
 
 def train_through_kills(cluster: LocalCluster, job: TorchrunJob, prefix: str, ranks: int, total_steps: int,
@@ -104,7 +104,7 @@ def train_through_kills(cluster: LocalCluster, job: TorchrunJob, prefix: str, ra
     deadline = t0 + timeout
 
     def event(text: str) -> None:
-        run.events.append((round(time.monotonic() - t0, 2), text))
+        run.events.append((time.time(), text))
         say(f"[{time.monotonic() - t0:6.1f} s] {text}")
 
     with cluster.client(timeout=30.0) as client:

@@ -238,3 +238,20 @@ def test_sparse_embedding_push_changes_exactly_the_rows_looked_up(cluster, spec)
         assert not torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
         opt.pull_rows(model.emb.weight, [10])
         assert torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
+
+
+def test_close_pushes_the_steps_not_pushed_yet(cluster):
+    """Downpour with n_push 3: 5 steps are two pushes (3 + the 2 that close() flushes), and the
+    step counter says 5, so a resumed worker neither loses nor repeats them."""
+    model, data = mlp(), batches(5, seed=5)
+    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.1},
+                                  prefix="flush", n_push=3, n_fetch=3) as opt:
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+    with cluster.client() as c:
+        versions = {t["name"]: t["version"] for t in c.tensors()}
+        steps, _ = c.pull(["flush/_raftps/steps.rank0"])
+    assert versions["flush/0.weight"] == 2
+    assert steps["flush/_raftps/steps.rank0"][0] == 5.0
