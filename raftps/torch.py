@@ -46,7 +46,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:
+    raise ImportError("raftps.torch needs PyTorch: `bash cluster/setup.sh --torch` installs torch's CPU build "
+                      "(a plain `pip install torch` may fetch the CUDA build), then `pip install 'raftps[torch]'`") from None
 
 from . import compress as codecs
 from . import optim

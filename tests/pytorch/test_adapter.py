@@ -255,3 +255,50 @@ def test_close_pushes_the_steps_not_pushed_yet(cluster):
         steps, _ = c.pull(["flush/_raftps/steps.rank0"])
     assert versions["flush/0.weight"] == 2
     assert steps["flush/_raftps/steps.rank0"][0] == 5.0
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"mode": "ssp", "ssp_staleness": 1},
+    {"mode": "easgd", "n_push": 2},
+    {"mode": "async", "compress": "fp16"},
+    {"mode": "async", "compress": "topk:0.25"},
+    {"mode": "async", "n_push": 2, "n_fetch": 2, "staleness_aware": True},
+], ids=["ssp", "easgd", "fp16", "topk", "downpour"])
+def test_every_async_mode_trains_two_workers(cluster, kwargs):
+    """Two workers (threads) fit a linear target in each async mode: the loss falls 10x and
+    the store applied every rank's counted steps."""
+    torch.manual_seed(0)
+    w_true = torch.randn(6, 1)
+    prefix = "modes-" + "-".join(f"{k}{v}" for k, v in kwargs.items()).replace(":", "").replace(".", "")
+    losses: dict[int, list[float]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            model = torch.nn.Linear(6, 1, bias=False)
+            g = torch.Generator().manual_seed(rank)
+            with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.05},
+                                          prefix=prefix, rank=rank, world_size=2, **kwargs) as opt:
+                for _ in range(60):
+                    x = torch.randn(32, 6, generator=g)
+                    opt.zero_grad()
+                    loss = (model(x) - x @ w_true).pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    losses[rank].append(loss.item())
+        except BaseException as exc:          # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    for rank in (0, 1):
+        assert np.mean(losses[rank][-5:]) < np.mean(losses[rank][:5]) / 10, (rank, losses[rank][:5], losses[rank][-5:])
+    with cluster.client() as c:
+        steps, _ = c.pull([f"{prefix}/_raftps/steps.rank{r}" for r in range(2)])
+    assert [float(v[0]) for v in steps.values()] == [60.0, 60.0]
