@@ -3,7 +3,7 @@ cluster while the store's leader is SIGKILLed and then one worker is SIGKILLed (
 the worker group again and it resumes from the store). Prints the final validation loss and the
 plot's path.
 
-    python examples/torchrun_demo.py [--workers 4] [--steps 400] [--out runs/torch-demo]
+    python examples/torchrun_demo.py [--workers 4] [--steps 300] [--out runs/torch-demo]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from raftps.localcluster import LocalCluster  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=400, help="global batches (char_gpt.py --steps)")
+    ap.add_argument("--steps", type=int, default=300, help="global batches (char_gpt.py --steps)")
     ap.add_argument("--mode", default="async", help="raftps mode: async | sync | ssp | easgd")
     ap.add_argument("--out", default="runs/torch-demo")
     ap.add_argument("--base-port", type=int, default=7700)
