@@ -150,11 +150,14 @@ class SnapshotStream:
         if first:
             self.receiving = [stream, 0]
         if self.receiving != [stream, offset]:
-            if self.receiving is not None:
+            if self.receiving and self.receiving[0] == stream:
                 log.warning("snapshot chunk at offset %d is not the next one (%d bytes assembled): "
                             "dropping the partial snapshot, asking the leader to start over",
                             offset, self.receiving[1])
-            self.receiving = None     # pysyncobj still holds its partial file; no chunk reaches it
+                self.receiving = None     # pysyncobj still holds its partial file; no chunk reaches it
+            # Else a chunk of another stream: one whose first chunk we missed, or an old one still
+            # draining from a dead connection (seen) while the new one is assembled. Either way it
+            # is not written; the leader starts over only if it names its current stream.
             self.send(peer, {"type": RESTART_SNAPSHOT, "stream": stream})
             return dict(message, serialized=None)
         self.receiving[1] += len(data)

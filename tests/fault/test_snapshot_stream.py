@@ -221,6 +221,7 @@ def test_a_stream_with_a_hole_is_never_installed(tmp_path) -> None:
         assert sum(m.get("type") == "next_node_idx" for m in sent) == 2    # chunks 0 and 1024 acked
         for offset in range(0, 4097, 1024):                 # the restarted stream, whole
             on_message(peer, chunk(offset, b"s2"))
+            on_message(peer, chunk(2048, b"s1"))            # the old one, still draining: ignored
         assert (tmp_path / "dump").read_bytes() == blob
     finally:
         node.destroy()
