@@ -34,20 +34,47 @@ whose 'serialized' is None (the leader wants to send a snapshot but has no chunk
 log-matching check and still runs ``commitIndex = min(leader_commit, lastIndex)`` (L1027-1033), so
 a follower with a divergent tail could commit and apply it. ``commit_guard`` keeps such a message
 from raising the commit index.
+
+Also snapshot streaming (``SnapshotStream``; a follower failed forever with ``truncated frame`` on a
+64 MiB snapshot under load). The leader streams its snapshot file in 1 MiB chunks
+({'serialized': (data, isFirst, isLast)}, syncobj.py L1308-1329), the follower appends each to its
+one open ``.1.tmp`` and installs it on isLast (serializer.py setTransmissionData). Nothing checks
+that the chunks are contiguous, and:
+* the follower answers no chunk but the last, so the leader reads nothing from it during a
+  transfer and its TcpConnection closes after ``connectionTimeout`` (4 s) of no reads: any transfer
+  longer than that (64 MiB at ~10 MB/s on a loaded machine) is cut, every time;
+* the chunks in the dead connection's write buffer are lost, but the leader cancels the transfer
+  only if a send round finds the peer disconnected (L1258-1261). The leader redials at once
+  (transport.py _onDisconnected) and, when the follower answers the handshake within the 0.1 s
+  until the next round, the transfer goes on at its old offset on the new connection: the
+  follower's file misses MiBs (seen: 17 MiB), fails to load, and the transfer restarts, to be
+  cut again at 4 s.
+So: the follower acknowledges every chunk (a ``next_node_idx`` that is neither success nor reset,
+which a leader only counts as a response), which keeps the connection and the leader's quorum
+alive; the leader starts a new transfer on every (re)connection; and each chunk carries its
+stream id and offset, so a follower refuses any chunk that is not the next byte of the stream it
+is assembling (a short or spliced file is never installed) and asks the leader to start over.
+Stock pysyncobj peers ignore the extra key and the unknown message type.
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from pysyncobj import SyncObj
 
+log = logging.getLogger("raftps.pysyncobj_fixes")
+RESTART_SNAPSHOT = "raftps_restart_snapshot"     # follower -> leader: start the transfer over
+
 
 def install(node: SyncObj) -> None:
-    """Wrap ``node``'s transport so the back-off cannot be overwritten (see the module docstring)."""
+    """Wrap ``node``'s transport: the back-off fix and snapshot streaming (see the module docstring)."""
     transport = node._SyncObj__transport
     deliver = transport._onMessageReceivedCallback
     send = transport.send
     floors: dict[Any, tuple[int, int]] = {}           # peer -> (term, floor)
+    stream = SnapshotStream(node, send)
 
     def on_message(peer: Any, message: Any) -> None:
         in_flight_from = None
@@ -58,19 +85,88 @@ def install(node: SyncObj) -> None:
                 if message.get("success") and not message.get("reset"):
                     in_flight_from = node._SyncObj__raftNextIndex.get(peer)
             elif kind == "append_entries":
-                message = commit_guard(message, node._SyncObj__raftCommitIndex)
+                message = commit_guard(stream.receive(peer, message), node._SyncObj__raftCommitIndex)
+            elif kind == RESTART_SNAPSHOT:
+                stream.restart(peer, message.get("stream"))
+                return
         deliver(peer, message)
         if in_flight_from is not None:
             keep_next_index(node._SyncObj__raftNextIndex, peer, in_flight_from)
 
     def send_hinted(peer: Any, message: Any) -> Any:
-        if isinstance(message, dict) and message.get("type") == "next_node_idx":
-            message = follower_hint(message, node._SyncObj__raftCommitIndex)
+        if isinstance(message, dict):
+            if message.get("type") == "next_node_idx":
+                message = follower_hint(message, node._SyncObj__raftCommitIndex)
+            elif message.get("serialized"):
+                message = stream.tag(peer, message)
         return send(peer, message)
+
+    connected = transport._onNodeConnectedCallback
+
+    def on_connected(peer: Any) -> None:
+        stream.restart(peer)          # chunks may have died with the old connection
+        connected(peer)
 
     transport.setOnMessageReceivedCallback(on_message)
     transport.send = send_hinted
+    transport.setOnNodeConnectedCallback(on_connected)
     node._raftps_backoff_fix = True
+
+
+class SnapshotStream:
+    """Both ends of pysyncobj's snapshot transfer, checked (see the module docstring)."""
+
+    def __init__(self, node: SyncObj, send: Any):
+        self.node, self.send = node, send
+        self.serializer = node._SyncObj__serializer
+        self.sent: dict[Any, list] = {}          # leader: peer -> [stream id, offset of the next chunk]
+        self.receiving: list | None = None       # follower: [stream id, bytes assembled so far]
+
+    def tag(self, peer: Any, message: dict) -> dict:
+        """Leader: mark a chunk with its stream and offset."""
+        data, first, _ = message["serialized"]
+        if first or peer not in self.sent:
+            self.sent[peer] = [os.urandom(8), 0]
+        stream = self.sent[peer]
+        message = dict(message, raftps_chunk=tuple(stream))
+        stream[1] += len(data)
+        return message
+
+    def restart(self, peer: Any, stream: bytes | None = None) -> None:
+        """Leader: the next chunk to ``peer`` starts a new transfer (only if ``stream`` is the
+        current one, so refusals of chunks already in flight do not restart it again)."""
+        if stream is None or self.sent.get(peer, [None])[0] == stream:
+            self.serializer.cancelTransmisstion(peer)
+            self.sent.pop(peer, None)
+
+    def receive(self, peer: Any, message: dict) -> dict:
+        """Follower: pass the next chunk of the stream being assembled (and acknowledge it);
+        turn any other chunk into a plain heartbeat and ask the leader to start over."""
+        chunk, serialized = message.get("raftps_chunk"), message.get("serialized")
+        if chunk is None or not serialized or message.get("term", 0) < self.node.raftCurrentTerm:
+            return message            # untagged (stock leader), or one pysyncobj ignores anyway
+        data, first, last = serialized
+        stream, offset = chunk
+        if first:
+            self.receiving = [stream, 0]
+        if self.receiving != [stream, offset]:
+            if self.receiving and self.receiving[0] == stream:
+                log.warning("snapshot chunk at offset %d is not the next one (%d bytes assembled): "
+                            "dropping the partial snapshot, asking the leader to start over",
+                            offset, self.receiving[1])
+                self.receiving = None     # pysyncobj still holds its partial file; no chunk reaches it
+            # Else a chunk of another stream: one whose first chunk we missed, or an old one still
+            # draining from a dead connection (seen) while the new one is assembled. Either way it
+            # is not written; the leader starts over only if it names its current stream.
+            self.send(peer, {"type": RESTART_SNAPSHOT, "stream": stream})
+            return dict(message, serialized=None)
+        self.receiving[1] += len(data)
+        if last:
+            self.receiving = None     # pysyncobj answers the last chunk itself
+        else:
+            self.send(peer, {"type": "next_node_idx", "reset": False, "success": False,
+                             "next_node_idx": self.node._SyncObj__getCurrentLogIndex() + 1})
+        return message
 
 
 def leader_filter(floors: dict, peer: Any, message: dict, term: int) -> dict:
@@ -126,6 +222,7 @@ def limit_peer_reads() -> None:
     """Patch pysyncobj's TcpConnection (all connections of this process) to refuse oversized
     length prefixes before buffering them. Idempotent."""
     import struct
+    import time
 
     from pysyncobj.tcp_connection import TcpConnection
 
@@ -148,6 +245,10 @@ def limit_peer_reads() -> None:
         message = parse(self)
         if message is not None:
             self._raftps_parsed = getattr(self, "_raftps_parsed", 0) + 1
+            # pysyncobj stamps the read time once, before handling all it read. A follower that
+            # read tens of MiB of snapshot chunks at once took > 4 s (the connection timeout) to
+            # handle them, and its next send closed the live connection mid-transfer.
+            self._TcpConnection__lastReadTime = time.monotonic()
         return message
 
     disconnect = TcpConnection.disconnect
