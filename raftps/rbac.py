@@ -198,6 +198,7 @@ class Authorizer:
         self._stamps: tuple = ()
         self._checked = 0.0
         self.identities: tuple[Identity, ...] = ()
+        self._by_name: dict[str, Identity] = {}
         self.generation = 0
         self.reload(strict=True)
 
@@ -244,9 +245,10 @@ class Authorizer:
                 return False
             changed = identities != list(self.identities)
             self.identities, self._stamps = tuple(identities), stamps
+            self._by_name = {i.name: i for i in identities}
             if changed:
                 self.generation += 1
-                log.warning("identities loaded: %s", ", ".join(i.name for i in identities) or "none")
+                log.warning("%d client identities loaded (generation %d)", len(identities), self.generation)
             return True
 
     def _maybe_reload(self) -> None:
@@ -278,7 +280,5 @@ class Authorizer:
         if identity is OPEN and self.open:
             return OPEN
         self._maybe_reload()
-        for now in self.identities:
-            if now.name == identity.name and hmac.compare_digest(now.digest, identity.digest):
-                return now
-        return None
+        now = self._by_name.get(identity.name)
+        return now if now is not None and hmac.compare_digest(now.digest, identity.digest) else None

@@ -116,6 +116,18 @@ def test_each_refusal_says_why_and_changes_nothing(rbac_cluster, who, call, mess
     assert state(rbac_cluster) == before
 
 
+def test_a_refused_write_does_not_spend_the_clients_session(rbac_cluster):
+    """A write the node refuses before proposing it reaches no log: the client's next write reuses
+    its seq, so a fresh client whose first writes were refused is not told SessionExpired."""
+    with client(rbac_cluster, "jobA") as c:
+        with pytest.raises(PermissionDenied):
+            c.push({"jobB/w": np.ones(4, np.float32)})
+        with pytest.raises(InvalidRequest):
+            c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"group": "jobA/ssp", "worker": ""})
+        v = c.push({"jobA/w": np.zeros(4, np.float32)})
+        assert c.push({"jobA/w": np.zeros(4, np.float32)}) > v and c._seq == 2
+
+
 def test_the_schema_runs_before_the_roles(rbac_cluster):
     with client(rbac_cluster, "eval") as c, pytest.raises(InvalidRequest, match="push: tensors key 'a b'"):
         c.push({"a b": np.ones(2, np.float32)})
