@@ -178,6 +178,8 @@ def mutate(rng: random.Random, req: dict) -> dict:
 def _cap_waits(req: Any) -> Any:
     """Keep waits the fuzz would sit through short (the node caps them at 10 and 300 s anyway)."""
     if isinstance(req, dict):
+        if isinstance(req.get("op"), str) and req["op"] in ("ssp_wait", "wait_step") and "timeout" not in req:
+            req["timeout"] = WAIT_CAP          # the default is 10 s
         for k in ("timeout", "wait"):
             v = req.get(k)
             if type(v) in (int, float) and v == v and v > WAIT_CAP:

@@ -5,6 +5,7 @@ stays up; the replicas stay identical; a normal push afterwards is exact; no nod
 RAFTPS_HOSTILE_CASES sets the number of cases (default 6,000: about 12 s idle, 30 s on a loaded 2-core machine); ``-m soak``
 runs 30,000. RAFTPS_FUZZ_SEED picks the seed.
 """
+import json
 import os
 import random
 import socket
@@ -16,7 +17,7 @@ import pytest
 from raftps import codec, schema
 from raftps.errors import InvalidOptimizer, InvalidRequest
 from hostile_requests import ELASTIC, SSP_GROUP, TABLE, TENSOR, lying_frame, mutate, valid_request
-from security_helpers import hello_connection, state
+from security_helpers import hello_connection, start, state
 
 BASE = 26000
 SEED = int(os.environ.get("RAFTPS_FUZZ_SEED", "20261216"))
@@ -41,8 +42,10 @@ def _leader_port(cluster) -> int:
     raise AssertionError("no leader")
 
 
-def run_hostile(cluster, cases: int, seed: int) -> dict:
-    """Send ``cases`` mutated requests (80% to the leader); returns counts of reply kinds."""
+def run_hostile(cluster, cases: int, seed: int, token: str | None = None) -> dict:
+    """Send ``cases`` mutated requests (80% to the leader) with ``token`` (default: the cluster
+    token); returns counts of reply kinds."""
+    token = token or cluster.token
     rng = random.Random(seed)
     counts: dict[str, int] = {}
     leader = _leader_port(cluster)
@@ -54,7 +57,7 @@ def run_hostile(cluster, cases: int, seed: int) -> dict:
         for i in range(cases):
             port = rng.choice(ports)
             if rng.random() < 0.03:                    # a blob that does not match its arrays
-                s = hello_connection(port, cluster.token)
+                s = hello_connection(port, token)
                 try:
                     s.sendall(lying_frame(rng))
                     reply = codec.recv_frame(s)
@@ -63,7 +66,7 @@ def run_hostile(cluster, cases: int, seed: int) -> dict:
                 assert reply.get("error") in ("ProtocolError", "LimitExceeded"), reply
                 counts["lying frame refused"] = counts.get("lying frame refused", 0) + 1
                 continue
-            s = conns.get(port) or conns.setdefault(port, hello_connection(port, cluster.token))
+            s = conns.get(port) or conns.setdefault(port, hello_connection(port, token))
             req = valid_request(rng)
             if req["op"] not in ("status", "stats", "tensors", "pull", "pull_rows", "wait_step", "sync_applied",
                                  "ssp_wait", "hello"):
@@ -110,22 +113,48 @@ def check_after(cluster, pids) -> None:
 
 
 def _hostile(cluster, cases: int) -> None:
+    """Two thirds of the cases with the cluster token (admin everywhere), a third with an identity
+    that may write under "hx." and read everything (so roles are checked on odd requests too)."""
     _prepare(cluster)
     pids = [cluster.pid(n) for n in (1, 2, 3)]
-    counts = run_hostile(cluster, cases, SEED)
-    print(f"hostile: {cases} cases (seed {SEED}): {counts}")
+    counts = run_hostile(cluster, cases - cases // 3, SEED)
+    limited = run_hostile(cluster, cases // 3, SEED + 1, token=IDENTITY_TOKEN)
+    print(f"hostile: {cases} cases (seed {SEED}): cluster token {counts}; identity 'hx' {limited}")
     assert counts.get("InvalidRequest", 0) > cases // 3        # the schema refused most of them
     assert counts.get("ok", 0) > cases // 50                   # and the fuzz still reached the store
+    assert limited.get("PermissionDenied", 0) > 0 and limited.get("ok", 0) > 0
     check_after(cluster, pids)
 
 
-def test_hostile_token_holder_never_gets_internal(module_cluster):
-    _hostile(module_cluster, CASES)
+IDENTITY_TOKEN = "hx-" + "0123456789abcdef" * 2
+
+
+def _hostile_cluster(tmp_path_factory, base: int):
+    run = tmp_path_factory.mktemp("hostile")
+    auth_file = run / "identities.json"
+    auth_file.write_text(json.dumps({"identities": [{"name": "hx", "token": IDENTITY_TOKEN, "grants": [
+        {"prefix": "hx.", "role": "write"}, {"prefix": "", "role": "read"}]}]}))
+    return start(run / "cluster", base, extra_args=["--auth-file", str(auth_file)])
+
+
+@pytest.fixture(scope="module")
+def hostile_cluster(tmp_path_factory):
+    cluster = _hostile_cluster(tmp_path_factory, BASE)
+    yield cluster
+    cluster.wipe()
+
+
+def test_hostile_token_holder_never_gets_internal(hostile_cluster):
+    _hostile(hostile_cluster, CASES)
 
 
 @pytest.mark.soak
-def test_hostile_token_holder_soak(make_cluster):
-    _hostile(make_cluster(BASE + 10), 30_000)
+def test_hostile_token_holder_soak(tmp_path_factory):
+    cluster = _hostile_cluster(tmp_path_factory, BASE + 10)
+    try:
+        _hostile(cluster, 30_000)
+    finally:
+        cluster.wipe()
 
 
 # ---- the schema's messages, one per kind of problem (no cluster) ------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from raftps import AuthenticationFailed, Client, InvalidRequest, PermissionDenied, rbac
 from security_helpers import assert_nothing_applied, raft_state, start, state
 
-BASE = 26200
+BASE = 26020
 TOKENS = {name: secrets.token_hex(16) for name in ("jobA", "jobA-admin", "jobB", "eval", "evalA", "jobA2")}
 GRANTS = {
     "jobA": [{"prefix": "jobA/", "role": "write"}],
