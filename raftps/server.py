@@ -3,9 +3,12 @@ per connection, a thread per connection (bounded in total and per client IP). Wr
 linearizable reads are served by the leader; a follower answers them with the leader's address.
 Bad bytes close the connection with an error frame and touch nothing else.
 
-Every connection starts (after TLS, if the node serves it) with a hello frame carrying the
-client token. Until the hello passes, the node reads only tiny frames and serves nothing, so a
-client without the token can make it allocate nothing and learns nothing but the refusal.
+Every connection starts (after TLS, if the node serves it) with a hello frame carrying a client
+token: the cluster's, or a named identity's (rbac.py). Until the hello passes, the node reads only
+tiny frames and serves nothing, so a client without a token can make it allocate nothing and
+learns nothing but the refusal. Then every request is checked against its op's schema
+(schema.py) and against the identity's roles (rbac.py) before anything else runs; a request
+refused there never reaches Raft, and its reply says so (``refused``).
 """
 from __future__ import annotations
 
