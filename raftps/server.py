@@ -65,6 +65,11 @@ class ClientServer:
             "tensors": self._tensors,
             **{op: self._write for op in WRITES},
         }
+        # Adding an op means adding its schema (schema.OPS) and its role (rbac.NEEDS; without one
+        # it needs admin on every name): a node whose table has an op without a schema won't start.
+        missing = set(self._handlers) - set(schema.OPS)
+        if missing:
+            raise RuntimeError(f"ops without a request schema in raftps/schema.py: {sorted(missing)}")
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
 
     def _admit(self, ip: str) -> dict | None:
