@@ -2,8 +2,8 @@
 mutated requests of every op to a real 3-node cluster. No reply is ever ``Internal``; every node
 stays up; the replicas stay identical; a normal push afterwards is exact; no node logged a failure.
 
-RAFTPS_HOSTILE_CASES sets the number of cases (default 6,000: about 12 s idle, 30 s on a loaded 2-core machine); ``-m soak``
-runs 30,000. RAFTPS_FUZZ_SEED picks the seed.
+RAFTPS_HOSTILE_CASES sets the number of cases (default 6,000: about 20 s on a loaded 2-core
+machine); ``-m soak`` runs 30,000 (about 55 s). RAFTPS_FUZZ_SEED picks the seed.
 """
 import json
 import os
