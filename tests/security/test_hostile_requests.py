@@ -250,3 +250,31 @@ def test_state_machine_refuses_hostile_commands_without_the_schema():
         outcomes[results[0].get("error", "ok")] = outcomes.get(results[0].get("error", "ok"), 0) + 1
     assert stores[0].digest() == stores[1].digest()
     assert outcomes["ok"] > len(commands) // 50, outcomes
+
+
+def test_the_poison_pill_that_stopped_the_cluster_is_refused():
+    """Before the schema, this push passed the client port, and sorting its encoding's keys (bytes
+    and str) raised TypeError inside apply on every replica: no node applied anything after it and
+    the cluster answered every later write with Retry (found by the hostile fuzz on the old code)."""
+    from raftps.machine import TensorStore
+    push = {"op": "push", "client": "c", "seq": 2, "ack": 2,
+            "tensors": {TENSOR: np.ones(8, np.float16)},
+            "encoding": {b"op": {"kind": "fp16", "scale": 1024.0}, TENSOR: {"kind": "fp16", "scale": 1.0}}}
+    with pytest.raises(InvalidRequest, match=r"push: encoding key: expected a tensor name .*, got bytes"):
+        schema.check_request(push)
+    m = TensorStore()
+    m.apply(1, {"op": "create", "client": "c", "seq": 1, "tensors": {TENSOR: np.zeros(8, np.float32)},
+                "optimizer": {TENSOR: {"name": "sgd", "lr": 1.0}}})
+    assert m.apply(2, push)["error"] == "InvalidRequest"
+
+
+def test_an_unforeseen_exception_in_apply_is_an_answer_not_a_crash(monkeypatch):
+    from raftps.machine import TensorStore
+
+    def broken(self, index, command):
+        raise KeyError("a bug")
+    monkeypatch.setitem(TensorStore._OPS, "close_step", broken)
+    m = TensorStore()
+    result = m.apply(1, {"op": "close_step", "client": "c", "seq": 1, "step": 0})
+    assert result == {"error": "Internal", "message": "internal error applying entry 1: KeyError"}
+    assert m.version == 1 and m.stats["rejected"] == 1
