@@ -89,6 +89,7 @@ REFUSALS = [   # (identity, call, message)
     ("jobA", lambda c: c.wait_step(0, 0.1, group="jobB/sync"), "wait_step: identity 'jobA' has no read role on group"),
     ("jobA", lambda c: c.ssp_join("jobB/ssp", "w0", 1), "ssp_join: identity 'jobA' has no write role on group 'jobB/ssp'"),
     ("jobA", lambda c: c.ssp_drop("jobB/ssp", "w0", 0), "ssp_drop: identity 'jobA' has no write role on group"),
+    ("jobA", lambda c: c.ssp_leave("jobB/ssp", "w0"), "ssp_leave: identity 'jobA' has no write role on group"),
     ("jobA", lambda c: c.ssp_wait("jobB/ssp", "w0", 0.1), "ssp_wait: identity 'jobA' has no read role on group"),
     ("jobA", lambda c: c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"group": "jobB/ssp", "worker": "w0"}),
      "push: identity 'jobA' has no write role on group 'jobB/ssp'"),
