@@ -1,12 +1,12 @@
 """raftps: a Raft-consistent parameter store for training machine-learning models."""
 from .client import Client
 from .errors import (AuthenticationFailed, DtypeMismatch, Internal, InvalidGradient, InvalidOptimizer, InvalidRequest,
-                     LimitExceeded, NotInGroup, ProtocolError, StaleBase, StalenessBound, TLSRequired,
+                     LimitExceeded, NotInGroup, PermissionDenied, ProtocolError, StaleBase, StalenessBound, TLSRequired,
                      RaftpsError, SessionExpired, ShapeMismatch, StepTimeout, TensorExists, Unavailable,
                      UnknownTensor)
 
 __all__ = ["Client", "RaftpsError", "UnknownTensor", "TensorExists", "ShapeMismatch", "DtypeMismatch",
            "InvalidGradient", "InvalidOptimizer", "InvalidRequest", "ProtocolError", "SessionExpired",
            "StepTimeout", "Unavailable", "Internal", "AuthenticationFailed", "LimitExceeded", "TLSRequired",
-           "StaleBase", "StalenessBound", "NotInGroup"]
+           "StaleBase", "StalenessBound", "NotInGroup", "PermissionDenied"]
 __version__ = "0.1.0"

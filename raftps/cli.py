@@ -44,9 +44,9 @@ def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str |
     token = auth.read_secret_file(args.token_file) if args.token_file else None
     if args.token_file and not token:
         raise ValueError(f"the token file {args.token_file} is empty")
-    if token is None and not (loopback or args.insecure):
+    if token is None and not args.auth_file and not (loopback or args.insecure):
         raise ValueError("refusing to serve clients on a non-loopback address without a client token: give "
-                         "--token-file (cluster/start.sh makes one), or --insecure to allow any client")
+                         "--token-file (cluster/start.sh makes one) or --auth-file, or --insecure to allow any client")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     return secret, token
@@ -54,6 +54,7 @@ def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str |
 
 def serve(args: argparse.Namespace) -> int:
     from .node import NodeConfig, RaftNode
+    from .rbac import Authorizer
     from .server import ClientServer
     from .tuning import keep_large_buffers_on_the_heap
 
@@ -68,6 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     bind_host = args.bind_host or peers[args.id - 1].rsplit(":", 1)[0]
     try:
         secret, token = _credentials(args, auth.is_loopback(bind_host))
+        authorizer = Authorizer(args.token_file, args.auth_file)     # refuses a bad identity file now
     except ValueError as exc:
         print(f"raftps serve: {exc}", file=sys.stderr)
         return 2
@@ -78,12 +80,13 @@ def serve(args: argparse.Namespace) -> int:
                         election_timeout=(args.election_timeout, 2 * args.election_timeout),
                         leader_fallback=args.leader_fallback or 2.5 * args.election_timeout,
                         request_timeout=args.request_timeout, limits=limits, client_token=token,
+                        token_file=args.token_file, auth_file=args.auth_file,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, max_connections=args.max_connections,
                         max_connections_per_ip=args.max_connections_per_ip,
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
                         idle_timeout=args.idle_timeout, metrics_port=args.metrics_port)
     node = RaftNode(config)
-    server = ClientServer(node, *config.bind(config.client_offset))
+    server = ClientServer(node, *config.bind(config.client_offset), authorizer=authorizer)
     metrics_at = config.metrics_bind()
     if metrics_at is not None:
         from . import metrics
@@ -91,6 +94,8 @@ def serve(args: argparse.Namespace) -> int:
         if metrics.serve(node, server, *metrics_at, tls=tls) is not None:
             node.metrics_address = "%s:%d" % metrics_at
     stop = threading.Event()
+    # SIGHUP: re-read the token file and the identity file now (they are also re-read when they change).
+    signal.signal(signal.SIGHUP, lambda *_: authorizer.reload())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"node {args.id}: raft {config.raft_address}, clients {config.address(args.id, config.client_offset)}, "
@@ -258,6 +263,31 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="CA file for nodes serving TLS (default: $RAFTPS_TLS_CA)")
 
 
+def tensors(args: argparse.Namespace) -> int:
+    """One line per tensor the token may read (under --prefix): name, dtype, shape, version, optimizer."""
+    token = auth.read_secret_file(args.token_file) if args.token_file else None
+    try:
+        with Client(args.cluster, token=token, tls=args.tls_ca) as client:
+            rows = client.tensors(prefix=args.prefix)
+    except RaftpsError as exc:
+        print(f"raftps tensors: {exc.code}: {exc}", file=sys.stderr)
+        return 1
+    for t in rows:
+        print(f"{t['name']}\t{t['dtype']}\t{tuple(t['shape'])}\tversion {t['version']}\t{t['optimizer']['name']}")
+    return 0
+
+
+def token_hash(args: argparse.Namespace) -> int:
+    """The SHA-256 of a token (read from a file, or stdin), for an identity file's token_sha256."""
+    from .rbac import token_digest
+    token = auth.read_secret_file(args.token_file) if args.token_file else sys.stdin.readline().strip()
+    if not token:
+        print("raftps token-hash: empty token", file=sys.stderr)
+        return 2
+    print(token_digest(token).hex())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .models import FORMATS
     from .node import NodeConfig
@@ -272,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--secret-file", default=None, help="file holding the cluster's peer secret (>= 16 bytes)")
     p.add_argument("--token-file", default=None,
                    help="file holding the client token; when given, every client must present it")
+    p.add_argument("--auth-file", default=None,
+                   help="JSON file of named client identities with roles over name prefixes (see raftps.rbac); "
+                        "re-read when it changes and on SIGHUP")
     p.add_argument("--insecure", action="store_true",
                    help="allow no peer secret (loopback binds only) and no client token")
     p.add_argument("--tls-cert", default=None, help="serve the client port over TLS with this certificate (PEM)")
@@ -352,6 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="save: seconds to wait for the cluster")
     _client_options(p)
     p.set_defaults(func=snapshot)
+
+    p = sub.add_parser("tensors", help="list the tensors (under --prefix) the token may read")
+    p.add_argument("--prefix", default=None, help="only names that start with this (a job's prefix)")
+    _client_options(p)
+    p.set_defaults(func=tensors)
+
+    p = sub.add_parser("token-hash", help="print a token's SHA-256 (for an identity file's token_sha256)")
+    p.add_argument("--token-file", default=None, help="file holding the token (default: read one line from stdin)")
+    p.set_defaults(func=token_hash)
 
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
     p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import auth, codec
-from .errors import AuthenticationFailed, ProtocolError, StepTimeout, Unavailable, raise_for
+from .errors import AuthenticationFailed, ProtocolError, RaftpsError, StepTimeout, Unavailable, raise_for
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
 # at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
@@ -152,6 +152,7 @@ class Client:
         target = self._leader if to_leader and self._leader else self._next_address()
         last_problem = "no attempt made"
         pause = 0.02
+        uncertain = False       # an attempt may have reached a log (no answer, or "unknown")
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -159,7 +160,11 @@ class Client:
                                   f"within {self.timeout:.1f} s (last: {last_problem})")
             try:
                 reply = self._call(target, message, min(left, attempt_timeout))
+            except AuthenticationFailed as exc:     # at the hello: this attempt sent nothing
+                exc.refused = not uncertain
+                raise
             except (OSError, ConnectionError) as exc:
+                uncertain = True
                 last_problem = f"{target}: {exc or type(exc).__name__}"
                 if target == self._leader:
                     self._leader = None
@@ -170,6 +175,8 @@ class Client:
             if not reply.get("retry"):
                 if to_leader:
                     self._leader = target
+                if uncertain:         # an earlier attempt may have reached a log: not "refused"
+                    reply.pop("refused", None)
                 return raise_for(reply)
             last_problem = f"{target}: {reply.get('message', 'retry')}"
             if reply.get("not_leader") or reply.get("behind"):
@@ -181,6 +188,7 @@ class Client:
                     continue
                 target = self._next_address()
             elif reply.get("unknown"):
+                uncertain = True
                 # That node could not commit in its request timeout: likely cut off from the others.
                 if target == self._leader:
                     self._leader = None
@@ -192,7 +200,16 @@ class Client:
         with self._lock:
             self._seq += 1
             # One request at a time per client, so every earlier seq has been answered: ack = seq.
-            return self._request({"op": op, "client": self.client_id, "seq": self._seq, "ack": self._seq, **fields})
+            try:
+                return self._request({"op": op, "client": self.client_id, "seq": self._seq, "ack": self._seq,
+                                      **fields})
+            except RaftpsError as exc:
+                # Refused by the node before it reached any log (schema, role, limit): the seq was
+                # never used, so the next write takes it. Otherwise the store would see this
+                # client's first write with ack > 1 and no session, and answer SessionExpired.
+                if getattr(exc, "refused", False):
+                    self._seq -= 1
+                raise
 
     # ---- the API --------------------------------------------------------------------------
 
@@ -334,10 +351,14 @@ class Client:
             reply = self._request(request, to_leader=linearizable)
         return reply["rows"], reply["version"]
 
-    def tensors(self) -> list[dict]:
-        """Name, dtype, shape, version and optimizer of every tensor (from the leader)."""
+    def tensors(self, prefix: str | None = None) -> list[dict]:
+        """Name, dtype, shape, version and optimizer of every tensor (from the leader) whose name
+        starts with ``prefix`` and that this client's token may read."""
+        request: dict[str, Any] = {"op": "tensors"}
+        if prefix:
+            request["prefix"] = prefix
         with self._lock:
-            return self._request({"op": "tensors"})["tensors"]
+            return self._request(request)["tensors"]
 
     def export(self, prefix: str) -> dict:
         """Every tensor whose name starts with ``prefix`` (a plain string prefix), read through the

@@ -151,11 +151,13 @@ def decode_push(tensors: dict[str, np.ndarray], encoding: Any,
         return tensors
     if not isinstance(encoding, dict) or not encoding:
         raise InvalidRequest("'encoding' must be a non-empty map of tensor name -> {kind: ...}")
+    if not all(isinstance(name, str) for name in encoding):
+        raise InvalidRequest("'encoding' must map tensor names (strings) to {kind: ...}")
     out = {}
     used = set()
     for name in sorted(encoding):
         enc = encoding[name]
-        if not isinstance(enc, dict) or enc.get("kind") not in KINDS:
+        if not isinstance(enc, dict) or not isinstance(enc.get("kind"), str) or enc["kind"] not in KINDS:
             raise InvalidRequest(f"tensor {name!r}: encoding must be {{'kind': 'fp16'|'topk'|'rows', ...}}, "
                                  f"got {enc!r}")
         if name not in like:

@@ -63,6 +63,12 @@ class TLSRequired(AuthenticationFailed):
     code = "TLSRequired"
 
 
+class PermissionDenied(RaftpsError):
+    """The client's identity (its token) has no role that allows this op on a name it carries:
+    see raftps.rbac. Nothing was changed; retrying with the same token cannot succeed."""
+    code = "PermissionDenied"
+
+
 class SessionExpired(RaftpsError):
     """The store forgot this client's session, so a retry could not be deduplicated."""
     code = "SessionExpired"
@@ -104,7 +110,8 @@ ERRORS: dict[str, type[RaftpsError]] = {
     cls.code: cls
     for cls in (RaftpsError, UnknownTensor, TensorExists, ShapeMismatch, DtypeMismatch,
                 InvalidGradient, InvalidOptimizer, InvalidRequest, ProtocolError,
-                LimitExceeded, AuthenticationFailed, TLSRequired, SessionExpired, StepTimeout, Unavailable, Internal,
+                LimitExceeded, AuthenticationFailed, TLSRequired, PermissionDenied, SessionExpired, StepTimeout,
+                Unavailable, Internal,
                 StaleBase, StalenessBound, NotInGroup)
 }
 
@@ -119,4 +126,7 @@ def raise_for(result: dict) -> dict:
     code = result.get("error")
     if code is None:
         return result
-    raise ERRORS.get(code, RaftpsError)(result.get("message", code))
+    exc = ERRORS.get(code, RaftpsError)(result.get("message", code))
+    # The node refused the request before proposing it: it is in no log (see Client._write).
+    exc.refused = bool(result.get("refused"))
+    raise exc

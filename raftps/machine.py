@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -33,10 +34,11 @@ from typing import Any, Callable
 import numpy as np
 
 from . import codec, compress, optim
-from .errors import (DtypeMismatch, InvalidGradient, InvalidRequest, NotInGroup, RaftpsError,
+from .errors import (DtypeMismatch, Internal, InvalidGradient, InvalidRequest, NotInGroup, RaftpsError,
                      SessionExpired, ShapeMismatch, StalenessBound, TensorExists, UnknownTensor,
                      error_result)
 
+log = logging.getLogger("raftps.machine")
 TENSOR_DTYPES = ("float32", "float64")
 # Optimizers whose step is per coordinate given scalar state, so it can run on a slice of rows.
 # AdaRevision's window of whole-tensor gradient sums has no row-sparse form.
@@ -97,7 +99,7 @@ def check_name(name: Any) -> str:
 
 def check_group(group: Any) -> str:
     """A sync group (a job's name): "" is the store-wide default group."""
-    if group is None or group == "":
+    if group is None or isinstance(group, str) and group == "":
         return ""
     if not isinstance(group, str) or not NAME_RE.fullmatch(group):
         raise InvalidRequest(f"bad sync group {group!r}: 1-200 characters from [A-Za-z0-9_.:/-], or \"\" "
@@ -151,7 +153,7 @@ class TensorStore:
         self.version = index
         try:
             op = command.get("op") if isinstance(command, dict) else None
-            handler = self._OPS.get(op)
+            handler = self._OPS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise InvalidRequest(f"unknown operation {op!r}")
             if op == "barrier":
@@ -160,6 +162,14 @@ class TensorStore:
         except RaftpsError as exc:
             self.stats["rejected"] += 1
             return error_result(type(exc), str(exc))
+        except Exception as exc:
+            # A bug, or an input no check foresaw. Raising here would stop the tick thread on
+            # every replica at this entry (and again at every restart, replaying it): instead the
+            # entry is answered Internal. Deterministic code fails the same way on every replica,
+            # so the replicas stay identical. The client port's schema exists so this never runs.
+            log.exception("entry %d failed: %r", index, exc)
+            self.stats["rejected"] += 1
+            return error_result(Internal, f"internal error applying entry {index}: {type(exc).__name__}")
 
     def _in_session(self, index: int, command: dict, run: Callable[[], dict]) -> dict:
         client, seq, ack = command.get("client"), command.get("seq"), command.get("ack", 1)

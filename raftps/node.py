@@ -70,6 +70,8 @@ class NodeConfig:
     limits: codec.Limits = field(default_factory=codec.Limits)   # frame, tensor and array-count limits
     # The client port (see README, Security). No token: any client that reaches the port is served.
     client_token: str | None = None
+    token_file: str | None = None             # where client_token came from: re-read when it changes
+    auth_file: str | None = None              # named identities with roles (rbac.py), re-read when it changes
     tls_cert: str | None = None               # serve the client port over TLS with this cert + key
     tls_key: str | None = None
     max_connections: int = 256                # client connections in total (a thread each)

@@ -64,9 +64,9 @@ def normalize(spec: Any, tensor: str = "?") -> dict:
     if name not in SPECS:
         raise InvalidOptimizer(f"tensor {tensor!r}: unknown optimizer {name!r} (known: {sorted(SPECS)})")
     params = SPECS[name]
-    unknown = sorted(set(spec) - set(params) - {"name"})
+    unknown = sorted(map(repr, set(spec) - set(params) - {"name"}))
     if unknown:
-        raise InvalidOptimizer(f"tensor {tensor!r}: optimizer {name!r} has no parameter(s) {unknown} "
+        raise InvalidOptimizer(f"tensor {tensor!r}: optimizer {name!r} has no parameter(s) {', '.join(unknown)} "
                                f"(it takes {sorted(params)})")
     out: dict[str, Any] = {"name": name}
     for key in sorted(params):

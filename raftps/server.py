@@ -3,28 +3,30 @@ per connection, a thread per connection (bounded in total and per client IP). Wr
 linearizable reads are served by the leader; a follower answers them with the leader's address.
 Bad bytes close the connection with an error frame and touch nothing else.
 
-Every connection starts (after TLS, if the node serves it) with a hello frame carrying the
-client token. Until the hello passes, the node reads only tiny frames and serves nothing, so a
-client without the token can make it allocate nothing and learns nothing but the refusal.
+Every connection starts (after TLS, if the node serves it) with a hello frame carrying a client
+token: the cluster's, or a named identity's (rbac.py). Until the hello passes, the node reads only
+tiny frames and serves nothing, so a client without a token can make it allocate nothing and
+learns nothing but the refusal. Then every request is checked against its op's schema
+(schema.py) and against the identity's roles (rbac.py) before anything else runs; a request
+refused there never reaches Raft, and its reply says so (``refused``).
 """
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import ssl
 import threading
 import time
 from typing import Any, Callable
 
-from . import auth, codec
+from . import auth, codec, rbac, schema
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result)
 from .machine import check_finite, check_group, check_tensors, snapshot_digest
 from .node import Outcome, RaftNode
+from .rbac import Identity
 
 log = logging.getLogger("raftps.server")
-CLIENT_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step", "ssp_join", "ssp_leave", "ssp_drop")
 HELLO_LIMITS = codec.Limits(max_header_bytes=4096, max_blob_bytes=0, max_arrays=0)
 TLS_RECORD_HANDSHAKE = 0x16          # the first byte of every TLS ClientHello
@@ -35,11 +37,13 @@ def _retry(message: str, **extra: Any) -> dict:
 
 
 class ClientServer:
-    def __init__(self, node: RaftNode, host: str, port: int):
+    def __init__(self, node: RaftNode, host: str, port: int, authorizer: rbac.Authorizer | None = None):
         self.node = node
         config = node.config
         self.limits = config.limits
-        self.token = config.client_token
+        # Who may connect and what each identity may do (rbac.py); reloaded as its files change.
+        self.authz = authorizer or rbac.Authorizer(config.token_file, config.auth_file,
+                                                   None if config.token_file else config.client_token)
         self.frame_timeout = config.frame_timeout
         self.idle_timeout = config.idle_timeout
         self.max_connections = config.max_connections
@@ -52,9 +56,9 @@ class ClientServer:
         self.instruments = node.instruments
         self._bytes_in = self.instruments.client_bytes.labels("in")
         self._bytes_out = self.instruments.client_bytes.labels("out")
-        self._handlers: dict[str, Callable[[dict], dict]] = {
-            "status": lambda req: {**self.node.status(digest=req.get("digest", True) is not False),
-                                   "connections": self.open_connections()},
+        self._handlers: dict[str, Callable[[dict, Identity], dict]] = {
+            "status": lambda req, ident: {**self.node.status(digest=req.get("digest", True) is not False),
+                                          "connections": self.open_connections()},
             "stats": self._stats,
             "pull": self._pull,
             "pull_rows": self._pull_rows,
@@ -67,6 +71,11 @@ class ClientServer:
             "member": self._member,
             **{op: self._write for op in WRITES},
         }
+        # Adding an op means adding its schema (schema.OPS) and its role (rbac.NEEDS; without one
+        # it needs admin on every name): a node whose table has an op without a schema won't start.
+        missing = set(self._handlers) - set(schema.OPS)
+        if missing:
+            raise RuntimeError(f"ops without a request schema in raftps/schema.py: {sorted(missing)}")
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
 
     def _admit(self, ip: str) -> dict | None:
@@ -110,7 +119,8 @@ class ClientServer:
                 conn = self._start_tls(conn)
                 if conn is None:
                     return
-            if not self._hello(conn):
+            identity = self._hello(conn)
+            if identity is None:
                 self.instruments.errors.labels(AuthenticationFailed.code).inc()
                 return
             while True:
@@ -126,7 +136,14 @@ class ClientServer:
                     if "mid-frame" in str(exc):   # a sender that half-closed may still read
                         codec.send_frame(conn, error_result(ProtocolError, f"truncated frame: {exc}"))
                     return
-                self._bytes_out.inc(codec.send_frame(conn, self.handle(request)))
+                identity = self.authz.current(identity)
+                if identity is None:              # its token was revoked or rotated meanwhile
+                    codec.send_frame(conn, {**error_result(AuthenticationFailed, "this connection's token was "
+                                                           "revoked or rotated: connect again with a current token"),
+                                            "refused": True})
+                    _linger(conn)
+                    return
+                self._bytes_out.inc(codec.send_frame(conn, self.handle(request, identity)))
         except (ConnectionError, OSError) as exc:
             log.debug("client connection closed: %s", exc)
         finally:
@@ -148,33 +165,35 @@ class ClientServer:
             log.info("TLS handshake failed: %s", exc)
             return None
 
-    def _hello(self, conn: socket.socket) -> bool:
-        """Read the hello (tiny frames only) and check the token; refuse with a reason otherwise."""
+    def _hello(self, conn: socket.socket) -> Identity | None:
+        """Read the hello (tiny frames only) and return the identity its token names; refuse with
+        a reason (and return None) otherwise."""
         try:
             hello = codec.recv_frame(conn, HELLO_LIMITS, frame_timeout=self.frame_timeout)
         except ProtocolError as exc:
             codec.send_frame(conn, error_result(AuthenticationFailed, f"expected a hello frame first: {exc}"))
-            return False
+            return None
         except ConnectionError as exc:
             if "mid-frame" in str(exc):       # a sender that half-closed may still read
                 codec.send_frame(conn, error_result(AuthenticationFailed, f"expected a hello frame first: "
                                                     f"truncated frame: {exc}"))
-            return False
+            return None
         if not (isinstance(hello, dict) and hello.get("op") == auth.HELLO):
             codec.send_frame(conn, error_result(AuthenticationFailed, "the first frame on a connection must be "
                                                 "{'op': 'hello', 'token': ...}"))
-            return False
-        if self.token is not None and not auth.token_matches(self.token, hello.get("token")):
+            return None
+        identity = self.authz.identify(hello.get("token"))
+        if identity is None:
             why = "no client token given" if hello.get("token") is None else "wrong client token"
             codec.send_frame(conn, error_result(AuthenticationFailed, f"{why}: pass Client(..., token=...) or set "
                                                 "RAFTPS_TOKEN / RAFTPS_TOKEN_FILE to the cluster's token"))
-            return False
+            return None
         codec.send_frame(conn, {"ok": True})
-        return True
+        return identity
 
-    def handle(self, request: Any) -> dict:
+    def handle(self, request: Any, identity: Identity) -> dict:
         op = request.get("op") if isinstance(request, dict) else None
-        reply = self._handle(request)
+        reply = self._handle(request, identity)
         # Labels only from known values: a client must not grow the metrics with op names of its own.
         outcome = "retry" if reply.get("retry") else reply.get("error") or "ok"
         known = isinstance(op, str) and op in self._handlers      # (a list is unhashable: fuzzed requests)
@@ -183,16 +202,23 @@ class ClientServer:
             self.instruments.errors.labels(outcome).inc()
         return reply
 
-    def _handle(self, request: Any) -> dict:
+    def _handle(self, request: Any, identity: Identity) -> dict:
         try:
-            if not isinstance(request, dict) or not isinstance(request.get("op"), str):
-                raise InvalidRequest("a request is a map with an 'op' string")
+            if isinstance(request, dict) and isinstance(request.get("tensors"), dict) \
+                    and len(request["tensors"]) > self.max_tensors_per_push:
+                raise LimitExceeded(f"{len(request['tensors'])} tensors in one {request.get('op')!r} exceeds "
+                                    f"max_tensors_per_push={self.max_tensors_per_push}")
+            schema.check_request(request)         # every field's type, range and length, before anything runs
             handler = self._handlers.get(request["op"])
             if handler is None:
-                raise InvalidRequest(f"unknown op {request['op']!r} (known: {sorted(self._handlers)})")
-            return handler(request)
+                raise InvalidRequest(f"op {request['op']!r} is not served here (known: {sorted(self._handlers)})")
+            rbac.authorize(identity, request)     # every name the request carries, before it runs
+            return handler(request, identity)
         except RaftpsError as exc:
-            return error_result(type(exc), str(exc))
+            reply = error_result(type(exc), str(exc))
+            if not getattr(exc, "submitted", False):
+                reply["refused"] = True           # never proposed: the client may reuse its seq
+            return reply
         except Exception as exc:     # a bug must cost one request, not the node
             log.exception("request failed")
             return {"error": "Internal", "message": f"internal error: {exc!r}"}
@@ -203,20 +229,13 @@ class ClientServer:
         leader = self.node.leader_client_address()
         return _retry(f"not the leader; leader is {leader or 'unknown'}", not_leader=True, leader=leader)
 
-    def _write(self, req: dict) -> dict:
+    def _write(self, req: dict, identity: Identity) -> dict:
         redirect = self._not_leader()
         if redirect:
             return redirect
-        client, seq, ack = req.get("client"), req.get("seq"), req.get("ack", req.get("seq"))
-        if not isinstance(client, str) or not CLIENT_ID.fullmatch(client):
-            raise InvalidRequest("client id must be 1-64 characters from [A-Za-z0-9_-]")
-        if type(seq) is not int or type(ack) is not int or not 1 <= ack <= seq:
-            raise InvalidRequest("seq and ack must be ints with 1 <= ack <= seq")
-        command = {k: v for k, v in req.items() if k not in ("tensors", "id")}
+        # The schema checked client, seq, ack and every other field (schema.py).
+        command = {k: v for k, v in req.items() if k != "tensors"}
         tensors = req.get("tensors")
-        if isinstance(tensors, dict) and len(tensors) > self.max_tensors_per_push:
-            raise LimitExceeded(f"{len(tensors)} tensors in one {req['op']} exceeds "
-                                f"max_tensors_per_push={self.max_tensors_per_push}")
         if tensors is not None:
             for name, arr in check_tensors(tensors).items():
                 # Refused here so a NaN gradient costs no replication; the state machine checks again.
@@ -226,13 +245,16 @@ class ClientServer:
             return self.node.submit(command, tensors)
         except Outcome as outcome:
             return _retry(str(outcome), unknown=outcome.applied is None)
+        except RaftpsError as exc:
+            exc.submitted = True
+            raise
 
-    def _pull(self, req: dict) -> dict:
+    def _pull(self, req: dict, identity: Identity) -> dict:
         names = req.get("names")
-        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-            raise InvalidRequest("'names' must be a list of tensor names or null")
+        readable = None if identity.unrestricted else (lambda n: identity.allows("read", n))
         if req.get("linearizable", True):
-            read = self._leader_read(names)
+            read = self._linearizable(lambda m: m.read(names if names is not None or readable is None
+                                                         else [n for n in sorted(m.tensors) if readable(n)]))
             if isinstance(read, dict):
                 return read
             tensors, version = read
@@ -244,11 +266,13 @@ class ClientServer:
                 return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
                               behind=True)
             tensors, version = self.node.read(names)
+            if names is None and readable is not None:        # all the identity may read
+                tensors = {n: t for n, t in tensors.items() if readable(n)}
         return {"version": version,
                 "tensors": {name: t.data for name, t in tensors.items()},
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
 
-    def _pull_rows(self, req: dict) -> dict:
+    def _pull_rows(self, req: dict, identity: Identity) -> dict:
         """Some rows of one tensor, copied under the apply lock (or in the tick thread): O(rows)."""
         name, rows = req.get("name"), req.get("rows")
 
@@ -266,10 +290,6 @@ class ClientServer:
         with self.node.lock:
             return read(self.node.machine)
 
-    def _leader_read(self, names: list[str] | None) -> tuple[dict, int] | dict:
-        """(tensors, version) read through the leader's log, or the reply that sends the client on."""
-        return self._linearizable(lambda m: m.read(names))
-
     def _linearizable(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or
         the reply that sends the client on."""
@@ -281,13 +301,16 @@ class ClientServer:
         except Outcome as outcome:
             return _retry(str(outcome))
 
-    def _tensors(self, req: dict) -> dict:
-        # Metadata only, taken in the tick thread: no array leaves the state machine.
+    def _tensors(self, req: dict, identity: Identity) -> dict:
+        # Metadata only, taken in the tick thread: no array leaves the state machine. Only the
+        # tensors under ``prefix`` that the identity may read.
+        prefix = req.get("prefix") or ""
         return self._linearizable(lambda m: {"version": m.version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
-             "optimizer": t.optimizer} for n, t in sorted(m.tensors.items())]})
+             "optimizer": t.optimizer} for n, t in sorted(m.tensors.items())
+            if n.startswith(prefix) and (identity.unrestricted or identity.allows("read", n))]})
 
-    def _export(self, req: dict) -> dict:
+    def _export(self, req: dict, identity: Identity) -> dict:
         """Every tensor whose name starts with ``prefix``, with the store's version and digest,
         all from one state read through the leader's log (``raftps export``)."""
         prefix = req.get("prefix")
@@ -305,7 +328,7 @@ class ClientServer:
                 "tensors": {n: t.data for n, t in chosen}, "tensor_versions": {n: t.version for n, t in chosen},
                 "optimizers": {n: t.optimizer for n, t in chosen}}
 
-    def _snapshot(self, req: dict) -> dict:
+    def _snapshot(self, req: dict, identity: Identity) -> dict:
         """The whole state machine at one version with its digest (``raftps snapshot save``):
         taken between two applies in the tick thread, hashed and encoded outside it."""
         out = self._linearizable(lambda m: {"version": m.version, "snap": m.snapshot()})
@@ -313,7 +336,7 @@ class ClientServer:
             return out
         return {"version": out["version"], "digest": snapshot_digest(out["snap"]), "snapshot": out["snap"]}
 
-    def _member(self, req: dict) -> dict:
+    def _member(self, req: dict, identity: Identity) -> dict:
         """raftps member list|add|remove|replace: one Raft single-server change at a time, on
         the leader. Each step is idempotent, so a retried replace goes on where it stopped."""
         action = req.get("action")
@@ -344,10 +367,10 @@ class ClientServer:
             return _retry(str(outcome), not_leader=not self.node.is_leader(), leader=None,
                           unknown=outcome.applied is None)
 
-    def _stats(self, req: dict) -> dict:
+    def _stats(self, req: dict, identity: Identity) -> dict:
         return self._not_leader() or self.node.stats()
 
-    def _wait_step(self, req: dict) -> dict:
+    def _wait_step(self, req: dict, identity: Identity) -> dict:
         redirect = self._not_leader()
         if redirect:
             return redirect
@@ -357,11 +380,11 @@ class ClientServer:
         group = check_group(req.get("group"))
         return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0), group)}
 
-    def _sync_applied(self, req: dict) -> dict:
+    def _sync_applied(self, req: dict, identity: Identity) -> dict:
         group = check_group(req.get("group"))
         return self._linearizable(lambda m: {"version": m.version, "applied": m.sync_step_applied(group)})
 
-    def _ssp_wait(self, req: dict) -> dict:
+    def _ssp_wait(self, req: dict, identity: Identity) -> dict:
         redirect = self._not_leader()
         if redirect:
             return redirect

@@ -47,11 +47,11 @@ def test_sparse_push_and_pull_rows_through_the_cluster(make_cluster):
             push_rows(c, [10_000], np.ones((1, 16), np.float32))
         assert c.pull_rows("emb", [])[0].shape == (0, 16)
         # raw requests a client library would not send: refused by name, the node keeps serving
-        for request, words in [({"name": 5, "rows": np.zeros(1, np.int64)}, "bad tensor name 5"),
-                               ({"name": "emb", "rows": "x"}, "rows must be a 1-D int32 or int64 array, got str"),
-                               ({"name": "emb", "rows": np.zeros((2, 2), np.int64)}, "of shape (2, 2)"),
+        for request, words in [({"name": 5, "rows": np.zeros(1, np.int64)}, "pull_rows: name: expected a tensor name"),
+                               ({"name": "emb", "rows": "x"}, "pull_rows: rows: expected a 1-D array, got a string 'x'"),
+                               ({"name": "emb", "rows": np.zeros((2, 2), np.int64)}, "got an array (int64, shape (2, 2))"),
                                ({"name": "emb", "rows": np.zeros(1, np.int64), "linearizable": False,
-                                 "min_version": "a"}, "min_version must be an int")]:
+                                 "min_version": "a"}, "pull_rows: min_version: expected an int >= 0, got a string 'a'")]:
             with pytest.raises(raftps.InvalidRequest) as info:
                 with c._lock:
                     c._request({"op": "pull_rows", "linearizable": True, **request})
