@@ -70,7 +70,8 @@ NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "create": ("admin", ("tensors", "optimizer")),
     "assign": ("admin", ("tensors",)),
     "delete": ("admin", ("names",)),
-    "export": ("read", ("prefix",)),       # every tensor under the prefix; snapshot and member: admin
+    "export": ("read", ("prefix",)),       # every tensor under the prefix
+    "snapshot": ("admin", ("everything",)), "member": ("admin", ("everything",)),   # the whole cluster
 }
 
 
@@ -122,6 +123,8 @@ def _resources(op: str, request: dict, fields: Iterable[str]) -> list[tuple[str,
             out += [("tensor", n) for n in value]
         elif f in ("name", "prefix"):
             out.append(("tensor", value))
+        elif f == "everything":
+            out.append(("every name", ""))
         elif f == "group":
             out.append(("group", value or ""))
         elif f == "ssp" and isinstance(value, dict):
@@ -141,7 +144,8 @@ def authorize(identity: Identity, request: dict) -> None:
                                f"it has {_grants(identity)}")
     for kind, name in _resources(op, request, fields):
         if not identity.allows(role, name):
-            what = f"the default group (\"\")" if kind == "group" and name == "" else f"{kind} {name!r}"
+            what = f"the default group (\"\")" if kind == "group" and name == "" else \
+                "every name ('')" if kind == "every name" else f"{kind} {name!r}"
             raise PermissionDenied(f"{op}: identity {identity.name!r} has no {role} role on {what}; "
                                    f"it has {_grants(identity)}")
 

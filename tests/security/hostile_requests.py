@@ -68,7 +68,7 @@ def valid_request(rng: random.Random) -> dict:
     """A request of a random op that the store would serve as it is (or refuse on state alone)."""
     op = rng.choice(["status", "stats", "tensors", "pull", "pull", "pull_rows", "wait_step", "sync_applied",
                      "ssp_wait", "create", "push", "push", "push", "push_sync", "assign", "delete", "close_step",
-                     "ssp_join", "ssp_leave", "ssp_drop", "hello"])
+                     "ssp_join", "ssp_leave", "ssp_drop", "hello", "export", "snapshot", "member"])
     req: dict[str, Any] = {"op": op}
     if op == "hello":
         req["token"] = "not a token"
@@ -124,6 +124,10 @@ def valid_request(rng: random.Random) -> dict:
         req.update(group=SSP_GROUP, worker="w2")
     elif op == "ssp_drop":
         req.update(group=SSP_GROUP, worker="w2", clock=0)
+    elif op == "export":
+        req["prefix"] = rng.choice(["hx.", "nope/"])
+    elif op == "member":             # list only: a valid add/remove would really change the cluster
+        req["action"] = "list"
     return {k: v for k, v in req.items() if v is not None or rng.random() < 0.5}
 
 

@@ -202,7 +202,7 @@ F = np.ones(8, np.float32)
     ({"op": "wait_step", "step": 1.0}, InvalidRequest, "wait_step: step: expected an int, got a float 1.0"),
     ({"op": "ssp_join", "client": "c", "seq": 1, "group": "g", "worker": "w", "staleness": -1}, InvalidRequest,
      "ssp_join: staleness: expected an int >= 0, got an int -1"),
-    ({"op": "status", "x": 1}, InvalidRequest, "status: x: unknown field (this map takes op)"),
+    ({"op": "status", "x": 1}, InvalidRequest, "status: x: unknown field (this map takes digest, op)"),
     ({"op": F}, InvalidRequest, "a request is a map with an 'op' string, got op an array"),
     ([1, 2], InvalidRequest, "a request is a map with an 'op' string, got a list"),
 ])

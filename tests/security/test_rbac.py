@@ -237,9 +237,19 @@ def test_every_served_op_has_a_role():
 
 def test_an_op_without_an_entry_needs_admin_on_every_name():
     ident = rbac.Identity("jobA", b"x" * 32, (rbac.Grant("jobA/", "admin"),))
-    with pytest.raises(PermissionDenied, match="export: identity 'jobA' needs admin on every name"):
-        rbac.authorize(ident, {"op": "export"})
-    rbac.authorize(rbac.OPEN, {"op": "export"})
+    with pytest.raises(PermissionDenied, match="frobnicate: identity 'jobA' needs admin on every name"):
+        rbac.authorize(ident, {"op": "frobnicate"})
+    rbac.authorize(rbac.OPEN, {"op": "frobnicate"})
+
+
+def test_backups_and_membership_need_admin_on_every_name():
+    ident = rbac.Identity("jobA", b"x" * 32, (rbac.Grant("jobA/", "admin"),))
+    for op in ("snapshot", "member"):
+        with pytest.raises(PermissionDenied, match=f"{op}: identity 'jobA' has no admin role on every name"):
+            rbac.authorize(ident, {"op": op, "action": "list"})
+    rbac.authorize(ident, {"op": "export", "prefix": "jobA/"})
+    with pytest.raises(PermissionDenied, match="export: identity 'jobA' has no read role on tensor 'jobB/'"):
+        rbac.authorize(ident, {"op": "export", "prefix": "jobB/"})
 
 
 @pytest.mark.parametrize("text, words", [
