@@ -84,7 +84,8 @@ def serve(args: argparse.Namespace) -> int:
                         tls_cert=args.tls_cert, tls_key=args.tls_key, max_connections=args.max_connections,
                         max_connections_per_ip=args.max_connections_per_ip,
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
-                        idle_timeout=args.idle_timeout, metrics_port=args.metrics_port)
+                        idle_timeout=args.idle_timeout, metrics_port=args.metrics_port,
+                        read_mode=args.read_mode, read_confirm=not args.unsafe_skip_read_confirm)
     node = RaftNode(config)
     server = ClientServer(node, *config.bind(config.client_offset), authorizer=authorizer)
     metrics_at = config.metrics_bind()
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="minimum election timeout in seconds (the maximum is twice it)")
     p.add_argument("--leader-fallback", type=float, default=None,
                    help="a leader that hears from no majority for this long steps down (default 2.5 x election timeout)")
+    p.add_argument("--read-mode", choices=("readindex", "log"), default=defaults["read_mode"].default,
+                   help="linearizable reads: readindex (the leader confirms its leadership with a round of "
+                        "probes to a majority, no log entry) or log (a barrier entry through the Raft log)")
+    p.add_argument("--unsafe-skip-read-confirm", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--request-timeout", type=float, default=defaults["request_timeout"].default,
                    help="how long a node waits for one write to replicate and commit")
     limits = codec.Limits()

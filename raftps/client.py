@@ -324,8 +324,9 @@ class Client:
 
     def pull(self, names: list[str] | None = None, min_version: int | None = None,
              linearizable: bool = True) -> tuple[dict[str, np.ndarray], int]:
-        """Tensors and the store version they are at. Linearizable reads go through the leader's
-        log; others are served by any node that has applied at least ``min_version``."""
+        """Tensors and the store version they are at. Linearizable reads are served by the leader
+        (ReadIndex, or a barrier entry: serve --read-mode); others by any node that has applied
+        at least ``min_version``."""
         reply = self.pull_result(names, min_version, linearizable)
         return reply["tensors"], reply["version"]
 

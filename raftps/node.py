@@ -34,7 +34,7 @@ from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore, payload_id
 from .pysyncobj_fixes import install as install_pysyncobj_fixes
-from .pysyncobj_fixes import limit_peer_reads, limit_unknown_connections
+from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections, send_read_probe
 
 log = logging.getLogger("raftps.node")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
@@ -79,6 +79,12 @@ class NodeConfig:
     max_tensors_per_push: int = 1024
     frame_timeout: float = 30.0               # a frame must complete within this of its first byte
     idle_timeout: float = 600.0               # an idle client connection is closed after this
+    # Linearizable reads: "readindex" (Raft ReadIndex, no log entry: see RaftNode.linearizable) or
+    # "log" (a barrier entry through the log, the way every read went before).
+    read_mode: str = "readindex"
+    # Tests only: skip ReadIndex's confirmation round (step 3). UNSAFE: a deposed leader that does
+    # not know it yet then serves stale reads; tests/test_readindex.py shows it.
+    read_confirm: bool = True
 
     def address(self, node: int, offset: int = 0) -> str:
         host, port = self.peers[node - 1].rsplit(":", 1)
@@ -146,6 +152,22 @@ class Outcome(Exception):
         self.applied = applied
 
 
+class _Read:
+    """One ReadIndex read: ``run`` is called in the tick thread once the read may be served."""
+    __slots__ = ("run", "done", "result", "error", "cancelled")
+
+    def __init__(self, run: Callable[[], Any]):
+        self.run = run
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: str | None = None
+        self.cancelled = False
+
+    def finish(self, result: Any = None, error: str | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
 class RaftNode(SyncObj):
     def __init__(self, config: NodeConfig):
         self.config = config
@@ -177,6 +199,20 @@ class RaftNode(SyncObj):
         self._collected_through = 0
         self._last_housekeeping = time.monotonic()
         self._stopped = False
+        if config.read_mode not in ("readindex", "log"):
+            raise ValueError(f"read_mode must be 'readindex' or 'log', not {config.read_mode!r}")
+        if not config.read_confirm:
+            log.warning("UNSAFE: ReadIndex reads skip the leadership confirmation round (tests only)")
+        self._reads: queue.SimpleQueue[_Read] = queue.SimpleQueue()   # new ReadIndex reads, any thread
+        # Tick-thread state of ReadIndex (see _serve_reads).
+        self._ri_term: int | None = None          # the term these rounds belong to (we lead it)
+        self._ri_noop = 0                         # index of that term's first entry (pysyncobj's no-op)
+        self._ri_round = 0                        # last confirmation round sent (never reset)
+        self._ri_acks: dict[Any, int] = {}        # peer id -> highest round it acknowledged in _ri_term
+        self._ri_early: list[_Read] = []          # reads waiting for this term's first commit
+        self._ri_confirming: list[tuple[int, int, list[_Read]]] = []   # (round, read index, reads)
+        self._ri_ready: list[tuple[int, list[_Read]]] = []             # (read index, reads)
+        self.read_rounds = 0                      # confirmation rounds completed (status/metrics)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
         conf = SyncObjConf(
             password=config.secret.hex() if config.secret else None,   # None: `serve --insecure`, loopback only
@@ -204,12 +240,14 @@ class RaftNode(SyncObj):
         limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
         super().__init__(config.raft_address, sorted(others), conf)
         install_pysyncobj_fixes(self)
+        install_read_probes(self, self._on_read_ack)
         limit_unknown_connections(self)
         self.addOnTickCallback(self._housekeeping)
         self.addOnTickCallback(self._commit_alone)
         self.addOnTickCallback(self._watch_leader)
         self.addOnTickCallback(self._watch_members)
         self.addOnTickCallback(self._run_tick_jobs)
+        self.addOnTickCallback(self._serve_reads)
 
     # ---- the replicated entry and our applier ----------------------------------------------
 
@@ -489,10 +527,14 @@ class RaftNode(SyncObj):
             return self.machine.read(names)
 
     def linearizable(self, fn: Callable[[TensorStore], Any]) -> Any:
-        """Commit a barrier and run ``fn(machine)`` in the tick thread right after it is applied:
-        the result sees every write that completed before this call began, and exactly the state
-        at one version. ``fn`` must be quick (it runs between applies) and may raise RaftpsError."""
-        def run_now(_: dict) -> Any:
+        """Run ``fn(machine)`` in the tick thread at a state that includes every write that
+        completed before this call began, and return its value: exactly the state at one version.
+        ``fn`` must be quick (it runs between applies) and may raise RaftpsError. Raises Outcome
+        (the caller retries, possibly elsewhere) when this node cannot prove it may serve the read.
+
+        read_mode "log": commit a barrier entry and run ``fn`` right after it is applied.
+        read_mode "readindex" (Raft dissertation 6.4, no log entry): see _serve_reads."""
+        def run_now(_: Any = None) -> Any:
             try:
                 return fn(self.machine)
             except RaftpsError as exc:
@@ -500,10 +542,121 @@ class RaftNode(SyncObj):
             except Exception as exc:      # a bug: it must cost this read, not the tick thread
                 log.exception("linearizable read failed")
                 return Internal(f"internal error: {exc!r}")
-        out = self.submit({"op": "barrier"}, on_applied=run_now)
+        if self.config.read_mode == "log":
+            out = self.submit({"op": "barrier"}, on_applied=run_now)
+        else:
+            out = self._read_index(run_now)
         if isinstance(out, RaftpsError):
             raise out
         return out
+
+    def _read_index(self, run: Callable[[], Any]) -> Any:
+        read = _Read(run)
+        self._reads.put(read)
+        self._wake_tick()
+        if not read.done.wait(self.config.request_timeout):
+            read.cancelled = True            # the tick thread drops it; nothing was changed anywhere
+            raise Outcome("leadership not confirmed by a majority before the request timeout", applied=False)
+        if read.error is not None:
+            raise Outcome(read.error, applied=False)
+        return read.result
+
+    # ReadIndex, in the tick thread (pysyncobj's state is only consistent there):
+    # (1) the leader waits until an entry of its current term is committed: pysyncobj appends a
+    #     no-op when it becomes leader (``__onBecomeLeader``) and commits only entries of the current
+    #     term, so commitIndex >= that no-op's index means the commit index covers every entry any
+    #     earlier leader committed;
+    # (2) the read index is the commit index, read after the request arrived;
+    # (3) one probe per peer carries a round number sent after (2); a peer answers with its current
+    #     term. A round is confirmed when the leader plus peers that answered that round or a later
+    #     one (sent later still) with our term make a majority: at those moments no majority node
+    #     had moved past our term, so no later leader existed yet, and every write acknowledged
+    #     before the read began is at or below the read index. All reads that arrived before a
+    #     round was sent share it;
+    # (4) once lastApplied >= the read index, fn runs, still leader of the same term.
+    # No clocks, no leases: a paused or partitioned ex-leader gets no majority of acks in its term.
+
+    def _fail_reads(self, reads: list["_Read"], why: str) -> None:
+        for read in reads:
+            read.finish(error=why)
+
+    def _serve_reads(self) -> None:
+        leader = self._isLeader()
+        term = self.raftCurrentTerm
+        if not leader or term != self._ri_term:
+            why = "not the leader any more" if not leader else "a new term began before the read was served"
+            self._fail_reads(self._ri_early, why)
+            for _, _, reads in self._ri_confirming:
+                self._fail_reads(reads, why)
+            for _, reads in self._ri_ready:
+                self._fail_reads(reads, why)
+            self._ri_early, self._ri_confirming, self._ri_ready = [], [], []
+            self._ri_acks = {}
+            self._ri_term = term if leader else None
+            # __onBecomeLeader set it in this thread before this term could be seen as ours
+            noop = self._SyncObj__noopIDx
+            self._ri_noop = (noop if noop is not None else 1 << 62) if leader else 0
+        new = self._ri_early
+        self._ri_early = []
+        while True:
+            try:
+                read = self._reads.get_nowait()
+            except queue.Empty:
+                break
+            if not read.cancelled:
+                new.append(read)
+        if not leader:
+            leader_at = self.leader_client_address()
+            self._fail_reads(new, f"not the leader; leader is {leader_at or 'unknown'}")
+            return
+        if new:
+            commit = self._SyncObj__raftCommitIndex
+            if commit < self._ri_noop:                               # step (1)
+                self._ri_early = [r for r in new if not r.cancelled]
+            else:
+                self._ri_round += 1                                  # steps (2) and (3)
+                self._ri_confirming.append((self._ri_round, commit, new))
+                if self.config.read_confirm:
+                    for peer in self._SyncObj__otherNodes:
+                        send_read_probe(self, peer, term, self._ri_round)
+        # rounds whose every read gave up (a cut-off leader) need not be kept: later ones count alone
+        while self._ri_confirming and all(r.cancelled for r in self._ri_confirming[0][2]):
+            self._ri_confirming.pop(0)
+        self._confirm_rounds()
+        self._run_ready_reads()
+
+    def _on_read_ack(self, peer: Any, term: int, round_: int) -> None:
+        """A peer answered a probe (tick thread, from pysyncobj_fixes.install_read_probes)."""
+        if term != self._ri_term or term != self.raftCurrentTerm or not self._isLeader():
+            return
+        key = getattr(peer, "id", peer)
+        if round_ > self._ri_acks.get(key, 0):
+            self._ri_acks[key] = round_
+        self._confirm_rounds()
+        self._run_ready_reads()
+
+    def _confirm_rounds(self) -> None:
+        if not self._ri_confirming:
+            return
+        peers = self._SyncObj__otherNodes
+        majority = (len(peers) + 1) // 2 + 1
+        while self._ri_confirming:
+            round_, index, reads = self._ri_confirming[0]
+            if self.config.read_confirm:
+                votes = 1 + sum(1 for p in peers if self._ri_acks.get(getattr(p, "id", p), 0) >= round_)
+                if votes < majority:
+                    break                    # later rounds were sent later: none confirmed before this
+            self._ri_confirming.pop(0)
+            self.read_rounds += 1
+            self._ri_ready.append((index, reads))
+
+    def _run_ready_reads(self) -> None:
+        applied = self._SyncObj__raftLastApplied
+        while self._ri_ready and self._ri_ready[0][0] <= applied:   # step (4)
+            _, reads = self._ri_ready.pop(0)
+            for read in reads:
+                if not read.cancelled:
+                    read.finish(result=read.run())
 
     def linearizable_read(self, names: list[str] | None) -> tuple[dict, int]:
         return self.linearizable(lambda m: m.read(names))
@@ -605,6 +758,8 @@ class RaftNode(SyncObj):
             "members": self.members,                  # Raft addresses, as this node knows them
             "metrics": self.metrics_address,          # host:port of this node's /metrics, or None
             "pid": os.getpid(),
+            "read_mode": self.config.read_mode,       # linearizable reads: readindex or log
+            "read_rounds": self.read_rounds,          # ReadIndex confirmation rounds completed
         }
 
     # ---- membership (raftps member ...) ----------------------------------------------------

@@ -290,3 +290,43 @@ def limit_unknown_connections(node: SyncObj) -> None:
                 conn.disconnect()
 
     node.addOnTickCallback(sweep)
+
+
+# ---- ReadIndex's leadership confirmation round (raftps.node.RaftNode._serve_reads) -------------
+# pysyncobj gives no hook for "did a majority hear from me, as leader of my term, after moment X":
+# its 'next_node_idx' replies carry no term and no request id, a follower does not answer every
+# 'append_entries' (not one that installs no snapshot chunk, nor one of a lower term), and
+# ``__lastResponseTime`` is wall-clock-like bookkeeping for leaderFallbackTimeout. So the leader
+# sends its own message on the same peer connection: {'type': READ_PROBE, 'term', 'round'}; every
+# node answers at once, from its tick thread, with {'type': READ_ACK, 'term': its current term,
+# 'round'}. Neither reaches pysyncobj's handler (it would ignore unknown types anyway), neither
+# changes any Raft state. A node without this code ignores probes: reads then time out (Retry),
+# they are never served stale.
+READ_PROBE = "raftps_read_probe"
+READ_ACK = "raftps_read_ack"
+
+
+def install_read_probes(node: SyncObj, on_ack: Any) -> None:
+    """Answer probes and pass acks to ``on_ack(peer, term, round)`` (both in the tick thread)."""
+    transport = node._SyncObj__transport
+    deliver = transport._onMessageReceivedCallback
+
+    def on_message(peer: Any, message: Any) -> None:
+        if isinstance(message, dict):
+            kind = message.get("type")
+            if kind == READ_PROBE:
+                transport.send(peer, {"type": READ_ACK, "term": node.raftCurrentTerm, "round": message.get("round")})
+                return
+            if kind == READ_ACK:
+                term, round_ = message.get("term"), message.get("round")
+                if type(term) is int and type(round_) is int:
+                    on_ack(peer, term, round_)
+                return
+        deliver(peer, message)
+
+    transport.setOnMessageReceivedCallback(on_message)
+
+
+def send_read_probe(node: SyncObj, peer: Any, term: int, round_: int) -> bool:
+    """Leader: ask ``peer`` for its current term (tick thread); False if it is not connected."""
+    return node._SyncObj__transport.send(peer, {"type": READ_PROBE, "term": term, "round": round_})
