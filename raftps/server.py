@@ -259,12 +259,9 @@ class ClientServer:
                 return read
             tensors, version = read
         else:
-            min_version = req.get("min_version") or 0
-            if type(min_version) is not int:
-                raise InvalidRequest("min_version must be an int")
-            if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
-                return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
-                              behind=True)
+            behind = self._behind(req)
+            if behind:
+                return behind
             tensors, version = self.node.read(names)
             if names is None and readable is not None:        # all the identity may read
                 tensors = {n: t for n, t in tensors.items() if readable(n)}
@@ -281,14 +278,21 @@ class ClientServer:
             return {"version": version, "rows": values, "tensor_version": tensor_version}
         if req.get("linearizable", True):
             return self._linearizable(read)
+        behind = self._behind(req)
+        if behind:
+            return behind
+        with self.node.lock:
+            return read(self.node.machine)
+
+    def _behind(self, req: dict) -> dict | None:
+        """A read from any node: None once this node has applied the request's min_version
+        (waiting up to its ``wait``, at most 10 s), else the reply that sends the client on."""
         min_version = req.get("min_version") or 0
         if type(min_version) is not int:
             raise InvalidRequest("min_version must be an int")
-        if not self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
-            return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}",
-                          behind=True)
-        with self.node.lock:
-            return read(self.node.machine)
+        if self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
+            return None
+        return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}", behind=True)
 
     def _linearizable(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or

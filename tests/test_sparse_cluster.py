@@ -70,7 +70,7 @@ def test_pulls_during_sparse_pushes_see_whole_versions(make_cluster):
     n, dim, pushes = 200_000, 8, 15
     tensors, encoding = encode_rows("emb", np.arange(n), np.full((n, dim), -1.0, np.float32))
     with cl.client(timeout=30) as c:
-        c.create("emb", np.zeros((n, dim), np.float32), {"name": "sgd", "lr": 1.0})
+        created = c.create("emb", np.zeros((n, dim), np.float32), {"name": "sgd", "lr": 1.0})
     stop, seen, errors = threading.Event(), [], []
 
     def pusher() -> None:
@@ -85,7 +85,8 @@ def test_pulls_during_sparse_pushes_see_whole_versions(make_cluster):
         try:
             with cl.client(timeout=30) as r:
                 while not stop.is_set():
-                    reply = r.pull_result(["emb"], linearizable=linearizable)
+                    # min_version: a follower that has not applied the create yet must not answer
+                    reply = r.pull_result(["emb"], min_version=created, linearizable=linearizable)
                     table, t = reply["tensors"]["emb"], reply["tensor_versions"]["emb"]
                     if not (table == t).all():
                         errors.append((t, np.unique(table)[:5]))

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import raftps.torch as rpt  # noqa: E402
 from raftps import InvalidOptimizer  # noqa: E402
 
-from conftest import start_cluster  # noqa: E402
+from tests.conftest import start_cluster  # noqa: E402
 
 BASE_PORT = 23000
 STEPS = 50
