@@ -15,7 +15,7 @@ node), so a worker, a node or every worker can die and training goes on from the
   every worker pulls, so all start from one initialisation, or from where a previous run stopped.
 - ``sync``: each rank sends the mean gradient of its shard of the global batch with its rank;
   the store applies the mean of the ranks' contributions once (K equal shards: the full batch's
-  mean gradient), in the job's own step sequence (the sync group is the prefix). A rank's second
+  mean gradient), in the job's own step sequence (the group ``PREFIX/_raftps/group``, under the prefix, so a role on the prefix covers it). A rank's second
   contribution to a step (a restarted worker) is ignored. A step not applied within
   ``step_timeout`` (a dead worker) is closed with the contributions that arrived.
 - ``async``: DownpourSGD. Push the gradient summed over ``n_push`` steps with the version pulled,
@@ -54,9 +54,9 @@ except ImportError:
                       "(a plain `pip install torch` may fetch the CUDA build), then `pip install 'raftps[torch]'`") from None
 
 from . import compress as codecs
-from . import optim
+from . import jobs, optim
 from .client import Client
-from .errors import NotInGroup, StaleBase, StalenessBound, StepTimeout
+from .errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, StepTimeout, UnknownTensor
 from .ssp import SspMember
 
 MODES = ("sync", "async", "ssp", "easgd")
@@ -143,13 +143,17 @@ class DistributedOptimizer:
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
         self.params = self._slots(model.named_parameters(), "parameter", trainable=True, sparse=sparse)
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
-        self.counter = f"{prefix}/_raftps/steps.rank{self.rank}" if mode != "sync" else None
+        self.counter = jobs.step_counter(prefix, self.rank) if mode != "sync" else None
+        self.group = jobs.group(prefix)
 
         self._owns_client = not isinstance(cluster, Client)
         self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
         try:
-            self._create()
-            self.ssp = (SspMember(self.client, prefix, f"rank{self.rank}", ssp_staleness, ssp_timeout)
+            try:
+                self._create()
+            except PermissionDenied as refused:   # a `write` identity trains tensors an admin created
+                self._create_refused = refused
+            self.ssp = (SspMember(self.client, self.group, f"rank{self.rank}", ssp_staleness, ssp_timeout)
                         if mode == "ssp" else None)
             self.start_step = self._resume()
         except BaseException:
@@ -175,7 +179,7 @@ class DistributedOptimizer:
             if t.dtype not in STORED_AS:
                 raise TypeError(f"{what} {name!r} has dtype {t.dtype}: raftps stores float32/float64 "
                                 "(float16 and bfloat16 are kept in float32)")
-            out.append(_Slot(f"{self.prefix}/{name}", t, STORED_AS[t.dtype], id(t) in sparse))
+            out.append(_Slot(jobs.tensor(self.prefix, name), t, STORED_AS[t.dtype], id(t) in sparse))
         if trainable and not out:
             raise ValueError("the model has no trainable parameters")
         return out
@@ -197,10 +201,19 @@ class DistributedOptimizer:
     def _resume(self) -> int:
         """Load the store's parameters; return the step to start at."""
         names = [s.store_name for s in self.params + self.buffers] + ([self.counter] if self.counter else [])
-        result = self.client.pull_result(names)                 # linearizable: the newest state
+        refused = getattr(self, "_create_refused", None)
+        try:
+            result = self.client.pull_result(names)             # linearizable: the newest state
+        except UnknownTensor as exc:
+            if refused is None:
+                raise
+            raise PermissionDenied(f"{exc}: this identity may not create the job's tensors ({refused}); "
+                                   f"a first run needs admin on {self.prefix + '/'!r}") from None
+        except PermissionDenied as exc:
+            raise (refused or exc) from None                 # the create's refusal says more
         self._install(result["tensors"], result["version"])
         if self.mode == "sync":
-            return self.client.sync_applied(self.prefix) + 1
+            return self.client.sync_applied(self.group) + 1
         return int(result["tensors"][self.counter][0])
 
     def _pulled_names(self) -> list[str]:
@@ -282,11 +295,11 @@ class DistributedOptimizer:
         grads.update(self._buffer_drift(1))
         step = self.step_count
         t0 = time.perf_counter()
-        self.client.push_sync(grads, step, self.world_size, group=self.prefix, rank=self.rank)
+        self.client.push_sync(grads, step, self.world_size, group=self.group, rank=self.rank)
         try:
-            version = self.client.wait_step(step, self.step_timeout, group=self.prefix)
+            version = self.client.wait_step(step, self.step_timeout, group=self.group)
         except StepTimeout:       # a rank died: apply what arrived (a no-op if someone already did)
-            version = self.client.close_step(step, group=self.prefix)
+            version = self.client.close_step(step, group=self.group)
         self._timed("push", t0)
         self._pull(version)
 

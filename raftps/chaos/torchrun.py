@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from raftps import Client, UnknownTensor
+from raftps import Client, UnknownTensor, jobs
 from raftps.localcluster import LocalCluster
 
 from .harness import children
@@ -76,14 +76,14 @@ class TorchrunJob:
 def steps_done(client: Client, prefix: str, ranks: int) -> int:
     """Steps the store applied for a job: the sum of its ranks' step counters (async modes), or
     the job's applied sync step + 1."""
-    names = [f"{prefix}/_raftps/steps.rank{r}" for r in range(ranks)]
+    names = [jobs.step_counter(prefix, r) for r in range(ranks)]
     try:
         tensors, _ = client.pull(names, linearizable=False)
         return int(sum(float(t[0]) for t in tensors.values()))
     except UnknownTensor:
         pass
     try:
-        return client.sync_applied(prefix) + 1
+        return client.sync_applied(jobs.group(prefix)) + 1
     except (AttributeError, UnknownTensor):
         return 0
 
