@@ -295,7 +295,7 @@ class Client:
                     raise
 
     def sync_applied(self, group: str | None = None) -> int:
-        """The last applied sync step of ``group`` (-1 if none), read through the leader's log."""
+        """The last applied sync step of ``group`` (-1 if none), a linearizable read at the leader."""
         request: dict[str, Any] = {"op": "sync_applied"}
         if group is not None:
             request["group"] = group
@@ -362,8 +362,8 @@ class Client:
             return self._request(request)["tensors"]
 
     def export(self, prefix: str) -> dict:
-        """Every tensor whose name starts with ``prefix`` (a plain string prefix), read through the
-        leader's log at one store version: tensors, tensor_versions, optimizers, version, and the
+        """Every tensor whose name starts with ``prefix`` (a plain string prefix), in one
+        linearizable read at the leader: tensors, tensor_versions, optimizers, version, and the
         store's digest at that version."""
         with self._lock:
             return self._request({"op": "export", "prefix": prefix})
