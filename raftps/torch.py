@@ -309,7 +309,10 @@ class DistributedOptimizer:
             if g is None:
                 continue
             prev = self._pending.get(s.store_name)
-            self._pending[s.store_name] = g.detach().clone() if prev is None else prev + g
+            if prev is not None:
+                self._pending[s.store_name] = prev + g
+            else:   # kept past this step() only when n_push > 1: then zero_grad() must not clear it
+                self._pending[s.store_name] = g.detach().clone() if self.n_push > 1 else g.detach()
             if self.n_fetch > 1:               # Downpour: the replica takes its own step meanwhile
                 s.tensor.add_(g.to(s.tensor.dtype), alpha=-self.lr)
         self._since_push += 1
