@@ -165,6 +165,14 @@ class Net:
         for j in self.others(i):
             self.drop(i, j, "both", extra)
 
+    def throttle(self, i: int, rate: str = "1mb/s") -> None:
+        """Drop what node i receives from each peer above `rate` (bytes: "512kb/s", "1mb/s"):
+        a bulk transfer to i then lasts size/rate seconds, whatever the machine's load."""
+        for j in self.others(i):
+            self.iptables(i, "-A", "INPUT", "-s", self.ip(j), "-m", "hashlimit",
+                          "--hashlimit-above", rate, "--hashlimit-burst", "1mb",
+                          "--hashlimit-name", f"{self.prefix}{i}from{j}", "-j", "DROP")
+
     def heal(self, i: int | None = None) -> None:
         for n in ([i] if i is not None else range(1, self.nodes + 1)):
             self.iptables(n, "-F", "INPUT")

@@ -44,21 +44,22 @@ def test_kill_while_receiving_snapshot(tmp_path) -> None:
                  node_args=["--compaction-entries", "100"]) as h:
         with h.cluster.client(timeout=10.0) as c:   # 16 MiB ballast: a long multi-chunk snapshot
             c.create("ballast", np.zeros(1 << 21), optimizer={"name": "sgd", "lr": 1.0})
-        h.load(45.0)
+        h.load(150.0)                                  # outlasts every attempt below; stopped after
         h.wait(1.0)
         f = h.follower()
         seen = False
-        for _attempt in range(3):                      # the window is short: try again if we missed it
+        for _attempt in range(3):
             held = h.status(f)["applied"]
             h.kill(f)
             # Until the leader's log is compacted past what f holds, f catches up from the log
             # (no snapshot); on a loaded machine 100 entries can take longer than a fixed wait.
-            deadline = time.monotonic() + 15.0
+            deadline = time.monotonic() + 30.0
             while h.status(h.leader())["snapshot_index"] <= held and time.monotonic() < deadline:
                 h.wait(0.25)
-            h.net.loss(f, 0.3)                         # stretch the transfer over TCP retransmits
+            # 16 MiB at <= 1 MB/s: the transfer lasts >= 16 s however fast or loaded the machine.
+            h.net.throttle(f, "1mb/s")
             h.cluster.start_node(f)
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + 20.0
             while not seen and time.monotonic() < deadline:
                 seen = any(p.endswith(".tmp") for p in os.listdir(h.cluster.data_dir(f)))
                 time.sleep(0.002)
@@ -70,6 +71,7 @@ def test_kill_while_receiving_snapshot(tmp_path) -> None:
         h.net.heal(f)
         h.cluster.start_node(f)
         catchup = h.wait_caught_up(f)
+        h.workload.stop()
         result, line = h.finish(catchup_s=catchup, receive_tmp_seen=seen)
     assert seen, "never saw the follower's partial snapshot file"
     assert_clean(result, line)
