@@ -5,8 +5,8 @@ between two applies on the leader after a barrier (so it holds every write ackno
 the save began), the store version it is at, and its digest, the same SHA-256 every node's
 ``status()`` reports at that version.
 
-Restoring seeds empty data dirs with a pysyncobj full-dump file in the format the nodes write
-themselves (node.py ``_write_snapshot``): the state machine plus two boundary log entries. The
+Restoring seeds empty data dirs with a snapshot file in the format the nodes write themselves
+(``snapshot_file.seed``): the state machine plus two boundary log entries. The
 entries are no-ops at indices V-1 and V of term 0, identical on every seeded node, so the new
 cluster's logs agree at V, the first election makes term 1 (log terms stay monotonic) and the
 store's versions continue from V rather than start again. pysyncobj loads that file on the first
@@ -17,20 +17,18 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import struct
 
-from . import codec
+from . import codec, snapshot_file
 from .client import Client
 from .machine import TensorStore, snapshot_digest
 from .models import UsageError
 
 BACKUP_FORMAT = 1
-NO_OP = struct.pack("B", 1)              # pysyncobj's _COMMAND_TYPE.NO_OP: applies as nothing
 # A client that fetches a whole store: the reply is one frame (received into mmap memory as
 # bytes arrive, so these bound what a node may send, not what is allocated up front).
 SAVE_LIMITS = codec.Limits(max_header_bytes=1 << 30, max_blob_bytes=1 << 40, max_arrays=1 << 24,
                            max_tensor_bytes=1 << 40)
-NODE_FILES = ("raft.journal", "raft.snapshot")
+NODE_FILES = ("raft.journal", snapshot_file.NAME)
 
 
 def save(client: Client, path: str) -> dict:
@@ -88,16 +86,11 @@ def restore(path: str, data_dirs: list[str], peers: list[str] | None = None) -> 
             raise UsageError(f"{d} already holds a node's data ({', '.join(held)}); restore seeds new nodes "
                                  "only: stop that node and give an empty or new data dir")
     version = backup["version"]
-    dump = {"raft": [[NO_OP, version, 0], [NO_OP, version - 1, 0]], "cluster": sorted(peers or []),
-            "machine": backup["machine"]}
     from .node import default_payload_dir
     for d in data_dirs:
         os.makedirs(d, exist_ok=True)
         # Payloads a previous node with this data dir left in tmpfs belong to another history.
         shutil.rmtree(default_payload_dir(d), ignore_errors=True)
-        tmp = os.path.join(d, "raft.snapshot.tmp")
-        with open(tmp, "wb") as f:
-            codec.write_frame(f, dump)
-        os.replace(tmp, os.path.join(d, "raft.snapshot"))
+        snapshot_file.seed(d, version, backup["machine"], peers or [])
     return {"version": version, "digest": backup["digest"], "created": backup.get("created"),
             "tensors": len(backup["machine"]["tensors"]), "data_dirs": list(data_dirs)}

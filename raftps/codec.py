@@ -149,6 +149,16 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
     return _decode(bytes(view[PREFIX.size:start]), view[start:], limits)
 
 
+def close_listener(sock: socket.socket) -> None:
+    """Close a listening socket so its port is free at once: a thread blocked in accept() keeps
+    the kernel's socket (and the port) alive after close() alone; shutdown() wakes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def recv_exactly(sock: socket.socket, view: memoryview, started: bool = True, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``; ConnectionError if the peer closes first. With ``deadline``
     (time.monotonic()), each recv waits only for what is left of it."""

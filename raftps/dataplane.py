@@ -22,9 +22,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import codec
+from . import codec, snapshot_file
 from .errors import ProtocolError
 from .payloads import PAYLOAD_ID, PayloadStore, verify
+from .raft import SnapshotMeta
 
 log = logging.getLogger("raftps.dataplane")
 HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
@@ -117,7 +118,7 @@ class DataPlaneServer:
         op, pid = msg.get("op"), msg.get("pid")
         if op == "snapshot":
             try:
-                return {"ok": True, "found": True, "snapshot": codec.read_frame_file(self.snapshot_file, self.limits)}
+                return {"ok": True, "found": True, "snapshot": snapshot_file.read_frame(self.snapshot_file, self.limits)}
             except (OSError, TypeError, ProtocolError):
                 return {"ok": True, "found": False}
         if op == "get_range":
@@ -153,7 +154,7 @@ class DataPlaneServer:
 
     def close(self) -> None:
         self._stopped = True
-        self.sock.close()
+        codec.close_listener(self.sock)
 
 
 class PeerLink:
@@ -287,21 +288,22 @@ class Peers:
                         if isinstance(pid, str) and PAYLOAD_ID.fullmatch(pid) and isinstance(t, dict) and verify(pid, t)}
         return {}
 
-    def fetch_snapshot(self, min_index: int) -> dict | None:
-        """The newest snapshot a peer has, if it covers ``min_index``."""
+    def fetch_snapshot(self, min_index: int) -> tuple[SnapshotMeta, dict] | None:
+        """The newest snapshot a peer has, if it covers ``min_index``: (what it covers, the machine)."""
         best = None
         for address in self.addresses:
             try:
                 reply = self._call(address, {"op": "snapshot"})
             except (OSError, ConnectionError, ProtocolError):
                 continue
-            snap = reply.get("snapshot") if reply.get("found") else None
-            try:
-                index = snap["raft"][0][1]
-            except (TypeError, KeyError, IndexError):
+            if not reply.get("found"):
                 continue
-            if index >= min_index and (best is None or index > best["raft"][0][1]):
-                best = snap
+            try:
+                meta, machine = snapshot_file.from_frame(reply.get("snapshot"))
+            except ValueError:
+                continue
+            if meta.index >= min_index and (best is None or meta.index > best[0].index):
+                best = meta, machine
         return best
 
     def close(self) -> None:

@@ -1,21 +1,20 @@
-"""A raftps node's Raft side: pysyncobj orders small entries; tensor bytes go by the data plane.
+"""A raftps node's replica: the store, its payloads and its data plane, over a ReplicatedLog.
 
 A write reaches the leader with its tensors. The leader writes the payload to its own
 PayloadStore, streams it to every peer's data plane, and once a majority (itself included)
-holds it, proposes a small entry naming the payload to Raft. Every node applies committed
-entries in log order through ``TensorStore.apply`` in pysyncobj's tick thread. A node that must
-apply an entry whose payload it lacks (it was down when the payload went out) does not block
-that thread: our ``_SyncObj__applyLogEntries`` stops before the entry, a fetcher thread gets the
-payload from a peer, and the next tick goes on. So heartbeats never wait on the network.
+holds it, proposes a small entry naming the payload to the log. Every node applies committed
+entries in log order through ``TensorStore.apply`` (``apply`` below, called by the log's thread).
+A node that must apply an entry whose payload it lacks (it was down when the payload went out)
+does not block that thread: ``apply`` raises NotReady, a fetcher thread gets the payload from a
+peer, and the log tries again. So heartbeats never wait on the network.
 
-Snapshots use pysyncobj's serializer hooks with our codec (raw array bytes, no pickle, no gzip).
+The Raft library is behind ``raftps.raft.ReplicatedLog``; this module never imports it.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -24,25 +23,18 @@ from typing import Any, Callable
 
 import msgpack
 import numpy as np
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
-from pysyncobj.node import TCPNode
 
-from . import codec, stored_zlib
+from . import codec, snapshot_file
 from .dataplane import DataPlaneServer, Peers
 from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
 from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore, payload_id
-from .pysyncobj_fixes import install as install_pysyncobj_fixes
-from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections, send_read_probe
+from .raft import NotApplied, NotReady, RaftSettings, ReplicatedLog, SnapshotMeta
 
 log = logging.getLogger("raftps.node")
-ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 # How long an applier waits for a payload the leader is still sending before asking a peer.
 PUT_GRACE = 0.2
-# Outcomes after which the entry certainly was not applied; anything else is "unknown".
-NOT_APPLIED = {FAIL_REASON.QUEUE_FULL, FAIL_REASON.MISSING_LEADER, FAIL_REASON.DISCARDED,
-               FAIL_REASON.NOT_LEADER, FAIL_REASON.REQUEST_DENIED}
 
 
 @dataclass
@@ -140,40 +132,22 @@ def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-class PayloadMissing(Exception):
-    """Raised inside an apply whose payload is not here yet; never escapes our applier."""
+LogFactory = Callable[[RaftSettings, Any], ReplicatedLog]
 
 
-class Outcome(Exception):
-    """A write that did not complete: ``applied`` is False (certainly not) or None (unknown)."""
-
-    def __init__(self, message: str, applied: bool | None):
-        super().__init__(message)
-        self.applied = applied
+def pysyncobj_log(settings: RaftSettings, applier: Any) -> ReplicatedLog:
+    from .raft.pysyncobj_log import SyncObjLog
+    return SyncObjLog(settings, applier)
 
 
-class _Read:
-    """One ReadIndex read: ``run`` is called in the tick thread once the read may be served."""
-    __slots__ = ("run", "done", "result", "error", "cancelled")
+class RaftNode:
+    """One member of the store: TensorStore + payloads + data plane, applied by a ReplicatedLog."""
 
-    def __init__(self, run: Callable[[], Any]):
-        self.run = run
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: str | None = None
-        self.cancelled = False
-
-    def finish(self, result: Any = None, error: str | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
-
-
-class RaftNode(SyncObj):
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, log_factory: LogFactory = pysyncobj_log):
         self.config = config
         self.instruments = Instruments()
         self.metrics_address: str | None = None   # host:port of /metrics once it is served
-        self._leader_seen: Any = None
+        self._leader_seen: str | None = None
         os.makedirs(config.data_dir, exist_ok=True)
         self.machine = TensorStore()
         self.lock = threading.Lock()              # guards machine against readers in other threads
@@ -182,17 +156,15 @@ class RaftNode(SyncObj):
         self.payloads = PayloadStore(config.payload_dir or default_payload_dir(config.data_dir),
                                      owner=os.path.abspath(config.data_dir))
         others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
-        # The other members' Raft addresses. pysyncobj's dynamic membership changes them (raftps
-        # member add/remove); _watch_members keeps the data plane and the majority in step.
+        # The other members' Raft addresses. Membership changes move them (raftps member
+        # add/remove); tick() keeps the data plane and the majority in step.
         self._members: frozenset[str] = frozenset(others)
-        self._tick_jobs: queue.SimpleQueue[Callable[[], bool]] = queue.SimpleQueue()
         self.peers = Peers([offset_address(a, config.data_offset) for a in sorted(others)], config.secret)
         self.data_server = DataPlaneServer(*config.bind(config.data_offset), config.secret,
                                            self.payloads, config.limits,
-                                           snapshot_file=os.path.join(config.data_dir, "raft.snapshot"))
-        self._missing: str | None = None
+                                           snapshot_file=snapshot_file.path(config.data_dir))
+        self._missing: str | None = None          # the payload the next entry waits for
         self._missing_index = 0
-        self._install: dict | None = None         # a peer's snapshot for the tick thread to install
         self._missing_event = threading.Event()
         self.fetched = [0, 0]                     # payloads, bytes received from peers' get/get_range
         self._snapshot_index = 0                  # index of the newest snapshot we wrote or loaded
@@ -201,59 +173,17 @@ class RaftNode(SyncObj):
         self._stopped = False
         if config.read_mode not in ("readindex", "log"):
             raise ValueError(f"read_mode must be 'readindex' or 'log', not {config.read_mode!r}")
-        if not config.read_confirm:
-            log.warning("UNSAFE: ReadIndex reads skip the leadership confirmation round (tests only)")
-        self._reads: queue.SimpleQueue[_Read] = queue.SimpleQueue()   # new ReadIndex reads, any thread
-        # Tick-thread state of ReadIndex (see _serve_reads).
-        self._ri_term: int | None = None          # the term these rounds belong to (we lead it)
-        self._ri_noop = 0                         # index of that term's first entry (pysyncobj's no-op)
-        self._ri_round = 0                        # last confirmation round sent (never reset)
-        self._ri_acks: dict[Any, int] = {}        # peer id -> highest round it acknowledged in _ri_term
-        self._ri_early: list[_Read] = []          # reads waiting for this term's first commit
-        self._ri_confirming: list[tuple[int, int, list[_Read]]] = []   # (round, read index, reads)
-        self._ri_ready: list[tuple[int, list[_Read]]] = []             # (read index, reads)
-        self.read_rounds = 0                      # confirmation rounds completed (status/metrics)
+        self.log: ReplicatedLog | None = None     # the log may call tick() before its constructor returns
+        self.log = log_factory(RaftSettings(
+            address=config.raft_address, others=sorted(others), data_dir=config.data_dir,
+            secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
+            election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
+            compaction_entries=config.compaction_entries, read_confirm=config.read_confirm), self)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
-        conf = SyncObjConf(
-            password=config.secret.hex() if config.secret else None,   # None: `serve --insecure`, loopback only
-            bindAddress=":".join(map(str, config.bind(0))),
-            journalFile=os.path.join(config.data_dir, "raft.journal"),
-            fullDumpFile=os.path.join(config.data_dir, "raft.snapshot"),
-            dynamicMembershipChange=True,                  # raftps member add/remove/replace
-            serializer=self._write_snapshot,
-            deserializer=self._read_snapshot,
-            appendEntriesUseBatch=False,                   # send at once: ~1 ms commits on loopback
-            appendEntriesBatchSizeBytes=4 << 20,           # far above any entry: avoids the chunk-path bug
-            appendEntriesPeriod=config.heartbeat,
-            raftMinTimeout=config.election_timeout[0],
-            raftMaxTimeout=config.election_timeout[1],
-            connectionTimeout=max(4.0, 2 * config.election_timeout[1]),
-            connectionRetryTime=1.0,
-            leaderFallbackTimeout=config.leader_fallback,
-            logCompactionMinEntries=config.compaction_entries,
-            logCompactionBatchSize=1 << 20,
-            sendBufferSize=1 << 20,
-            recvBufferSize=1 << 20,
-            commandsQueueSize=10_000,
-        )
-        stored_zlib.install()                              # before SyncObj opens any peer connection
-        limit_peer_reads()                                 # no 2 GiB buffers for strangers (pysyncobj_fixes)
-        super().__init__(config.raft_address, sorted(others), conf)
-        install_pysyncobj_fixes(self)
-        install_read_probes(self, self._on_read_ack)
-        limit_unknown_connections(self)
-        self.addOnTickCallback(self._housekeeping)
-        self.addOnTickCallback(self._commit_alone)
-        self.addOnTickCallback(self._watch_leader)
-        self.addOnTickCallback(self._watch_members)
-        self.addOnTickCallback(self._run_tick_jobs)
-        self.addOnTickCallback(self._serve_reads)
 
-    # ---- the replicated entry and our applier ----------------------------------------------
+    # ---- the Applier: called by the log's thread, one at a time --------------------------------
 
-    @replicated
-    def _entry(self, entry: bytes) -> dict:
-        index = self.raftLastApplied + 1
+    def apply(self, entry: bytes, index: int) -> dict:
         pid = None
         try:
             command = msgpack.unpackb(entry, raw=False)
@@ -261,11 +191,12 @@ class RaftNode(SyncObj):
             if pid is not None:
                 tensors = self.payloads.get(pid)
                 if tensors is None:
-                    raise PayloadMissing(pid)
+                    self._wait_for_payload(pid, index)
+                    raise NotReady(pid)
                 command["tensors"] = tensors
             elif "inline" in command:
                 command["tensors"] = codec.decode(command.pop("inline"), self.config.limits)["tensors"]
-        except PayloadMissing:
+        except NotReady:
             raise
         except Exception as exc:    # same bytes on every replica, so the same error everywhere
             command = {"op": "invalid", "reason": f"undecodable entry: {exc}"}
@@ -278,45 +209,53 @@ class RaftNode(SyncObj):
             self.payloads.applied(pid, index)
         return result
 
-    def _SyncObj__applyLogEntries(self) -> bool:
-        """pysyncobj's apply loop, except that an entry whose payload is missing ends the loop
-        without being consumed (pysyncobj's own loop would drop its callbacks and retry it from
-        inside the tick, never reading the socket that brings the heartbeats)."""
-        if self._install is not None:
-            self._install_peer_snapshot()
-        commit = self._SyncObj__raftCommitIndex
-        if commit <= self._SyncObj__raftLastApplied:
-            return False
-        waiting = self._SyncObj__commandsWaitingCommit
-        for command, index, term in self._SyncObj__getEntries(self._SyncObj__raftLastApplied + 1,
-                                                               commit - self._SyncObj__raftLastApplied):
-            try:
-                result = self._SyncObj__doApplyCommand(command)
-            except PayloadMissing as missing:
-                self._missing_index = index
-                if self._missing != str(missing):
-                    self._missing = str(missing)
-                    self._missing_event.set()
-                break
-            self._SyncObj__raftLastApplied += 1
-            for subscriber_term, callback in waiting.pop(index, []):
-                callback(*((result, FAIL_REASON.SUCCESS) if subscriber_term == term else (None, FAIL_REASON.DISCARDED)))
-        return not self._SyncObj__conf.appendEntriesUseBatch
+    def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
+        # In the log's thread: no apply runs until the frame is written, so nothing is frozen.
+        snapshot_file.write(path, meta, self.machine.snapshot(share=False))
+        self._snapshot_index = meta.index
+        self.instruments.snapshots.labels("write").inc()
 
-    def _install_peer_snapshot(self) -> None:
-        """Jump the state machine to a peer's snapshot (tick thread). Our Raft log is untouched;
-        only entries the snapshot already covers are skipped."""
-        snap, self._install = self._install, None
-        last = snap["raft"][0][1]
-        if last <= self._SyncObj__raftLastApplied:
-            return
+    def load_snapshot(self, path: str) -> SnapshotMeta:
+        meta, machine = snapshot_file.read(path)
         with self.lock:
-            self.machine.restore(snap["machine"])
+            self.machine.restore(machine)
             self.applied.notify_all()
-        log.warning("installed a peer's snapshot at index %d (was stuck at %d: payload %s is gone everywhere)",
-                    last, self._SyncObj__raftLastApplied, self._missing)
-        self._SyncObj__raftLastApplied = last
-        self._missing = None
+        self._snapshot_index = meta.index
+        self.instruments.snapshots.labels("load").inc()
+        return meta
+
+    def tick(self) -> None:
+        if self.log is None:
+            return
+        leader = self.log.leader()
+        if leader is not None and leader != self._leader_seen:
+            self._leader_seen = leader
+            self.instruments.leader_changes.inc()
+        members = frozenset(self.log.others())
+        if members != self._members:
+            log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
+            self._members = members
+            self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
+        # The log renamed the snapshot into place right after save_snapshot returned, so the
+        # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
+        # pysyncobj keeps those two entries in its log and may still send them to a peer.
+        if self._snapshot_index - 2 > self._collected_through:
+            self._collected_through = self._snapshot_index - 2
+            self.payloads.collect(self._collected_through)
+        now = time.monotonic()
+        if now - self._last_housekeeping > 5.0:
+            self._last_housekeeping = now
+            if self.payloads.disk_bytes > self.config.payload_budget:
+                self.log.compact()
+            self.payloads.collect_orphans(max_age=600.0, keep=[self._missing] if self._missing else [])
+
+    # ---- payloads an entry waits for --------------------------------------------------------
+
+    def _wait_for_payload(self, pid: str, index: int) -> None:
+        self._missing_index = index
+        if self._missing != pid:
+            self._missing = pid
+            self._missing_event.set()
 
     def _fetch_loop(self) -> None:
         while not self._stopped:
@@ -341,7 +280,7 @@ class RaftNode(SyncObj):
             # re-received 17-32% of all pushed bytes at 1 MiB x4). Only a node that missed
             # puts (down, cut off) gets past this wait; it asks for the next entries' payloads
             # too (a peer knows them by log index).
-            if not self.payloads.wait(pid, PUT_GRACE) and self._SyncObj__raftCommitIndex - self._missing_index > 2:
+            if not self.payloads.wait(pid, PUT_GRACE) and self.log.commit_index - self._missing_index > 2:
                 self._fetch_range(self._missing_index)
             if not self.payloads.has(pid):
                 tensors = self.peers.fetch(pid)
@@ -352,10 +291,9 @@ class RaftNode(SyncObj):
                     # Peers delete a payload once their snapshot covers its entry, so when none has
                     # it, a peer's snapshot covers it: that committed state replaces the entry.
                     if failures >= 3:
-                        snap = self.peers.fetch_snapshot(self.raftLastApplied + 1)
-                        if snap is not None:
-                            self._install = snap
-                            self._wake_tick()
+                        found = self.peers.fetch_snapshot(self.log.applied_index + 1)
+                        if found is not None:
+                            self._install_peer_snapshot(*found)
                             failures = 0
                     time.sleep(0.2)
                     self._missing_event.set()
@@ -364,7 +302,19 @@ class RaftNode(SyncObj):
                 self._count_fetched(tensors)
             if self._missing == pid:
                 self._missing = None
-            self._wake_tick()
+            self.log.wake()
+
+    def _install_peer_snapshot(self, meta: SnapshotMeta, machine: dict) -> None:
+        """Jump the state machine to a peer's snapshot (in the log's thread). The Raft log is
+        untouched; only entries the snapshot already covers are skipped."""
+        def restore() -> None:
+            with self.lock:
+                self.machine.restore(machine)
+                self.applied.notify_all()
+            log.warning("installed a peer's snapshot at index %d (payload %s is gone everywhere)",
+                        meta.index, self._missing)
+            self._missing = None
+        self.log.install(meta.index, restore)
 
     def _fetch_range(self, first: int) -> None:
         for pid, tensors in self.peers.fetch_range(first, first + 256).items():
@@ -375,91 +325,6 @@ class RaftNode(SyncObj):
     def _count_fetched(self, tensors: dict[str, np.ndarray]) -> None:
         self.fetched[0] += 1
         self.fetched[1] += sum(a.nbytes for a in tensors.values())
-
-    def _commit_alone(self) -> None:
-        """A one-node leader commits what this tick appended on the next tick, at once.
-
-        pysyncobj's tick computes the commit index before it appends new commands, then sleeps
-        in poll() until a message arrives or its 50 ms tick ends. With peers, their replies wake
-        it; alone, every write and linearizable read waited >= 50 ms for nothing."""
-        if (not self._SyncObj__otherNodes and self._isLeader()
-                and self._SyncObj__getCurrentLogIndex() > self._SyncObj__raftCommitIndex):
-            self._wake_tick()
-
-    def _watch_members(self) -> None:
-        members = frozenset(node.address for node in self._SyncObj__otherNodes)
-        if members != self._members:
-            log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
-            self._members = members
-            self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
-
-    def _run_tick_jobs(self) -> None:
-        """Jobs that must run in the tick thread (pysyncobj is not thread-safe); a job returning
-        False runs again on the next tick."""
-        again = []
-        while True:
-            try:
-                job = self._tick_jobs.get_nowait()
-            except queue.Empty:
-                break
-            if not job():
-                again.append(job)
-        for job in again:
-            self._tick_jobs.put(job)
-
-    def _watch_leader(self) -> None:
-        leader = self._getLeader()
-        if leader is not None and leader != self._leader_seen:
-            self._leader_seen = leader
-            self.instruments.leader_changes.inc()
-
-    def _wake_tick(self) -> None:
-        notifier = getattr(self, "_SyncObj__pipeNotifier", None)
-        if notifier is not None:
-            notifier.notify()
-
-    # ---- snapshots -----------------------------------------------------------------------
-
-    def _write_snapshot(self, filename: str, raft_data: tuple) -> None:
-        last, previous, cluster = raft_data
-        with open(filename, "wb") as f:
-            codec.write_frame(f, {"raft": [list(last), list(previous)],
-                                  "cluster": sorted(node.address for node in cluster),
-                                  # The tick thread (pysyncobj does not fork with our serializer):
-                                  # no apply runs until the frame is written, so nothing is frozen.
-                                  "machine": self.machine.snapshot(share=False)})
-        self._snapshot_index = last[1]
-        self.instruments.snapshots.labels("write").inc()
-
-    def _read_snapshot(self, filename: str) -> tuple:
-        # Limits from the file's size, not the client-facing ones: a store of more than 4096
-        # arrays (1,366 Adam tensors) or 1 GiB would otherwise fail to load its own snapshot,
-        # and pysyncobj, logging "failed to load full dump", would go on with an empty store.
-        snap = codec.read_frame_file(filename)
-        with self.lock:
-            self.machine.restore(snap["machine"])
-            self.applied.notify_all()
-        last, previous = (tuple(e) for e in snap["raft"])
-        self._snapshot_index = last[1]
-        self.instruments.snapshots.labels("load").inc()
-        # pysyncobj takes the membership from the snapshot; a seed without one (snapshot restore
-        # without --peers) keeps the membership this node was started with.
-        cluster = snap["cluster"] or [self.config.raft_address, *self._members]
-        return last, previous, {TCPNode(address) for address in cluster}
-
-    def _housekeeping(self) -> None:
-        # pysyncobj renamed the snapshot into place right after _write_snapshot returned, so the
-        # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
-        # pysyncobj keeps those two entries in its log and may still send them to a peer.
-        if self._snapshot_index - 2 > self._collected_through:
-            self._collected_through = self._snapshot_index - 2
-            self.payloads.collect(self._collected_through)
-        now = time.monotonic()
-        if now - self._last_housekeeping > 5.0:
-            self._last_housekeeping = now
-            if self.payloads.disk_bytes > self.config.payload_budget:
-                self.forceLogCompaction()
-            self.payloads.collect_orphans(max_age=600.0, keep=[self._missing] if self._missing else [])
 
     # ---- what the client server asks --------------------------------------------------------
 
@@ -473,18 +338,16 @@ class RaftNode(SyncObj):
         return (len(self._members) + 1) // 2 + 1
 
     def is_leader(self) -> bool:
-        return self._isLeader()
+        return self.log.is_leader()
 
     def leader_client_address(self) -> str | None:
-        leader = self._getLeader()
-        if leader is None:
-            return None
-        return offset_address(leader.address, self.config.client_offset)
+        leader = self.log.leader()
+        return None if leader is None else offset_address(leader, self.config.client_offset)
 
     def submit(self, command: dict, tensors: dict[str, np.ndarray] | None = None,
                on_applied: Callable[[dict], Any] | None = None) -> Any:
         """Replicate one command and return the state machine's result (or ``on_applied``'s value,
-        computed in the tick thread right after the entry is applied). Raises Outcome."""
+        computed in the log's thread right after the entry is applied). Raises NotApplied."""
         started = time.perf_counter()
         deadline = time.monotonic() + self.config.request_timeout
         if tensors:
@@ -497,25 +360,25 @@ class RaftNode(SyncObj):
                 needed = self.majority - 1
                 acks = self.peers.replicate(pid, tensors, needed, timeout=self.config.request_timeout)
                 if acks < needed:
-                    raise Outcome(f"payload reached {acks + 1} of {len(self._members) + 1} nodes, "
-                                  f"a majority is {self.majority}", applied=False)
+                    raise NotApplied(f"payload reached {acks + 1} of {len(self._members) + 1} nodes, "
+                                     f"a majority is {self.majority}", applied=False)
                 command["payload"] = pid
         done = threading.Event()
         box: list = []
 
-        def callback(result: Any, error: int) -> None:
-            if error == FAIL_REASON.SUCCESS and on_applied is not None:
+        def callback(result: Any, error: NotApplied | None) -> None:
+            if error is None and on_applied is not None:
                 result = on_applied(result)
             box.append((result, error))
             done.set()
 
         proposed = time.perf_counter()
-        self._entry(msgpack.packb(command, use_bin_type=True), callback=callback)
+        self.log.propose(msgpack.packb(command, use_bin_type=True), callback)
         if not done.wait(max(0.0, deadline - time.monotonic())):
-            raise Outcome("no commit before the request timeout", applied=None)
+            raise NotApplied("no commit before the request timeout", applied=None)
         result, error = box[0]
-        if error != FAIL_REASON.SUCCESS:
-            raise Outcome(f"raft reported failure code {error}", applied=False if error in NOT_APPLIED else None)
+        if error is not None:
+            raise error
         now = time.perf_counter()
         self.instruments.commit_seconds.observe(now - proposed)
         if command["op"] != "barrier":       # reads commit barriers: their latency is in commit_seconds
@@ -527,136 +390,28 @@ class RaftNode(SyncObj):
             return self.machine.read(names)
 
     def linearizable(self, fn: Callable[[TensorStore], Any]) -> Any:
-        """Run ``fn(machine)`` in the tick thread at a state that includes every write that
+        """Run ``fn(machine)`` in the log's thread at a state that includes every write that
         completed before this call began, and return its value: exactly the state at one version.
-        ``fn`` must be quick (it runs between applies) and may raise RaftpsError. Raises Outcome
+        ``fn`` must be quick (it runs between applies) and may raise RaftpsError. Raises NotApplied
         (the caller retries, possibly elsewhere) when this node cannot prove it may serve the read.
 
         read_mode "log": commit a barrier entry and run ``fn`` right after it is applied.
-        read_mode "readindex" (Raft dissertation 6.4, no log entry): see _serve_reads."""
+        read_mode "readindex" (Raft dissertation 6.4, no log entry): ReplicatedLog.read_index."""
         def run_now(_: Any = None) -> Any:
             try:
                 return fn(self.machine)
             except RaftpsError as exc:
                 return exc
-            except Exception as exc:      # a bug: it must cost this read, not the tick thread
+            except Exception as exc:      # a bug: it must cost this read, not the log's thread
                 log.exception("linearizable read failed")
                 return Internal(f"internal error: {exc!r}")
         if self.config.read_mode == "log":
             out = self.submit({"op": "barrier"}, on_applied=run_now)
         else:
-            out = self._read_index(run_now)
+            out = self.log.read_index(run_now, self.config.request_timeout)
         if isinstance(out, RaftpsError):
             raise out
         return out
-
-    def _read_index(self, run: Callable[[], Any]) -> Any:
-        read = _Read(run)
-        self._reads.put(read)
-        self._wake_tick()
-        if not read.done.wait(self.config.request_timeout):
-            read.cancelled = True            # the tick thread drops it; nothing was changed anywhere
-            raise Outcome("leadership not confirmed by a majority before the request timeout", applied=False)
-        if read.error is not None:
-            raise Outcome(read.error, applied=False)
-        return read.result
-
-    # ReadIndex, in the tick thread (pysyncobj's state is only consistent there):
-    # (1) the leader waits until an entry of its current term is committed: pysyncobj appends a
-    #     no-op when it becomes leader (``__onBecomeLeader``) and commits only entries of the current
-    #     term, so commitIndex >= that no-op's index means the commit index covers every entry any
-    #     earlier leader committed;
-    # (2) the read index is the commit index, read after the request arrived;
-    # (3) one probe per peer carries a round number sent after (2); a peer answers with its current
-    #     term. A round is confirmed when the leader plus peers that answered that round or a later
-    #     one (sent later still) with our term make a majority: at those moments no majority node
-    #     had moved past our term, so no later leader existed yet, and every write acknowledged
-    #     before the read began is at or below the read index. All reads that arrived before a
-    #     round was sent share it;
-    # (4) once lastApplied >= the read index, fn runs, still leader of the same term.
-    # No clocks, no leases: a paused or partitioned ex-leader gets no majority of acks in its term.
-
-    def _fail_reads(self, reads: list["_Read"], why: str) -> None:
-        for read in reads:
-            read.finish(error=why)
-
-    def _serve_reads(self) -> None:
-        leader = self._isLeader()
-        term = self.raftCurrentTerm
-        if not leader or term != self._ri_term:
-            why = "not the leader any more" if not leader else "a new term began before the read was served"
-            self._fail_reads(self._ri_early, why)
-            for _, _, reads in self._ri_confirming:
-                self._fail_reads(reads, why)
-            for _, reads in self._ri_ready:
-                self._fail_reads(reads, why)
-            self._ri_early, self._ri_confirming, self._ri_ready = [], [], []
-            self._ri_acks = {}
-            self._ri_term = term if leader else None
-            # __onBecomeLeader set it in this thread before this term could be seen as ours
-            noop = self._SyncObj__noopIDx
-            self._ri_noop = (noop if noop is not None else 1 << 62) if leader else 0
-        new = self._ri_early
-        self._ri_early = []
-        while True:
-            try:
-                read = self._reads.get_nowait()
-            except queue.Empty:
-                break
-            if not read.cancelled:
-                new.append(read)
-        if not leader:
-            leader_at = self.leader_client_address()
-            self._fail_reads(new, f"not the leader; leader is {leader_at or 'unknown'}")
-            return
-        if new:
-            commit = self._SyncObj__raftCommitIndex
-            if commit < self._ri_noop:                               # step (1)
-                self._ri_early = [r for r in new if not r.cancelled]
-            else:
-                self._ri_round += 1                                  # steps (2) and (3)
-                self._ri_confirming.append((self._ri_round, commit, new))
-                if self.config.read_confirm:
-                    for peer in self._SyncObj__otherNodes:
-                        send_read_probe(self, peer, term, self._ri_round)
-        # rounds whose every read gave up (a cut-off leader) need not be kept: later ones count alone
-        while self._ri_confirming and all(r.cancelled for r in self._ri_confirming[0][2]):
-            self._ri_confirming.pop(0)
-        self._confirm_rounds()
-        self._run_ready_reads()
-
-    def _on_read_ack(self, peer: Any, term: int, round_: int) -> None:
-        """A peer answered a probe (tick thread, from pysyncobj_fixes.install_read_probes)."""
-        if term != self._ri_term or term != self.raftCurrentTerm or not self._isLeader():
-            return
-        key = getattr(peer, "id", peer)
-        if round_ > self._ri_acks.get(key, 0):
-            self._ri_acks[key] = round_
-        self._confirm_rounds()
-        self._run_ready_reads()
-
-    def _confirm_rounds(self) -> None:
-        if not self._ri_confirming:
-            return
-        peers = self._SyncObj__otherNodes
-        majority = (len(peers) + 1) // 2 + 1
-        while self._ri_confirming:
-            round_, index, reads = self._ri_confirming[0]
-            if self.config.read_confirm:
-                votes = 1 + sum(1 for p in peers if self._ri_acks.get(getattr(p, "id", p), 0) >= round_)
-                if votes < majority:
-                    break                    # later rounds were sent later: none confirmed before this
-            self._ri_confirming.pop(0)
-            self.read_rounds += 1
-            self._ri_ready.append((index, reads))
-
-    def _run_ready_reads(self) -> None:
-        applied = self._SyncObj__raftLastApplied
-        while self._ri_ready and self._ri_ready[0][0] <= applied:   # step (4)
-            _, reads = self._ri_ready.pop(0)
-            for read in reads:
-                if not read.cancelled:
-                    read.finish(result=read.run())
 
     def linearizable_read(self, names: list[str] | None) -> tuple[dict, int]:
         return self.linearizable(lambda m: m.read(names))
@@ -700,35 +455,22 @@ class RaftNode(SyncObj):
                     "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram(),
                     "sync_applied": m.sync_applied, "version": m.version, "sessions": len(m.sessions)}
 
-    def _raft_status(self) -> dict:
-        # pysyncobj builds it from the tick thread's dicts; a rare concurrent resize is retried
-        for _ in range(3):
-            try:
-                return self.getStatus()
-            except RuntimeError:
-                continue
-        return self.getStatus()
-
     def metrics_view(self) -> dict:
         """What /metrics shows, cheap enough for every scrape: no digest (it hashes the store)."""
-        raft = self._raft_status()
+        raft = self.log.status()
         with self.lock:
             m = self.machine
             view = {"version": m.version, "tensors": len(m.tensors), "sessions": len(m.sessions),
                     "model_bytes": m.model_bytes(), "pushes": m.stats["pushes"], "rejected": m.stats["rejected"],
                     "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram()}
-        prefix, link = "match_idx_server_", "partner_node_status_server_"
-        return {**view, "role": ROLES.get(raft["state"], str(raft["state"])), "term": raft["raft_term"],
-                "commit": raft["commit_idx"], "applied": raft["last_applied"], "log_len": raft["log_len"],
-                "snapshot_index": self._snapshot_index,
-                "has_quorum": 1 if raft["has_quorum"] else 0,
-                "match": {k[len(prefix):]: v for k, v in raft.items() if k.startswith(prefix)},
-                "connected": {k[len(link):]: 1 if v == 2 else 0 for k, v in raft.items() if k.startswith(link)}}
+        return {**view, "role": raft.role, "term": raft.term, "commit": raft.commit, "applied": raft.applied,
+                "log_len": raft.log_len, "snapshot_index": self._snapshot_index,
+                "has_quorum": 1 if raft.has_quorum else 0, "match": raft.match, "connected": raft.connected}
 
     def status(self, digest: bool = True) -> dict:
         """This node's row of ``raftps status``. ``digest=False`` skips hashing the store (a poller
         such as ``raftps top`` would otherwise hash it at every new version)."""
-        raft = self._raft_status()
+        raft = self.log.status()
         with self.lock:
             version, model_bytes = self.machine.version, self.machine.model_bytes()
             digest = self.machine.digest() if digest else None
@@ -737,14 +479,14 @@ class RaftNode(SyncObj):
         return {
             "node": self.config.node_id,
             "address": self.config.address(self.config.node_id, self.config.client_offset),
-            "role": ROLES.get(raft["state"], str(raft["state"])),
-            "term": raft["raft_term"],
-            "applied": raft["last_applied"],
-            "commit": raft["commit_idx"],
+            "role": raft.role,
+            "term": raft.term,
+            "applied": raft.applied,
+            "commit": raft.commit,
             "version": version,
             "digest": digest,
-            "leader": self.leader_client_address(),
-            "log_len": raft["log_len"],
+            "leader": None if raft.leader is None else offset_address(raft.leader, self.config.client_offset),
+            "log_len": raft.log_len,
             "snapshot_index": self._snapshot_index,
             "model_bytes": model_bytes,
             "payload_disk_bytes": self.payloads.disk_bytes,
@@ -759,68 +501,46 @@ class RaftNode(SyncObj):
             "metrics": self.metrics_address,          # host:port of this node's /metrics, or None
             "pid": os.getpid(),
             "read_mode": self.config.read_mode,       # linearizable reads: readindex or log
-            "read_rounds": self.read_rounds,          # ReadIndex confirmation rounds completed
+            "read_rounds": raft.read_rounds,          # ReadIndex confirmation rounds completed
         }
 
     # ---- membership (raftps member ...) ----------------------------------------------------
 
     def change_members(self, action: str, address: str, timeout: float = 10.0) -> dict:
-        """Add or remove one member (Raft single-server changes, through pysyncobj's dynamic
-        membership: the change is a log entry, in force from the moment it is appended). On
-        the leader only. Idempotent: adding a member or removing a non-member changes nothing.
-        The leader cannot remove itself: it hands leadership to a caught-up follower and raises
-        Outcome, so the client retries with the new leader."""
+        """Add or remove one member (Raft single-server changes: the change is a log entry, in
+        force from the moment it is appended). On the leader only. Idempotent: adding a member
+        or removing a non-member changes nothing. The leader cannot remove itself: it hands
+        leadership to a caught-up follower and raises NotApplied, so the client retries with the
+        new leader."""
         if action == "add" and (address == self.config.raft_address or address in self._members) or \
                 action == "remove" and address != self.config.raft_address and address not in self._members:
             return {"changed": False, "members": self.members}
         if action == "remove" and address == self.config.raft_address:
             if not self._members:
                 raise InvalidRequest(f"{address} is the only member: a cluster cannot remove its last node")
-            self._transfer_leadership(timeout)
-            raise Outcome(f"{address} is the leader: leadership handed to another member; retry there", applied=False)
+            self.log.transfer_leadership(timeout)
+            raise NotApplied(f"{address} is the leader: leadership handed to another member; retry there", applied=False)
         done, box = threading.Event(), []
-
-        def callback(_result: Any, error: int) -> None:
-            box.append(error)
-            done.set()
-        change = self.addNodeToCluster if action == "add" else self.removeNodeFromCluster
-        self._tick_jobs.put(lambda: change(address, callback) or True)
-        self._wake_tick()
+        self.log.change_members(action, address, lambda ok, why: box.append((ok, why)) or done.set())
         if not done.wait(timeout):
-            raise Outcome(f"membership change not committed within {timeout:.0f} s", applied=None)
-        if box[0] != FAIL_REASON.SUCCESS:
-            # REQUEST_DENIED: an earlier change is not committed yet, or this leader's first entry is not
-            raise Outcome(f"membership change refused by Raft (code {box[0]}): another change may be "
-                          "under way; retry", applied=False)
+            raise NotApplied(f"membership change not committed within {timeout:.0f} s", applied=None)
+        ok, why = box[0]
+        if not ok:
+            raise NotApplied(f"membership change refused by Raft ({why}): another change may be "
+                             "under way; retry", applied=False)
         return {"changed": True, "members": self.members}
 
-    def _transfer_leadership(self, timeout: float) -> None:
-        """Ask pysyncobj (in the tick thread) to hand leadership to the most caught-up connected
-        follower; it refuses while that follower's log is behind, so try on every tick."""
-        deadline = time.monotonic() + timeout
-        sent = threading.Event()
-
-        def attempt() -> bool:
-            if sent.is_set() or time.monotonic() > deadline or not self._isLeader():
-                sent.set()
-                return True
-            self.transferLeadership(None, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
-            return sent.is_set()
-        self._tick_jobs.put(attempt)
-        self._wake_tick()
-        sent.wait(timeout)
-        end = time.monotonic() + min(timeout, 2 * self.config.election_timeout[1])
-        while self._isLeader() and time.monotonic() < end:
-            time.sleep(0.05)
-
     def is_connected(self, address: str) -> bool:
-        return self.isNodeConnected(TCPNode(address))
+        return self.log.is_connected(address)
+
+    def tick_thread_alive(self) -> bool:
+        return self.log.alive()
 
     def stop(self, snapshot_timeout: float = 30.0) -> None:
         """Stop gracefully: first a snapshot, so the data dir alone restores this node."""
-        target = self.raftLastApplied
+        target = self.log.applied_index
         if self._snapshot_index < target - 1:
-            self.forceLogCompaction()
+            self.log.compact()
             deadline = time.monotonic() + snapshot_timeout
             while self._snapshot_index < target - 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -828,5 +548,5 @@ class RaftNode(SyncObj):
         self._missing_event.set()
         self.data_server.close()
         self.peers.close()
-        self.destroy()
+        self.log.stop()
         self.payloads.drop_spares()

@@ -54,7 +54,7 @@ MIN_TOKEN_CHARS = 16
 # "group" (null or "": the default group), "ssp" (a push's {group, worker}).
 # An op missing here needs admin on every name; adding one is one entry.
 NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "hello": (None, ()), "status": (None, ()), "stats": (None, ()),
+    "hello": (None, ()), "status": (None, ()), "stats": (None, ()), "layout": (None, ()),
     "tensors": ("read", ()),
     "pull": ("read", ("names",)),
     "pull_rows": ("read", ("name",)),

@@ -331,7 +331,8 @@ SSP = Record({"group": (SSP_GROUP, True), "worker": (WORKER, True)}, "a map {gro
 
 
 def _op(fields: dict[str, tuple[Spec, bool]]) -> Record:
-    return Record({"op": (Str(), True), **fields}, "a request map")
+    # raft_group: which of the node's Raft groups serves the request (groups.py); 0 by default
+    return Record({"op": (Str(), True), "raft_group": (Int(0, 63), False), **fields}, "a request map")
 
 
 WRITE = {"client": (Str("a client id (1-64 characters from [A-Za-z0-9_-])", CLIENT_PATTERN), True),
@@ -342,6 +343,7 @@ OPS: dict[str, Record] = {
     "hello": _op({"token": (Str("a token string", max_len=MAX_TOKEN, nullable=True), False)}),
     "status": _op({"digest": (Bool(), False)}),
     "stats": _op({}),
+    "layout": _op({}),
     "tensors": _op({"prefix": (Str("a name prefix (0-200 characters from [A-Za-z0-9_.:/-])",
                                    re.compile(r"[A-Za-z0-9_.:/\-]{0,200}"), nullable=True), False)}),
     "pull": _op({"names": (ListOf(NAME, nullable=True), False), **STALE_READ}),

@@ -23,7 +23,9 @@ from . import auth, codec, rbac, schema
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result)
 from .machine import check_finite, check_group, check_tensors, snapshot_digest
-from .node import Outcome, RaftNode
+from .groups import Layout
+from .node import RaftNode, offset_address
+from .raft import NotApplied
 from .rbac import Identity
 
 log = logging.getLogger("raftps.server")
@@ -37,8 +39,13 @@ def _retry(message: str, **extra: Any) -> dict:
 
 
 class ClientServer:
-    def __init__(self, node: RaftNode, host: str, port: int, authorizer: rbac.Authorizer | None = None):
-        self.node = node
+    def __init__(self, replicas: RaftNode | dict[int, RaftNode], host: str, port: int,
+                 authorizer: rbac.Authorizer | None = None, layout: Layout | None = None):
+        """``replicas``: this node's replica of each Raft group it hosts (one RaftNode: group 0
+        of a one-group cluster). Requests name their group (``raft_group``, default 0)."""
+        self.replicas = replicas if isinstance(replicas, dict) else {0: replicas}
+        self.node = node = self.replicas[min(self.replicas)]   # the node's first replica: config, metrics
+        self.layout = layout
         config = node.config
         self.limits = config.limits
         # Who may connect and what each identity may do (rbac.py); reloaded as its files change.
@@ -57,8 +64,8 @@ class ClientServer:
         self._bytes_in = self.instruments.client_bytes.labels("in")
         self._bytes_out = self.instruments.client_bytes.labels("out")
         self._handlers: dict[str, Callable[[dict, Identity], dict]] = {
-            "status": lambda req, ident: {**self.node.status(digest=req.get("digest", True) is not False),
-                                          "connections": self.open_connections()},
+            "status": self._status,
+            "layout": self._layout,
             "stats": self._stats,
             "pull": self._pull,
             "pull_rows": self._pull_rows,
@@ -213,7 +220,9 @@ class ClientServer:
             if handler is None:
                 raise InvalidRequest(f"op {request['op']!r} is not served here (known: {sorted(self._handlers)})")
             rbac.authorize(identity, request)     # every name the request carries, before it runs
-            return handler(request, identity)
+            if handler in (self._status, self._layout):
+                return handler(request, identity)
+            return handler(self._replica(request), request, identity)
         except RaftpsError as exc:
             reply = error_result(type(exc), str(exc))
             if not getattr(exc, "submitted", False):
@@ -223,14 +232,39 @@ class ClientServer:
             log.exception("request failed")
             return {"error": "Internal", "message": f"internal error: {exc!r}"}
 
-    def _not_leader(self) -> dict | None:
-        if self.node.is_leader():
+    def _replica(self, request: dict) -> RaftNode:
+        group = request.get("raft_group", 0)
+        node = self.replicas.get(group)
+        if node is None:
+            hosted = sorted(self.replicas)
+            raise InvalidRequest(f"this node hosts Raft groups {hosted}, not {group}: ask a member of group "
+                                 f"{group} (the client finds them with the layout op)")
+        return node
+
+    def _status(self, req: dict, identity: Identity) -> dict:
+        """This node's row for its first group; with several groups, ``groups`` has a row per
+        hosted group (each with its ``group``)."""
+        digest = req.get("digest", True) is not False
+        rows = [{**node.status(digest=digest), "group": g} for g, node in sorted(self.replicas.items())]
+        return {**rows[0], "connections": self.open_connections(), "groups": rows}
+
+    def _layout(self, req: dict, identity: Identity) -> dict:
+        """How many Raft groups, which nodes are members of each, and every node's client address."""
+        offset = self.node.config.client_offset
+        if self.layout is None:
+            return {"groups": 1, "nodes": [], "members": {0: []}}
+        return {"groups": self.layout.groups,
+                "nodes": [offset_address(a, offset) for a in self.layout.nodes],
+                "members": {g: self.layout.members(g) for g in range(self.layout.groups)}}
+
+    def _not_leader(self, node: RaftNode) -> dict | None:
+        if node.is_leader():
             return None
-        leader = self.node.leader_client_address()
+        leader = node.leader_client_address()
         return _retry(f"not the leader; leader is {leader or 'unknown'}", not_leader=True, leader=leader)
 
-    def _write(self, req: dict, identity: Identity) -> dict:
-        redirect = self._not_leader()
+    def _write(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        redirect = self._not_leader(node)
         if redirect:
             return redirect
         # The schema checked client, seq, ack and every other field (schema.py).
@@ -242,34 +276,34 @@ class ClientServer:
                 check_finite(name, arr, "initial value" if req["op"] == "create" else
                              "value" if req["op"] == "assign" else "gradient")
         try:
-            return self.node.submit(command, tensors)
-        except Outcome as outcome:
+            return node.submit(command, tensors)
+        except NotApplied as outcome:
             return _retry(str(outcome), unknown=outcome.applied is None)
         except RaftpsError as exc:
             exc.submitted = True
             raise
 
-    def _pull(self, req: dict, identity: Identity) -> dict:
+    def _pull(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         names = req.get("names")
         readable = None if identity.unrestricted else (lambda n: identity.allows("read", n))
         if req.get("linearizable", True):
-            read = self._linearizable(lambda m: m.read(names if names is not None or readable is None
+            read = self._linearizable(node, lambda m: m.read(names if names is not None or readable is None
                                                          else [n for n in sorted(m.tensors) if readable(n)]))
             if isinstance(read, dict):
                 return read
             tensors, version = read
         else:
-            behind = self._behind(req)
+            behind = self._behind(node, req)
             if behind:
                 return behind
-            tensors, version = self.node.read(names)
+            tensors, version = node.read(names)
             if names is None and readable is not None:        # all the identity may read
                 tensors = {n: t for n, t in tensors.items() if readable(n)}
         return {"version": version,
                 "tensors": {name: t.data for name, t in tensors.items()},
                 "tensor_versions": {name: t.version for name, t in tensors.items()}}
 
-    def _pull_rows(self, req: dict, identity: Identity) -> dict:
+    def _pull_rows(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """Some rows of one tensor, copied under the apply lock (or in the tick thread): O(rows)."""
         name, rows = req.get("name"), req.get("rows")
 
@@ -277,44 +311,44 @@ class ClientServer:
             values, tensor_version, version = m.read_rows(name, rows)
             return {"version": version, "rows": values, "tensor_version": tensor_version}
         if req.get("linearizable", True):
-            return self._linearizable(read)
-        behind = self._behind(req)
+            return self._linearizable(node, read)
+        behind = self._behind(node, req)
         if behind:
             return behind
-        with self.node.lock:
-            return read(self.node.machine)
+        with node.lock:
+            return read(node.machine)
 
-    def _behind(self, req: dict) -> dict | None:
+    def _behind(self, node: RaftNode, req: dict) -> dict | None:
         """A read from any node: None once this node has applied the request's min_version
         (waiting up to its ``wait``, at most 10 s), else the reply that sends the client on."""
         min_version = req.get("min_version") or 0
         if type(min_version) is not int:
             raise InvalidRequest("min_version must be an int")
-        if self.node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
+        if node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
             return None
-        return _retry(f"this node has applied only up to {self.node.machine.version} < {min_version}", behind=True)
+        return _retry(f"this node has applied only up to {node.machine.version} < {min_version}", behind=True)
 
-    def _linearizable(self, fn: Callable[[Any], Any]) -> Any:
+    def _linearizable(self, node: RaftNode, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or
         the reply that sends the client on."""
-        redirect = self._not_leader()
+        redirect = self._not_leader(node)
         if redirect:
             return redirect
         try:
-            return self.node.linearizable(fn)
-        except Outcome as outcome:
+            return node.linearizable(fn)
+        except NotApplied as outcome:
             return _retry(str(outcome))
 
-    def _tensors(self, req: dict, identity: Identity) -> dict:
+    def _tensors(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         # Metadata only, taken in the tick thread: no array leaves the state machine. Only the
         # tensors under ``prefix`` that the identity may read.
         prefix = req.get("prefix") or ""
-        return self._linearizable(lambda m: {"version": m.version, "tensors": [
+        return self._linearizable(node, lambda m: {"version": m.version, "tensors": [
             {"name": n, "dtype": str(t.data.dtype), "shape": list(t.data.shape), "version": t.version,
              "optimizer": t.optimizer} for n, t in sorted(m.tensors.items())
             if n.startswith(prefix) and (identity.unrestricted or identity.allows("read", n))]})
 
-    def _export(self, req: dict, identity: Identity) -> dict:
+    def _export(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """Every tensor whose name starts with ``prefix``, with the store's version and digest,
         all from one state read through the leader's log (``raftps export``)."""
         prefix = req.get("prefix")
@@ -324,7 +358,7 @@ class ClientServer:
         def take(m: Any) -> dict:        # tick thread: no copy, no hashing
             return {"version": m.version, "snap": m.snapshot(),
                     "chosen": [(n, t) for n, t in sorted(m.tensors.items()) if n.startswith(prefix)]}
-        out = self._linearizable(take)
+        out = self._linearizable(node, take)
         if "snap" not in out:
             return out                   # a redirect or a retry
         chosen = out["chosen"]
@@ -332,73 +366,73 @@ class ClientServer:
                 "tensors": {n: t.data for n, t in chosen}, "tensor_versions": {n: t.version for n, t in chosen},
                 "optimizers": {n: t.optimizer for n, t in chosen}}
 
-    def _snapshot(self, req: dict, identity: Identity) -> dict:
+    def _snapshot(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """The whole state machine at one version with its digest (``raftps snapshot save``):
         taken between two applies in the tick thread, hashed and encoded outside it."""
-        out = self._linearizable(lambda m: {"version": m.version, "snap": m.snapshot()})
+        out = self._linearizable(node, lambda m: {"version": m.version, "snap": m.snapshot()})
         if "snap" not in out:
             return out
         return {"version": out["version"], "digest": snapshot_digest(out["snap"]), "snapshot": out["snap"]}
 
-    def _member(self, req: dict, identity: Identity) -> dict:
+    def _member(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """raftps member list|add|remove|replace: one Raft single-server change at a time, on
         the leader. Each step is idempotent, so a retried replace goes on where it stopped."""
         action = req.get("action")
         if action not in ("list", "add", "remove", "replace"):
             raise InvalidRequest("member needs action: list, add, remove or replace")
-        redirect = self._not_leader()
+        redirect = self._not_leader(node)
         if redirect:
             return redirect
         if action == "list":
-            return {"members": self.node.members, "leader": self.node.config.raft_address}
+            return {"members": node.members, "leader": node.config.raft_address}
         new = _raft_address(req.get("node"))
         old = _raft_address(req.get("old")) if action == "replace" else None
         if old == new:
             raise InvalidRequest(f"replace {old} with itself")
         try:
             if action != "replace":
-                return self.node.change_members(action, new)
+                return node.change_members(action, new)
             # A live old member stays until the new one is in (a 3-node cluster keeps its majority
             # with one node down either way); a dead one goes first, so that the new member's
             # entry commits with the live ones before the new node is even up.
-            steps = [("add", new), ("remove", old)] if self.node.is_connected(old) or \
-                old == self.node.config.raft_address else [("remove", old), ("add", new)]
+            steps = [("add", new), ("remove", old)] if node.is_connected(old) or \
+                old == node.config.raft_address else [("remove", old), ("add", new)]
             changed = False
             for step, address in steps:
-                changed = self.node.change_members(step, address)["changed"] or changed
-            return {"changed": changed, "members": self.node.members}
-        except Outcome as outcome:
-            return _retry(str(outcome), not_leader=not self.node.is_leader(), leader=None,
+                changed = node.change_members(step, address)["changed"] or changed
+            return {"changed": changed, "members": node.members}
+        except NotApplied as outcome:
+            return _retry(str(outcome), not_leader=not node.is_leader(), leader=None,
                           unknown=outcome.applied is None)
 
-    def _stats(self, req: dict, identity: Identity) -> dict:
-        return self._not_leader() or self.node.stats()
+    def _stats(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        return self._not_leader(node) or node.stats()
 
-    def _wait_step(self, req: dict, identity: Identity) -> dict:
-        redirect = self._not_leader()
+    def _wait_step(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        redirect = self._not_leader(node)
         if redirect:
             return redirect
         step = req.get("step")
         if type(step) is not int:
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
         group = check_group(req.get("group"))
-        return {"version": self.node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0), group)}
+        return {"version": node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0), group)}
 
-    def _sync_applied(self, req: dict, identity: Identity) -> dict:
+    def _sync_applied(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         group = check_group(req.get("group"))
-        return self._linearizable(lambda m: {"version": m.version, "applied": m.sync_step_applied(group)})
+        return self._linearizable(node, lambda m: {"version": m.version, "applied": m.sync_step_applied(group)})
 
-    def _ssp_wait(self, req: dict, identity: Identity) -> dict:
-        redirect = self._not_leader()
+    def _ssp_wait(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        redirect = self._not_leader(node)
         if redirect:
             return redirect
         group, worker = req.get("group"), req.get("worker")
         if not isinstance(group, str) or not isinstance(worker, str):
             raise InvalidRequest("ssp_wait needs group (str), worker (str) and timeout (seconds)")
-        return self.node.wait_ssp(group, worker, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))
+        return node.wait_ssp(group, worker, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))
 
     def close(self) -> None:
-        self.sock.close()
+        codec.close_listener(self.sock)
 
 
 def _raft_address(value: Any) -> str:

@@ -4,7 +4,7 @@ import zlib
 
 import pytest
 
-from raftps import stored_zlib
+from raftps.raft import stored_zlib
 
 
 @pytest.mark.parametrize("size", [0, 1, 200, 65534, 65535, 65536, 65537, 3 * 65535, 1 << 20])

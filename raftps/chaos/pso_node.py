@@ -5,7 +5,7 @@
 
 It holds a replicated counter with journal and dump files, writes 20 commands of 1 KiB a second
 itself (sync, 2 s timeout, as a trainer would), and every 0.2 s writes its getStatus() to
-DIR/status.json. It exits by itself after --seconds. --fix installs raftps.pysyncobj_fixes.
+DIR/status.json. It exits by itself after --seconds. --fix installs raftps.raft.pysyncobj_fixes.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.dir, exist_ok=True)
     node = Counter(args.self, args.partners.split(","), args.dir)
     if args.fix:
-        from ..pysyncobj_fixes import install
+        from ..raft.pysyncobj_fixes import install
         install(node)
     end = time.monotonic() + args.seconds
 

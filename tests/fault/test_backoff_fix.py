@@ -1,5 +1,5 @@
 """The back-off fix's two rules on their own (the live reproduction is test_livelock.py)."""
-from raftps.pysyncobj_fixes import commit_guard, follower_hint, leader_filter
+from raftps.raft.pysyncobj_fixes import commit_guard, follower_hint, leader_filter
 
 
 def reply(idx: int, reset: bool = True, success: bool = False) -> dict:

@@ -1,5 +1,5 @@
 """Network partitions (case 5): iptables rules inside per-node namespaces; clients in the root
-namespace still reach every node. Nodes run with raftps.pysyncobj_fixes installed, as always."""
+namespace still reach every node. Nodes run with raftps.raft.pysyncobj_fixes installed, as always."""
 from __future__ import annotations
 
 import pytest

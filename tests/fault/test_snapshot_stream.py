@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from raftps.pysyncobj_fixes import RESTART_SNAPSHOT, install
+from raftps.raft.pysyncobj_fixes import RESTART_SNAPSHOT, install
 from tests.conftest import wait_converged
 
 N = 8 << 20                       # float32: a 32 MiB model, 32 snapshot chunks of 1 MiB

@@ -1,0 +1,64 @@
+"""Where data lives when a cluster runs several Raft groups (``--groups G``): pure functions.
+
+N nodes (``--peers``, node ids 1..N) host G groups. Group 0 is the cluster of one group, as
+always: with G = 1 every node is a member. With G > 1 each group has R = min(3, N) members, group
+g on nodes g, g+1, ..., g+R-1 (mod N), so every node hosts about G*R/N replicas and adding nodes
+adds capacity. A tensor lives in group ``group_of(name)``: a hash of its name, the same on every
+client and node (no placement table to keep in step).
+
+Ports: node i's group g listens for Raft on the node's Raft port + STRIDE*g and for payloads on
+that + 200 (the data-plane offset); the node's client port (+100) and metrics (+300) are group 0's
+block and serve every group it hosts. Data: group 0 in the node's data dir, group g in its
+``group<g>`` subdirectory.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+STRIDE = 400
+REPLICAS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: tuple[str, ...]          # every node's Raft address (group 0's), in node-id order
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.groups, int) or not 1 <= self.groups <= 64:
+            raise ValueError(f"groups must be an int in 1..64, not {self.groups!r}")
+
+    @property
+    def replicas(self) -> int:
+        return len(self.nodes) if self.groups == 1 else min(REPLICAS, len(self.nodes))
+
+    def members(self, group: int) -> list[int]:
+        """Node ids of ``group``'s members, in the order that numbers them inside the group."""
+        n = len(self.nodes)
+        return sorted(((group + k) % n) + 1 for k in range(self.replicas))
+
+    def hosted_by(self, node: int) -> list[int]:
+        return [g for g in range(self.groups) if node in self.members(g)]
+
+    def raft_address(self, node: int, group: int) -> str:
+        host, port = self.nodes[node - 1].rsplit(":", 1)
+        return f"{host}:{int(port) + STRIDE * group}"
+
+    def peers(self, group: int) -> list[str]:
+        """``group``'s members' Raft addresses (its --peers)."""
+        return [self.raft_address(m, group) for m in self.members(group)]
+
+    def group_of(self, name: str) -> int:
+        return group_of(name, self.groups)
+
+
+def group_of(name: str, groups: int) -> int:
+    if groups == 1:
+        return 0
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % groups
+
+
+def data_dir(node_data_dir: str, group: int) -> str:
+    return node_data_dir if group == 0 else os.path.join(node_data_dir, f"group{group}")

@@ -1,0 +1,165 @@
+"""The seam between raftps and its Raft library.
+
+A replica (raftps/node.py) and the Raft library meet here, in the spirit of hashicorp/raft's FSM
+and etcd's raftexample: the replica proposes opaque entries to a ``ReplicatedLog`` and hands it an
+``Applier``, which the log calls back to apply committed entries in order and to save and load
+snapshots. Neither side imports the other's module. Implementations:
+
+* ``raftps.raft.pysyncobj_log.SyncObjLog``: pysyncobj, over TCP, with the fixes of
+  ``pysyncobj_fixes.py``; the only module of raftps that imports pysyncobj's syncobj.
+* ``raftps.raft.memory.MemoryLog``: one member, in memory, for fast in-process tests.
+
+Every ``Applier`` callback runs in the log's one thread (pysyncobj's tick thread), never two at
+once; ``apply`` sees indices 1, 2, 3, ... in order (index 1 may be the library's own entry, which
+never reaches ``apply``).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+
+class NotReady(Exception):
+    """Raised by ``Applier.apply``: this entry cannot be applied yet (its payload is on its way).
+    The log stops before it, keeps serving heartbeats, and tries it again after ``wake()``."""
+
+
+class NotApplied(Exception):
+    """A proposal or read that did not complete. ``applied`` is False when it certainly had no
+    effect (the caller may retry anywhere) and None when it may still be applied."""
+
+    def __init__(self, message: str, applied: bool | None):
+        super().__init__(message)
+        self.applied = applied
+
+
+# Raft's boundary entries of a snapshot: (the library's entry bytes, index, term).
+Entry = tuple[bytes, int, int]
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """What the Raft library stores in a snapshot beside the state machine."""
+    last: Entry                 # the last entry the snapshot covers
+    previous: Entry             # the one before it (pysyncobj keeps both after a compaction)
+    members: list[str]          # Raft addresses of every member; [] = not known (a seeded backup)
+
+    @property
+    def index(self) -> int:
+        return self.last[1]
+
+
+class Applier(Protocol):
+    """What a replica hands its log. All calls come from the log's thread, one at a time."""
+
+    def apply(self, entry: bytes, index: int) -> Any:
+        """Apply the committed ``entry`` at ``index``; the value goes to the proposer's callback.
+        Raise NotReady to stop before it; any other exception is a bug of the applier."""
+
+    def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
+        """Write the state through ``meta.index`` to ``path`` (the log renames it into place)."""
+
+    def load_snapshot(self, path: str) -> SnapshotMeta:
+        """Replace the state by the snapshot at ``path`` and say what it covers."""
+
+    def tick(self) -> None:
+        """Called on every turn of the log's loop (at least every 50 ms): housekeeping."""
+
+
+@dataclass
+class RaftSettings:
+    address: str                               # this member's Raft address host:port
+    others: list[str]                          # every other member's
+    data_dir: str                              # journal and snapshot live here
+    secret: bytes                              # peer authentication; b"" = none (loopback tests only)
+    bind: str | None = None                    # host:port to listen on (default: address)
+    heartbeat: float = 0.1
+    election_timeout: tuple[float, float] = (0.75, 1.5)
+    leader_fallback: float = 1.875             # a leader without a majority steps down after this
+    compaction_entries: int = 2000             # a snapshot after this many entries
+    read_confirm: bool = True                  # ReadIndex's confirmation round (False: tests only, UNSAFE)
+
+
+@dataclass
+class RaftStatus:
+    role: str                                  # "leader" | "follower" | "candidate"
+    term: int
+    commit: int
+    applied: int
+    log_len: int
+    has_quorum: bool
+    leader: str | None                         # the leader's Raft address, if known
+    match: dict[str, int] = field(default_factory=dict)       # leader: each peer's match index
+    connected: dict[str, int] = field(default_factory=dict)   # each peer: 1 when connected
+    read_rounds: int = 0                       # ReadIndex confirmation rounds completed
+
+
+class ReplicatedLog(ABC):
+    """A Raft log that orders opaque entries and applies them through an ``Applier``."""
+    address: str
+
+    @abstractmethod
+    def propose(self, entry: bytes, done: Callable[[Any, NotApplied | None], None]) -> None:
+        """Append ``entry`` (on the leader); ``done(result, None)`` runs in the log's thread right
+        after it is applied, or ``done(None, NotApplied)`` if it will not be (or may not be)."""
+
+    @abstractmethod
+    def read_index(self, run: Callable[[], Any], timeout: float) -> Any:
+        """Linearizable read without a log entry (Raft's ReadIndex): run ``run()`` in the log's
+        thread once this member, still leader, has applied every entry committed before the call.
+        Raises NotApplied(applied=False) when it cannot prove that in ``timeout``."""
+
+    @abstractmethod
+    def is_leader(self) -> bool: ...
+
+    @abstractmethod
+    def leader(self) -> str | None:
+        """The leader's Raft address as this member knows it."""
+
+    @abstractmethod
+    def others(self) -> list[str]:
+        """Every other member's Raft address (membership changes move it)."""
+
+    @abstractmethod
+    def status(self) -> RaftStatus: ...
+
+    @property
+    @abstractmethod
+    def applied_index(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def commit_index(self) -> int: ...
+
+    @abstractmethod
+    def compact(self) -> None:
+        """Take a snapshot soon (``Applier.save_snapshot``) and drop the log it covers."""
+
+    @abstractmethod
+    def install(self, meta_index: int, restore: Callable[[], None]) -> None:
+        """In the log's thread: if ``meta_index`` is past what is applied, run ``restore()`` (which
+        replaces the state by a snapshot through ``meta_index``) and mark it applied. The log
+        itself is untouched. For an entry whose payload is gone from every member."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Run the log's loop now (an entry that was NotReady may be ready)."""
+
+    @abstractmethod
+    def change_members(self, action: str, address: str, done: Callable[[bool, str], None]) -> None:
+        """Add ("add") or remove ("remove") one member, one change at a time; ``done(ok, why)``."""
+
+    @abstractmethod
+    def transfer_leadership(self, timeout: float) -> None:
+        """Hand leadership to a caught-up member; returns once this one is not leader (or timeout)."""
+
+    @abstractmethod
+    def is_connected(self, address: str) -> bool: ...
+
+    @abstractmethod
+    def alive(self) -> bool:
+        """False once the log's thread has died (the process should exit and be restarted)."""
+
+    @abstractmethod
+    def stop(self) -> None: ...
