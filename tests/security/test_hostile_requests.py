@@ -180,7 +180,7 @@ F = np.ones(8, np.float32)
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"a b": F}}, InvalidRequest,
      "push: tensors key 'a b': expected a tensor name"),
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "id": 3}, InvalidRequest,
-     "push: id: unknown field (this map takes ack, base_version, client, encoding, op, seq, ssp, tensors)"),
+     "push: id: unknown field (this map takes ack, base_version, client, encoding, op, raft_group, seq, ssp, tensors)"),
     ({"op": "create", "client": "c", "seq": 1, "tensors": {"w": F}, "optimizer": {"w": {"name": "adam", "lr": F}}},
      InvalidOptimizer, "create: optimizer['w'].lr: expected a finite number > 0, got an array"),
     ({"op": "create", "client": "c", "seq": 1, "tensors": {"w": F},
@@ -202,7 +202,7 @@ F = np.ones(8, np.float32)
     ({"op": "wait_step", "step": 1.0}, InvalidRequest, "wait_step: step: expected an int, got a float 1.0"),
     ({"op": "ssp_join", "client": "c", "seq": 1, "group": "g", "worker": "w", "staleness": -1}, InvalidRequest,
      "ssp_join: staleness: expected an int >= 0, got an int -1"),
-    ({"op": "status", "x": 1}, InvalidRequest, "status: x: unknown field (this map takes digest, op)"),
+    ({"op": "status", "x": 1}, InvalidRequest, "status: x: unknown field (this map takes digest, op, raft_group)"),
     ({"op": F}, InvalidRequest, "a request is a map with an 'op' string, got op an array"),
     ([1, 2], InvalidRequest, "a request is a map with an 'op' string, got a list"),
 ])
