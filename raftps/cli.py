@@ -53,6 +53,7 @@ def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str |
 
 
 def serve(args: argparse.Namespace) -> int:
+    from .groups import Layout, group_config
     from .node import NodeConfig, RaftNode
     from .rbac import Authorizer
     from .server import ClientServer
@@ -86,8 +87,11 @@ def serve(args: argparse.Namespace) -> int:
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
                         idle_timeout=args.idle_timeout, metrics_port=args.metrics_port,
                         read_mode=args.read_mode, read_confirm=not args.unsafe_skip_read_confirm)
-    node = RaftNode(config)
-    server = ClientServer(node, *config.bind(config.client_offset), authorizer=authorizer)
+    layout = Layout(tuple(peers), args.groups)
+    replicas = {g: RaftNode(group_config(config, layout, g)) for g in layout.hosted_by(args.id)}
+    node = replicas[min(replicas)]             # its metrics and status stand for the node
+    server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer, layout=layout,
+                          client_offset=config.client_offset)
     metrics_at = config.metrics_bind()
     if metrics_at is not None:
         from . import metrics
@@ -103,12 +107,13 @@ def serve(args: argparse.Namespace) -> int:
           f"data plane {config.address(args.id, config.data_offset)}, metrics {node.metrics_address or 'off'}",
           flush=True)
     while not stop.wait(1.0):
-        if not node.tick_thread_alive():
+        if not all(r.tick_thread_alive() for r in replicas.values()):
             print(f"node {args.id}: the raft tick thread died; exiting so a supervisor restarts the node",
                   file=sys.stderr)
             return 1
     server.close()
-    node.stop()
+    for replica in replicas.values():
+        replica.stop()
     return 0
 
 
@@ -300,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", required=True, help="every node's Raft address host:port, comma-separated, in node order"
                    " (client port = Raft port + 100, data-plane port = Raft port + 200)")
     p.add_argument("--data-dir", required=True)
+    p.add_argument("--groups", type=int, default=1,
+                   help="Raft groups the tensors are sharded over (the same on every node): with G > 1 each "
+                        "group has 3 members, group g on nodes g+1..g+3 (mod N), Raft port + 400 g")
     p.add_argument("--secret-file", default=None, help="file holding the cluster's peer secret (>= 16 bytes)")
     p.add_argument("--token-file", default=None,
                    help="file holding the client token; when given, every client must present it")

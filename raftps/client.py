@@ -3,6 +3,11 @@
 Each Client is a new session (a random client id, never reused) and numbers its writes 1, 2, ...
 A write is retried with the same (client id, seq) until it gets a definite answer or the
 client's timeout passes, so a retry after a lost reply or a leader change is applied once.
+
+A cluster of several Raft groups (``serve --groups G``, groups.py) is one store to the caller:
+the client learns the layout once, sends each tensor's part of a request to its group's leader
+and numbers its writes per group (a session per group). A write is atomic and exactly-once
+within each group; versions are then ``{group: version}`` maps (an int with one group).
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import auth, codec
+from . import auth, codec, groups
+from .compress import INDICES_SUFFIX
 from .errors import AuthenticationFailed, ProtocolError, RaftpsError, StepTimeout, Unavailable, raise_for
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
@@ -66,10 +72,13 @@ class Client:
         self.attempt_timeout = attempt_timeout
         self.limits = limits
         self.client_id = uuid.uuid4().hex
-        self._seq = 0
+        self._seqs: dict[int, int] = {}           # Raft group -> the last seq this session used in it
         self._lock = threading.RLock()
         self._conns: dict[str, socket.socket] = {}
-        self._leader: str | None = None
+        self._leaders: dict[int, str] = {}        # Raft group -> its leader's client address, as last seen
+        self._groups: int | None = None           # Raft groups in the cluster, once the layout is known
+        self._routes: dict[int, list[str]] = {}   # Raft group -> its members' client addresses
+        self._synced: dict[str, set[int]] = {}    # sync group -> Raft groups this client contributed to
         self._rotation = random.randrange(len(self.addresses))
 
     # ---- transport ------------------------------------------------------------------------
@@ -141,22 +150,29 @@ class Client:
             raise ProtocolError(f"node {address} sent a reply that is not a map")
         return reply
 
-    def _next_address(self) -> str:
-        self._rotation = (self._rotation + 1) % len(self.addresses)
-        return self.addresses[self._rotation]
+    def _next_address(self, addresses: list[str]) -> str:
+        self._rotation = (self._rotation + 1) % len(addresses)
+        return addresses[self._rotation]
 
-    def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None) -> dict:
-        """Send until a definite reply; raise its error, or Unavailable at the deadline."""
+    def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
+                 raft_group: int = 0) -> dict:
+        """Send to Raft group ``raft_group``'s members until a definite reply; raise its error, or
+        Unavailable at the deadline."""
+        group = raft_group
         deadline = time.monotonic() + self.timeout
         attempt_timeout = attempt_timeout or self.attempt_timeout
-        target = self._leader if to_leader and self._leader else self._next_address()
+        addresses = self._routes.get(group, self.addresses)
+        if group:
+            message = {**message, "raft_group": group}
+        known = self._leaders.get(group)
+        target = known if to_leader and known else self._next_address(addresses)
         last_problem = "no attempt made"
         pause = 0.02
         uncertain = False       # an attempt may have reached a log (no answer, or "unknown")
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Unavailable(f"{message['op']}: no definite answer from {','.join(self.addresses)} "
+                raise Unavailable(f"{message['op']}: no definite answer from {','.join(addresses)} "
                                   f"within {self.timeout:.1f} s (last: {last_problem})")
             try:
                 reply = self._call(target, message, min(left, attempt_timeout))
@@ -166,213 +182,323 @@ class Client:
             except (OSError, ConnectionError) as exc:
                 uncertain = True
                 last_problem = f"{target}: {exc or type(exc).__name__}"
-                if target == self._leader:
-                    self._leader = None
-                target = self._next_address()
+                if self._leaders.get(group) == target:
+                    del self._leaders[group]
+                target = self._next_address(addresses)
                 time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, MAX_RETRY_PAUSE)
                 continue
             if not reply.get("retry"):
                 if to_leader:
-                    self._leader = target
+                    self._leaders[group] = target
                 if uncertain:         # an earlier attempt may have reached a log: not "refused"
                     reply.pop("refused", None)
                 return raise_for(reply)
             last_problem = f"{target}: {reply.get('message', 'retry')}"
             if reply.get("not_leader") or reply.get("behind"):
                 leader = reply.get("leader")
-                if leader and leader not in self.addresses:
-                    self.addresses.append(leader)     # a node we were not told of: follow it
+                if leader and leader not in addresses:
+                    addresses.append(leader)          # a node we were not told of: follow it
                 if leader and leader != target and to_leader:
-                    target = self._leader = leader
+                    target = self._leaders[group] = leader
                     continue
-                target = self._next_address()
+                target = self._next_address(addresses)
             elif reply.get("unknown"):
                 uncertain = True
                 # That node could not commit in its request timeout: likely cut off from the others.
-                if target == self._leader:
-                    self._leader = None
-                target = self._next_address()
+                if self._leaders.get(group) == target:
+                    del self._leaders[group]
+                target = self._next_address(addresses)
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, MAX_RETRY_PAUSE)
 
-    def _write(self, op: str, **fields: Any) -> dict:
+    def _write(self, op: str, raft_group: int = 0, **fields: Any) -> dict:
+        group = raft_group
         with self._lock:
-            self._seq += 1
+            seq = self._seqs[group] = self._seqs.get(group, 0) + 1
             # One request at a time per client, so every earlier seq has been answered: ack = seq.
             try:
-                return self._request({"op": op, "client": self.client_id, "seq": self._seq, "ack": self._seq,
-                                      **fields})
+                return self._request({"op": op, "client": self.client_id, "seq": seq, "ack": seq, **fields},
+                                     raft_group=group)
             except RaftpsError as exc:
                 # Refused by the node before it reached any log (schema, role, limit): the seq was
                 # never used, so the next write takes it. Otherwise the store would see this
                 # client's first write with ack > 1 and no session, and answer SessionExpired.
                 if getattr(exc, "refused", False):
-                    self._seq -= 1
+                    self._seqs[group] -= 1
                 raise
+
+    # ---- Raft groups -----------------------------------------------------------------------
+
+    def groups(self) -> int:
+        """How many Raft groups the cluster shards tensors over (asked once, then cached)."""
+        with self._lock:
+            if self._groups is None:
+                reply = self._request({"op": "layout"}, to_leader=False)
+                if reply["groups"] > 1:
+                    nodes = reply["nodes"]
+                    self._routes = {g: [nodes[m - 1] for m in members] for g, members in enumerate(reply["members"])}
+                self._groups = reply["groups"]
+            return self._groups
+
+    def group_of(self, name: str) -> int:
+        """The Raft group that holds tensor ``name`` (an index tensor goes with its tensor)."""
+        if name.endswith(INDICES_SUFFIX):
+            name = name[:-len(INDICES_SUFFIX)]
+        return groups.group_of(name, self.groups())
+
+    def _split(self, named: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        parts: dict[int, dict[str, Any]] = {}
+        for name, value in named.items():
+            parts.setdefault(self.group_of(name), {})[name] = value
+        return dict(sorted(parts.items()))
+
+    def _each_group(self, write: Any, parts: dict[int, Any]) -> dict:
+        """``write(group, part)`` for every group's part, in group order; one reply, merged."""
+        return _merge({g: write(g, part) for g, part in parts.items()})
+
+    def _min_version(self, min_version: Any, group: int) -> int:
+        if isinstance(min_version, dict):
+            return int(min_version.get(group, 0))
+        if min_version and self.groups() > 1:
+            raise ValueError("with several Raft groups, min_version is a {group: version} map "
+                             "(as push and pull return)")
+        return int(min_version or 0)
 
     # ---- the API --------------------------------------------------------------------------
 
-    def create(self, name: str, array: np.ndarray, optimizer: dict) -> int:
+    def create(self, name: str, array: np.ndarray, optimizer: dict) -> Any:
         """Create a tensor with its optimizer; the same call again is a no-op."""
         return self.create_many({name: array}, {name: optimizer})
 
-    def create_many(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> int:
+    def create_many(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> Any:
         """Create several tensors in one write (each with its optimizer spec); existing ones
         with the same shape, dtype and optimizer are left as they are."""
-        return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
-                           optimizer=dict(optimizers))["version"]
+        return self.create_result(tensors, optimizers)["version"]
 
     def create_result(self, tensors: dict[str, np.ndarray], optimizers: dict[str, dict]) -> dict:
         """As create_many, but the whole result: version and ``created`` (the names that did not exist)."""
-        return self._write("create", tensors={k: np.asarray(v) for k, v in tensors.items()},
-                           optimizer=dict(optimizers))
+        tensors = {k: np.asarray(v) for k, v in tensors.items()}
+        if self.groups() == 1:
+            return self._write("create", tensors=tensors, optimizer=dict(optimizers))
+        return self._each_group(lambda g, part: self._write(
+            "create", g, tensors=part, optimizer={k: v for k, v in optimizers.items() if k in part}),
+            self._split(tensors))
 
-    def push(self, grads: dict[str, np.ndarray], base_version: int | None = None,
-             encoding: dict | None = None, ssp: dict | None = None) -> int:
+    def push(self, grads: dict[str, np.ndarray], base_version: Any = None,
+             encoding: dict | None = None, ssp: dict | None = None) -> Any:
         """Apply one gradient per tensor, atomically, exactly once; returns the store version.
         ``encoding``: compressed tensors (raftps.compress); ``ssp``: {group, worker} (SSP gate)."""
         return self.push_result(grads, base_version, encoding, ssp)["version"]
 
-    def push_result(self, grads: dict[str, np.ndarray], base_version: int | None = None,
+    def push_result(self, grads: dict[str, np.ndarray], base_version: Any = None,
                     encoding: dict | None = None, ssp: dict | None = None) -> dict:
         """As push, but the whole result: version, staleness (with a base), clock (with ssp)."""
-        fields: dict[str, Any] = {"tensors": {k: np.asarray(v) for k, v in grads.items()}}
-        if base_version is not None:
-            fields["base_version"] = int(base_version)
-        if encoding is not None:
-            fields["encoding"] = encoding
-        if ssp is not None:
-            fields["ssp"] = ssp
-        return self._write("push", **fields)
+        def write(group: int, part: dict) -> dict:
+            fields: dict[str, Any] = {"tensors": part}
+            base = base_version.get(group) if isinstance(base_version, dict) else base_version
+            if base is not None:
+                fields["base_version"] = int(base)
+            if encoding is not None:
+                chosen = {k: v for k, v in encoding.items() if k in part}
+                if chosen or self.groups() == 1:
+                    fields["encoding"] = chosen if self.groups() > 1 else encoding
+            if ssp is not None:
+                fields["ssp"] = ssp
+            return self._write("push", group, **fields)
+        grads = {k: np.asarray(v) for k, v in grads.items()}
+        if self.groups() == 1:
+            return write(0, grads)
+        return self._each_group(write, self._split(grads))
 
-    def assign(self, values: dict[str, np.ndarray]) -> int:
-        return self._write("assign", tensors={k: np.asarray(v) for k, v in values.items()})["version"]
+    def assign(self, values: dict[str, np.ndarray]) -> Any:
+        values = {k: np.asarray(v) for k, v in values.items()}
+        if self.groups() == 1:
+            return self._write("assign", tensors=values)["version"]
+        return self._each_group(lambda g, part: self._write("assign", g, tensors=part), self._split(values))["version"]
 
-    def delete(self, names: list[str]) -> int:
-        return self._write("delete", names=list(names))["version"]
+    def delete(self, names: list[str]) -> Any:
+        if self.groups() == 1:
+            return self._write("delete", names=list(names))["version"]
+        parts = self._split({n: None for n in names})
+        return self._each_group(lambda g, part: self._write("delete", g, names=list(part)), parts)["version"]
 
     def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
-                  rank: int | None = None) -> int:
+                  rank: int | None = None) -> Any:
         """One worker's contribution to synchronous step ``step`` of sync group ``group`` (a job's
         name; None: the store-wide default group); the mean of ``workers`` contributions is applied
         once, when the last one arrives. With ``rank`` (0 <= rank < workers) the step counts
-        distinct ranks: a rank's second contribution (a restarted worker) is ignored."""
+        distinct ranks: a rank's second contribution (a restarted worker) is ignored. With several
+        Raft groups each group applies its part of the step when its ``workers`` parts are in."""
         return self.push_sync_result(grads, step, workers, group, rank)["version"]
 
     def push_sync_result(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
                          rank: int | None = None) -> dict:
         """As push_sync, but the whole result: version, step, applied, count, and late (the step
         was applied before) or duplicate_rank (this rank had contributed; nothing changed)."""
-        fields: dict[str, Any] = {"tensors": {k: np.asarray(v) for k, v in grads.items()},
-                                  "step": int(step), "workers": int(workers)}
+        fields: dict[str, Any] = {"step": int(step), "workers": int(workers)}
         if group is not None:
             fields["group"] = group
         if rank is not None:
             fields["rank"] = int(rank)
-        return self._write("push_sync", **fields)
+        grads = {k: np.asarray(v) for k, v in grads.items()}
+        if self.groups() == 1:
+            return self._write("push_sync", tensors=grads, **fields)
+        parts = self._split(grads)
+        self._synced.setdefault(group or "", set()).update(parts)
+        return self._each_group(lambda g, part: self._write("push_sync", g, tensors=part, **fields), parts)
 
-    def close_step(self, step: int, group: str | None = None) -> int:
+    def _sync_groups(self, group: str | None) -> list[int]:
+        """The Raft groups a sync group's steps live in: those this client contributed to, else all."""
+        return sorted(self._synced.get(group or "") or range(self.groups()))
+
+    def close_step(self, step: int, group: str | None = None) -> Any:
         """Apply sync step ``step`` of ``group`` now with the contributions that arrived (no-op if applied)."""
         fields: dict[str, Any] = {"step": int(step)}
         if group is not None:
             fields["group"] = group
-        return self._write("close_step", **fields)["version"]
+        if self.groups() == 1:
+            return self._write("close_step", **fields)["version"]
+        parts = {g: None for g in self._sync_groups(group)}
+        return self._each_group(lambda g, _: self._write("close_step", g, **fields), parts)["version"]
 
-    def wait_step(self, step: int, timeout: float, group: str | None = None) -> int:
+    def wait_step(self, step: int, timeout: float, group: str | None = None) -> Any:
         """Block until sync step ``step`` of ``group`` is applied; returns the store version then."""
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))}
-            if group is not None:
-                request["group"] = group
-            try:
-                with self._lock:
-                    return self._request(request, attempt_timeout=min(left, 5.0) + 5.0)["version"]
-            except StepTimeout:
-                if deadline - time.monotonic() <= 0:
-                    raise
+        versions = {}
+        for g in ([0] if self.groups() == 1 else self._sync_groups(group)):
+            while True:
+                left = deadline - time.monotonic()
+                request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))}
+                if group is not None:
+                    request["group"] = group
+                try:
+                    with self._lock:
+                        versions[g] = self._request(request, attempt_timeout=min(left, 5.0) + 5.0, raft_group=g)["version"]
+                    break
+                except StepTimeout:
+                    if deadline - time.monotonic() <= 0:
+                        raise
+        return versions[0] if self.groups() == 1 else versions
 
     def sync_applied(self, group: str | None = None) -> int:
-        """The last applied sync step of ``group`` (-1 if none), a linearizable read at the leader."""
+        """The last applied sync step of ``group`` (-1 if none), a linearizable read at the leader.
+        With several Raft groups: the lowest over the groups that have applied a step of it."""
         request: dict[str, Any] = {"op": "sync_applied"}
         if group is not None:
             request["group"] = group
         with self._lock:
-            return self._request(request)["applied"]
+            if self.groups() == 1:
+                return self._request(request)["applied"]
+            applied = [self._request(request, raft_group=g)["applied"] for g in self._sync_groups(group)]
+        started = [a for a in applied if a >= 0]
+        return min(started) if started else -1
 
-    # ---- SSP groups (bounded staleness) -------------------------------------------------------
+    # ---- SSP groups (bounded staleness); with several Raft groups, one clock per Raft group ----
+
+    def _ssp_write(self, op: str, key: str, **fields: Any) -> Any:
+        if self.groups() == 1:
+            return self._write(op, **fields)[key]
+        replies = [self._write(op, g, **fields)[key] for g in range(self.groups())]
+        return max(replies) if key == "clock" else all(replies)
 
     def ssp_join(self, group: str, worker: str, staleness: int | None) -> int:
         """Join SSP group ``group`` (created with bound ``staleness``; None: unbounded); returns the clock."""
-        return self._write("ssp_join", group=group, worker=worker, staleness=staleness)["clock"]
+        return self._ssp_write("ssp_join", "clock", group=group, worker=worker, staleness=staleness)
 
     def ssp_leave(self, group: str, worker: str) -> bool:
-        return self._write("ssp_leave", group=group, worker=worker)["left"]
+        return self._ssp_write("ssp_leave", "left", group=group, worker=worker)
 
     def ssp_drop(self, group: str, worker: str, clock: int) -> bool:
         """Drop ``worker`` from the group if its clock is still ``clock`` (it made no progress)."""
-        return self._write("ssp_drop", group=group, worker=worker, clock=int(clock))["dropped"]
+        return self._ssp_write("ssp_drop", "dropped", group=group, worker=worker, clock=int(clock))
 
     def ssp_wait(self, group: str, worker: str, timeout: float) -> dict:
         """Wait (at the leader, at most ``timeout`` s) until ``worker`` may take its next step:
         {version, ready, member, clock, min_clock, slowest: [[worker, clock], ...]}."""
+        request = {"op": "ssp_wait", "group": group, "worker": worker, "timeout": float(timeout)}
         with self._lock:
-            return self._request({"op": "ssp_wait", "group": group, "worker": worker, "timeout": float(timeout)},
-                                 attempt_timeout=float(timeout) + 5.0)
+            if self.groups() == 1:
+                return self._request(request, attempt_timeout=float(timeout) + 5.0)
+            replies = {g: self._request(request, attempt_timeout=float(timeout) + 5.0, raft_group=g)
+                       for g in range(self.groups())}
+        slowest = min(replies.values(), key=lambda r: r["min_clock"])
+        return {"version": {g: r["version"] for g, r in replies.items()},
+                "ready": all(r["ready"] for r in replies.values()),
+                "member": all(r["member"] for r in replies.values()),
+                "clock": max((r["clock"] for r in replies.values() if r["clock"] is not None), default=None),
+                "min_clock": slowest["min_clock"], "slowest": slowest["slowest"]}
 
-    def pull(self, names: list[str] | None = None, min_version: int | None = None,
-             linearizable: bool = True) -> tuple[dict[str, np.ndarray], int]:
+    def pull(self, names: list[str] | None = None, min_version: Any = None,
+             linearizable: bool = True) -> tuple[dict[str, np.ndarray], Any]:
         """Tensors and the store version they are at. Linearizable reads are served by the leader
         (ReadIndex, or a barrier entry: serve --read-mode); others by any node that has applied
-        at least ``min_version``."""
+        at least ``min_version``. With several Raft groups each group's part is read on its own
+        (linearizable per group; not one cut across groups) and the version is {group: version}."""
         reply = self.pull_result(names, min_version, linearizable)
         return reply["tensors"], reply["version"]
 
-    def pull_result(self, names: list[str] | None = None, min_version: int | None = None,
+    def pull_result(self, names: list[str] | None = None, min_version: Any = None,
                     linearizable: bool = True) -> dict:
         """As pull, but the whole reply: tensors, version and tensor_versions (each tensor's own
         update count, read from the same state as the tensors)."""
-        request = {"op": "pull", "names": list(names) if names is not None else None,
-                   "linearizable": linearizable, "min_version": min_version or 0}
-        with self._lock:
-            return self._request(request, to_leader=linearizable)
+        def read(group: int, part: list[str] | None) -> dict:
+            request = {"op": "pull", "names": part, "linearizable": linearizable,
+                       "min_version": self._min_version(min_version, group)}
+            with self._lock:
+                return self._request(request, to_leader=linearizable, raft_group=group)
+        if self.groups() == 1:
+            return read(0, list(names) if names is not None else None)
+        parts = {g: None for g in range(self.groups())} if names is None else \
+            {g: list(part) for g, part in self._split({n: None for n in names}).items()}
+        return self._each_group(read, parts)
 
-    def pull_rows(self, name: str, rows: Any, min_version: int | None = None,
-                  linearizable: bool = True) -> tuple[np.ndarray, int]:
+    def pull_rows(self, name: str, rows: Any, min_version: Any = None,
+                  linearizable: bool = True) -> tuple[np.ndarray, Any]:
         """Rows ``rows`` (integers in [0, rows of the tensor), any order) of tensor ``name`` and
         the store version they are at; the reply's size grows with len(rows), not the table."""
         rows = np.asarray(rows)
         if rows.size == 0 or rows.dtype.kind in "iu" and rows.dtype not in (np.int32, np.int64):
             rows = rows.astype(np.int64)      # the store takes int32 or int64; others are refused there
+        group = self.group_of(name)
         request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
-                   "min_version": min_version or 0}
+                   "min_version": self._min_version(min_version, group)}
         with self._lock:
-            reply = self._request(request, to_leader=linearizable)
-        return reply["rows"], reply["version"]
+            reply = self._request(request, to_leader=linearizable, raft_group=group)
+        return reply["rows"], (reply["version"] if self.groups() == 1 else {group: reply["version"]})
 
     def tensors(self, prefix: str | None = None) -> list[dict]:
         """Name, dtype, shape, version and optimizer of every tensor (from the leader) whose name
-        starts with ``prefix`` and that this client's token may read."""
+        starts with ``prefix`` and that this client's token may read; with several Raft groups,
+        each row also names its ``group``."""
         request: dict[str, Any] = {"op": "tensors"}
         if prefix:
             request["prefix"] = prefix
         with self._lock:
-            return self._request(request)["tensors"]
+            if self.groups() == 1:
+                return self._request(request)["tensors"]
+            rows = [{**row, "group": g} for g in range(self.groups())
+                    for row in self._request(request, raft_group=g)["tensors"]]
+        return sorted(rows, key=lambda row: row["name"])
 
     def export(self, prefix: str) -> dict:
         """Every tensor whose name starts with ``prefix`` (a plain string prefix), in one
         linearizable read at the leader: tensors, tensor_versions, optimizers, version, and the
-        store's digest at that version."""
+        store's digest at that version (with several Raft groups: per group, as maps)."""
         with self._lock:
-            return self._request({"op": "export", "prefix": prefix})
+            if self.groups() == 1:
+                return self._request({"op": "export", "prefix": prefix})
+            return _merge({g: self._request({"op": "export", "prefix": prefix}, raft_group=g)
+                           for g in range(self.groups())})
 
     def snapshot(self) -> dict:
         """The whole store at one version: {version, digest, snapshot} (``TensorStore.snapshot()``
         form). A store beyond this client's ``limits`` (1 GiB, 4096 arrays by default) needs a
         Client with larger ones (``raftps snapshot save`` makes one)."""
         with self._lock:
+            if self.groups() > 1:
+                raise RaftpsError("snapshot save of a cluster of several Raft groups is not supported yet "
+                                  "(export each prefix instead: raftps export)")
             return self._request({"op": "snapshot"})
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
@@ -384,19 +510,26 @@ class Client:
 
     def stats(self) -> dict:
         with self._lock:
-            return self._request({"op": "stats"})
+            if self.groups() == 1:
+                return self._request({"op": "stats"})
+            return _merge({g: self._request({"op": "stats"}, raft_group=g) for g in range(self.groups())})
 
     def status(self, timeout: float = 2.0, digest: bool = True) -> list[dict]:
-        """One dict per node (node, address, role, term, applied, digest, ...); 'down' if unreachable.
+        """One dict per node (node, address, role, term, applied, digest, ...) and, with several
+        Raft groups, per group the node hosts (``group``); 'down' if unreachable.
         ``digest=False``: no digest (each node hashes its whole store for it)."""
         out = []
         with self._lock:
             for number, address in enumerate(self.addresses, 1):
                 try:
-                    out.append(self._call(address, {"op": "status", "digest": digest}, timeout))
+                    reply = self._call(address, {"op": "status", "digest": digest}, timeout)
                 except (OSError, ConnectionError, ProtocolError) as exc:
                     out.append({"node": number, "address": address, "role": "down", "term": None,
                                 "applied": None, "digest": None, "error": str(exc) or type(exc).__name__})
+                    continue
+                # a row per Raft group the node hosts (one group: the node's row, as always)
+                rows = reply.pop("groups", None) or [reply]
+                out.extend({**row, "connections": reply.get("connections")} for row in rows)
         return out
 
     def close(self) -> None:
@@ -409,3 +542,37 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# How the replies of one request's parts in several Raft groups combine into one.
+_COMBINE: dict[str, Any] = {
+    "tensors": lambda vs: {k: v for d in vs for k, v in d.items()},
+    "tensor_versions": lambda vs: {k: v for d in vs for k, v in d.items()},
+    "optimizers": lambda vs: {k: v for d in vs for k, v in d.items()},
+    "created": lambda vs: sorted(n for v in vs for n in v),
+    "staleness": lambda vs: _highest(vs),
+    "clock": lambda vs: _highest(vs),
+    "applied": all, "late": any, "duplicate_rank": any, "count": min, "step": min,
+    "pushes": sum, "rejected": sum, "duplicates": sum, "sessions": sum,
+}
+
+
+def _highest(values: list) -> Any:
+    """The highest number, or the values as they are when they are not all numbers (histograms)."""
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(numbers) == len([v for v in values if v is not None]):
+        return max(numbers, default=None)
+    return values
+
+
+def _merge(replies: dict[int, dict]) -> dict:
+    """One reply from each group's: version and digest become {group: value}; the rest combine."""
+    out: dict[str, Any] = {}
+    keys = sorted({k for r in replies.values() for k in r})
+    for key in keys:
+        values = [r[key] for r in replies.values() if key in r]
+        if key in _COMBINE:
+            out[key] = _COMBINE[key](values)
+        else:
+            out[key] = {g: r[key] for g, r in replies.items() if key in r}
+    return out

@@ -13,9 +13,11 @@ block and serve every group it hosts. Data: group 0 in the node's data dir, grou
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 STRIDE = 400
 REPLICAS = 3
@@ -62,3 +64,19 @@ def group_of(name: str, groups: int) -> int:
 
 def data_dir(node_data_dir: str, group: int) -> str:
     return node_data_dir if group == 0 else os.path.join(node_data_dir, f"group{group}")
+
+
+def group_config(config: Any, layout: Layout, group: int) -> Any:
+    """The NodeConfig of this node's replica of ``group``, from the node's own (group 0's block)."""
+    if group == 0 and layout.groups == 1:
+        return config
+    node = config.node_id
+    members = layout.members(group)
+    shift = STRIDE * group
+    return dataclasses.replace(
+        config, node_id=members.index(node) + 1, peers=layout.peers(group), cluster_node=node,
+        data_dir=data_dir(config.data_dir, group),
+        payload_dir=data_dir(config.payload_dir, group) if config.payload_dir else None,
+        # the client port and /metrics are the node's (group 0's block), whatever group this is
+        client_offset=config.client_offset - shift, metrics_offset=config.metrics_offset - shift,
+        metrics_port=config.metrics_port if group == layout.hosted_by(node)[0] else 0)

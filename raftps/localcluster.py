@@ -44,9 +44,10 @@ class NodeExited(RuntimeError):
 class LocalCluster:
     def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7100, hosts: list[str] | None = None,
                  command_prefix: Callable[[int], list[str]] | None = None, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, tls_dir: str | None = None):
+                 env: dict[str, str] | None = None, tls_dir: str | None = None, groups: int = 1):
         """``tls_dir``: a directory made by cluster/make-certs.sh (ca.pem, node.pem, node.key);
-        the nodes then serve their client ports over TLS only."""
+        the nodes then serve their client ports over TLS only. ``groups``: Raft groups the
+        tensors are sharded over (serve --groups; groups.py)."""
         self.run_dir = os.path.abspath(run_dir)
         self.nodes = nodes
         self.base_port = base_port
@@ -54,7 +55,8 @@ class LocalCluster:
         if len(self.hosts) != nodes:
             raise ValueError(f"{nodes} nodes need {nodes} hosts, got {self.hosts}")
         self.command_prefix = command_prefix
-        self.extra_args = extra_args or []
+        self.groups = groups
+        self.extra_args = (extra_args or []) + (["--groups", str(groups)] if groups > 1 else [])
         self.env = env or {}
         self.tls_dir = os.path.abspath(tls_dir) if tls_dir else None
         self._procs: dict[int, subprocess.Popen] = {}
@@ -177,7 +179,9 @@ class LocalCluster:
                 if dead:
                     raise NodeExited(dead, f"node(s) {dead} exited during start; see {self.log_file(dead[0])}")
                 last = client.status(timeout=1.0)
-                if all(last[n - 1]["role"] != "down" for n in want) and any(s["role"] == "leader" for s in last):
+                answering = {s["node"] for s in last if s["role"] != "down"}
+                led = {s.get("group", 0) for s in last if s["role"] == "leader"}
+                if answering >= set(want) and led >= set(range(self.groups)):
                     return
                 time.sleep(0.1)
         raise TimeoutError(f"no leader with nodes {want} up within {timeout:.0f} s: "
@@ -214,12 +218,14 @@ class LocalCluster:
     def resume(self, node: int) -> None:
         self.send_signal(node, signal.SIGCONT)
 
-    def leader(self) -> int | None:
+    def leader(self, group: int = 0) -> int | None:
+        """The node that leads Raft group ``group`` (the highest term's, if two think they do)."""
         with self.client(timeout=2.0) as client:
-            leaders = [s for s in client.status(timeout=1.0) if s["role"] == "leader"]
+            leaders = [s for s in client.status(timeout=1.0) if s["role"] == "leader" and s.get("group", 0) == group]
         return max(leaders, key=lambda s: s["term"])["node"] if leaders else None
 
     def status(self) -> list[dict]:
+        """A row per node (and, with several Raft groups, per group it hosts: ``group``)."""
         with self.client(timeout=2.0) as client:
             rows = client.status(timeout=1.0)
         for row in rows:
@@ -254,9 +260,11 @@ class LocalCluster:
 
     def drop_payloads(self) -> None:
         """Delete the stopped nodes' tmpfs payload dirs (RAM that outlives the run dir otherwise)."""
+        from .groups import data_dir
         from .node import default_payload_dir
         for node in range(1, self.nodes + 1):
-            shutil.rmtree(default_payload_dir(self.data_dir(node)), ignore_errors=True)
+            for group in range(self.groups):
+                shutil.rmtree(default_payload_dir(data_dir(self.data_dir(node), group)), ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self

@@ -43,6 +43,7 @@ class NodeConfig:
     peers: list[str]                          # every node's Raft address host:port, in node order
     data_dir: str
     secret: bytes
+    cluster_node: int = 0                     # with several Raft groups: this node's --id (0: node_id)
     client_offset: int = 100                  # client port = Raft port + client_offset
     data_offset: int = 200                    # data-plane port = Raft port + data_offset
     metrics_offset: int = 300                 # /metrics port = Raft port + metrics_offset ...
@@ -477,7 +478,7 @@ class RaftNode:
             staleness = self.machine.staleness_histogram()
             pushes = self.machine.stats["pushes"]
         return {
-            "node": self.config.node_id,
+            "node": self.config.cluster_node or self.config.node_id,
             "address": self.config.address(self.config.node_id, self.config.client_offset),
             "role": raft.role,
             "term": raft.term,

@@ -40,12 +40,12 @@ def _retry(message: str, **extra: Any) -> dict:
 
 class ClientServer:
     def __init__(self, replicas: RaftNode | dict[int, RaftNode], host: str, port: int,
-                 authorizer: rbac.Authorizer | None = None, layout: Layout | None = None):
+                 authorizer: rbac.Authorizer | None = None, layout: Layout | None = None, client_offset: int = 100):
         """``replicas``: this node's replica of each Raft group it hosts (one RaftNode: group 0
         of a one-group cluster). Requests name their group (``raft_group``, default 0)."""
         self.replicas = replicas if isinstance(replicas, dict) else {0: replicas}
         self.node = node = self.replicas[min(self.replicas)]   # the node's first replica: config, metrics
-        self.layout = layout
+        self.layout, self.client_offset = layout, client_offset   # every node's client port: Raft port + offset
         config = node.config
         self.limits = config.limits
         # Who may connect and what each identity may do (rbac.py); reloaded as its files change.
@@ -246,16 +246,16 @@ class ClientServer:
         hosted group (each with its ``group``)."""
         digest = req.get("digest", True) is not False
         rows = [{**node.status(digest=digest), "group": g} for g, node in sorted(self.replicas.items())]
-        return {**rows[0], "connections": self.open_connections(), "groups": rows}
+        return {**rows[0], "connections": self.open_connections(), **({"groups": rows} if len(rows) > 1 else {})}
 
     def _layout(self, req: dict, identity: Identity) -> dict:
         """How many Raft groups, which nodes are members of each, and every node's client address."""
-        offset = self.node.config.client_offset
+        offset = self.client_offset
         if self.layout is None:
-            return {"groups": 1, "nodes": [], "members": {0: []}}
+            return {"groups": 1, "nodes": [], "members": [[]]}
         return {"groups": self.layout.groups,
                 "nodes": [offset_address(a, offset) for a in self.layout.nodes],
-                "members": {g: self.layout.members(g) for g in range(self.layout.groups)}}
+                "members": [self.layout.members(g) for g in range(self.layout.groups)]}
 
     def _not_leader(self, node: RaftNode) -> dict | None:
         if node.is_leader():
@@ -385,6 +385,9 @@ class ClientServer:
             return redirect
         if action == "list":
             return {"members": node.members, "leader": node.config.raft_address}
+        if self.layout is not None and self.layout.groups > 1:
+            raise InvalidRequest("membership changes of a cluster of several Raft groups are not supported yet "
+                                 "(the layout places groups by node number)")
         new = _raft_address(req.get("node"))
         old = _raft_address(req.get("old")) if action == "replace" else None
         if old == new:
