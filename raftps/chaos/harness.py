@@ -6,7 +6,9 @@
         h.wait(4.0); h.cluster.start_node(n)
         result, line = h.finish(failover_s=h.failover(t))
 Everything the harness started (node processes by PID, workload threads, namespaces, iptables
-rules) is stopped or removed on exit, whatever happened.
+rules) is stopped or removed on exit, whatever happened. With ``groups=G`` the cluster shards
+over G Raft groups and the harness runs one workload per group (a tensor in each), checked group
+by group: every guarantee holds per group.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import signal
 import time
 from typing import Any, Sequence
 
+from raftps.groups import group_of
 from raftps.localcluster import LocalCluster
 
 from .checker import Result, check
@@ -37,23 +40,32 @@ def children(pid: int) -> list[int]:
 
 class Harness:
     def __init__(self, case: str, run_dir: str, base_port: int, nodes: int = 3, netns: bool = False,
-                 node_args: Sequence[str] = (), subnet: str = "10.77.0", **workload: Any) -> None:
-        self.case, self.nodes = case, nodes
+                 node_args: Sequence[str] = (), subnet: str = "10.77.0", groups: int = 1, **workload: Any) -> None:
+        self.case, self.nodes, self.groups = case, nodes, groups
         self.net = Net(nodes, prefix=f"rps{base_port % 1000:03d}", subnet=subnet) if netns else None
         self.cluster = LocalCluster(run_dir, nodes=nodes, base_port=base_port,
                                     hosts=self.net.hosts() if self.net else None,
                                     command_prefix=self.net.command_prefix if self.net else None,
-                                    extra_args=list(node_args))
+                                    extra_args=list(node_args), groups=groups)
         self.workload_args = workload
-        self.workload: Workload | None = None
+        self.workload: Workload | None = None         # group 0's (the only one with one group)
+        self.workloads: list[Workload] = []
 
     def __enter__(self) -> "Harness":
         try:
             if self.net:
                 self.net.up()
             self.cluster.start(timeout=30.0)
-            self.workload = Workload(self.cluster.addresses, token=self.cluster.token, **self.workload_args)
-            self.workload.create()
+            if self.groups == 1:
+                self.workloads = [Workload(self.cluster.addresses, token=self.cluster.token, **self.workload_args)]
+            else:
+                names = [next(f"chaos{g}.{j}" for j in range(1000) if group_of(f"chaos{g}.{j}", self.groups) == g)
+                         for g in range(self.groups)]
+                self.workloads = [Workload(self.cluster.addresses, token=self.cluster.token, name=name, raft_group=g,
+                                           **self.workload_args) for g, name in enumerate(names)]
+            self.workload = self.workloads[0]
+            for w in self.workloads:
+                w.create()
         except BaseException as exc:
             tails = []
             for i in range(1, self.nodes + 1):
@@ -71,8 +83,8 @@ class Harness:
 
     def close(self) -> None:
         try:
-            if self.workload:
-                self.workload.stop()
+            for w in self.workloads:
+                w.stop()
         finally:
             try:
                 self.resume_all()
@@ -90,8 +102,9 @@ class Harness:
         return self.workload.history
 
     def load(self, seconds: float, max_ops: int = 100_000) -> None:
-        """Start the workload for at most `seconds` (it runs in the background)."""
-        self.workload.start(seconds, max_ops)
+        """Start the workload(s) for at most `seconds` (they run in the background)."""
+        for w in self.workloads:
+            w.start(seconds, max(1, max_ops // len(self.workloads)))
 
     def event(self, what: str) -> float:
         return self.history.event(what)
@@ -100,10 +113,14 @@ class Harness:
     def wait(seconds: float) -> None:
         time.sleep(seconds)
 
-    def leader(self, timeout: float = 15.0) -> int:
+    def stop_load(self) -> None:
+        for w in self.workloads:
+            w.stop()
+
+    def leader(self, timeout: float = 15.0, group: int = 0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            n = self.cluster.leader()
+            n = self.cluster.leader(group)
             if n is not None:
                 return n
             time.sleep(0.1)
@@ -166,24 +183,46 @@ class Harness:
         return None
 
     def finish(self, settle_s: float = 30.0, **extra: Any) -> tuple[Result, str]:
-        """Stop the load, heal, let the nodes converge, check, and return (result, report line)."""
-        self.workload.join()
+        """Stop the load, heal, let the nodes converge, check, and return (result, report line).
+        With several groups: each group's line, and a result that is valid if every group's is."""
+        for w in self.workloads:
+            w.join()
         if self.net:
             self.net.heal()
         self.resume_all()
-        final, statuses, converge = settle(self.cluster.addresses, self.nodes, settle_s, token=self.cluster.token)
-        if final is None:
-            raise AssertionError(f"{self.case}: no linearizable read of the final state within {settle_s} s")
-        result = check(self.history, final, statuses, nodes=self.nodes)
         extra = {k: (v() if callable(v) else v) for k, v in extra.items()}   # lazily: after the load
-        extra.setdefault("converge_s", converge)
-        line = result.line(self.case, **extra)
-        print(line, flush=True)
-        for p in result.problems:
-            print("  problem:", p, flush=True)
-        return result, line
+        results, lines = [], []
+        replicas = self.nodes if self.groups == 1 else min(3, self.nodes)
+        for w in self.workloads:
+            final, statuses, converge = settle(self.cluster.addresses, replicas, settle_s, token=self.cluster.token,
+                                               name=w.name, raft_group=w.raft_group)
+            case = self.case if w.raft_group is None else f"{self.case}/group{w.raft_group}"
+            if final is None:
+                raise AssertionError(f"{case}: no linearizable read of the final state within {settle_s} s")
+            result = check(w.history, final, statuses, nodes=replicas)
+            line = result.line(case, **{**extra, "converge_s": extra.get("converge_s", converge)})
+            print(line, flush=True)
+            for p in result.problems:
+                print("  problem:", p, flush=True)
+            results.append(result)
+            lines.append(line)
+        if len(results) == 1:
+            return results[0], lines[0]
+        return AllGroups(results), "\n".join(lines)
 
 
-def assert_clean(result: Result, line: str) -> None:
+class AllGroups:
+    """The results of every group's workload: valid when each is."""
+
+    def __init__(self, results: list[Result]):
+        self.results = results
+        self.valid = all(r.valid for r in results)
+        self.problems = [p for r in results for p in r.problems]
+
+    def sentence(self) -> str:
+        return " ".join(f"group {g}: {r.sentence()}" for g, r in enumerate(self.results))
+
+
+def assert_clean(result: Result | AllGroups, line: str) -> None:
     """Fail a test unless every promise held; the message has the line and the problems."""
     assert result.valid, line + "\n" + "\n".join(result.problems)

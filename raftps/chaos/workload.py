@@ -2,7 +2,8 @@
 
 Each client thread owns one raftps Client and runs operations one at a time: a push of ``-e_k``
 for a fresh k, or (every ``pull_every``-th op) a pull, linearizable or not. Bounded by wall time,
-by the tensor size (one push per element) and by ``max_ops``.
+by the tensor size (one push per element) and by ``max_ops``. On a cluster of several Raft groups
+a workload drives one tensor, so one group (``raft_group``), and records that group's versions.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class Workload:
     stale_every: int = 3           # every 3rd pull is linearizable=False with min_version
     rate: float = 40.0             # ops per second per client (keeps 2 shared cores usable)
     timeout: float = 5.0           # client timeout: Unavailable after this = unknown outcome
+    name: str = NAME               # the tensor
+    raft_group: int | None = None  # its Raft group on a cluster of several (versions are {group: v})
     history: History = field(default_factory=History)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -39,7 +42,7 @@ class Workload:
 
     def create(self, timeout: float = 20.0) -> None:
         with Client(self.addresses, timeout=timeout, token=self.token) as c:
-            c.create(NAME, np.zeros(self.n, np.float64), optimizer={"name": "sgd", "lr": 1.0})
+            c.create(self.name, np.zeros(self.n, np.float64), optimizer={"name": "sgd", "lr": 1.0})
 
     def start(self, seconds: float, max_ops: int = 100_000) -> None:
         deadline = self._deadline = time.monotonic() + seconds
@@ -83,9 +86,10 @@ class Workload:
                     lin = (seq // self.pull_every) % self.stale_every != self.stale_every - 1
                     op = self.history.begin(PULL, cid, seq, linearizable=lin)
                     try:
-                        tensors, version = c.pull([NAME], min_version=None if lin else seen,
+                        tensors, version = c.pull([self.name], min_version=None if lin else self._at(seen),
                                                   linearizable=lin)
-                        History.finish(op, OK, version, values=tensors[NAME])
+                        version = self._of(version)
+                        History.finish(op, OK, version, values=tensors[self.name])
                         seen = max(seen, version)
                     except Unavailable as exc:
                         History.finish(op, UNKNOWN, error=exc)
@@ -97,7 +101,7 @@ class Workload:
                         return
                     op = self.history.begin(PUSH, cid, seq, k=k)
                     try:
-                        version = c.push({NAME: push_gradient(self.n, k)})
+                        version = self._of(c.push({self.name: push_gradient(self.n, k)}))
                         History.finish(op, OK, version)
                         seen = max(seen, version)
                     except Unavailable as exc:
@@ -108,10 +112,18 @@ class Workload:
                 if pause > 0:
                     self._stop.wait(pause)
 
+    def _of(self, version: int | dict) -> int:
+        return version[self.raft_group] if self.raft_group is not None else version
 
-def settle(addresses: str, nodes: int, timeout: float = 30.0, token: str | None = None) -> tuple[np.ndarray | None, list[dict], float | None]:
-    """After healing: one linearizable pull of the final tensor, then wait until every node has
-    applied the same index. Returns (final tensor or None, last statuses, seconds to converge)."""
+    def _at(self, version: int) -> int | dict:
+        return {self.raft_group: version} if self.raft_group is not None else version
+
+
+def settle(addresses: str, nodes: int, timeout: float = 30.0, token: str | None = None, name: str = NAME,
+           raft_group: int | None = None) -> tuple[np.ndarray | None, list[dict], float | None]:
+    """After healing: one linearizable pull of the final tensor, then wait until every replica
+    (of ``raft_group``, if given) has applied the same index. Returns (final tensor or None, last
+    statuses, seconds to converge)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     final = None
@@ -119,11 +131,13 @@ def settle(addresses: str, nodes: int, timeout: float = 30.0, token: str | None 
     with Client(addresses, timeout=5.0, token=token) as c:
         while final is None and time.monotonic() < deadline:
             try:
-                final = c.pull([NAME])[0][NAME]
+                final = c.pull([name])[0][name]
             except RaftpsError:
                 time.sleep(0.2)
         while time.monotonic() < deadline:
             statuses = c.status(timeout=1.0)
+            if raft_group is not None:
+                statuses = [s for s in statuses if s.get("group", raft_group) == raft_group]
             applied = {s.get("applied") for s in statuses}
             if len(statuses) == nodes and None not in applied and len(applied) == 1 \
                     and len({s.get("digest") for s in statuses}) == 1:

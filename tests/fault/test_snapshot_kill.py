@@ -71,7 +71,7 @@ def test_kill_while_receiving_snapshot(tmp_path) -> None:
         h.net.heal(f)
         h.cluster.start_node(f)
         catchup = h.wait_caught_up(f)
-        h.workload.stop()
+        h.stop_load()
         result, line = h.finish(catchup_s=catchup, receive_tmp_seen=seen)
     assert seen, "never saw the follower's partial snapshot file"
     assert_clean(result, line)
