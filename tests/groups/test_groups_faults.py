@@ -29,7 +29,7 @@ def test_kill_the_node_that_leads_most_groups(tmp_path) -> None:
 
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 def test_isolate_the_leader_of_group_0(tmp_path) -> None:
-    with Harness("groups-isolate", str(tmp_path), base_port=29310, netns=True, subnet="10.77.9", groups=3) as h:
+    with Harness("groups-isolate", str(tmp_path), base_port=29310, netns=True, subnet="10.77.11", groups=3) as h:
         h.load(12.0)
         h.wait(3.0)
         lead = h.leader(group=0)
