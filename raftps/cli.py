@@ -18,6 +18,8 @@ from .errors import RaftpsError
 
 def _status_table(rows: list[dict]) -> str:
     cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader", "metrics"]
+    if any(r.get("group") for r in rows):          # several Raft groups: a row per node and group
+        cols.insert(1, "group")
     lines = [cols]
     for r in rows:
         lines.append(["-" if r.get(c) is None else (str(r[c])[:16] if c == "digest" else str(r[c])) for c in cols])
@@ -118,14 +120,30 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace):
+    """The local cluster of RUN_DIR. Its Raft groups are fixed when it is first started (recorded
+    in RUN_DIR/groups): a later start without --groups keeps them; a different number is refused."""
     from .localcluster import LocalCluster
     run_dir = args.run_dir or os.environ.get("RAFTPS_RUN_DIR") or os.path.join(os.getcwd(), "cluster", "run")
     base = args.base_port or int(os.environ.get("RAFTPS_BASE_PORT", "7100"))
-    return LocalCluster(run_dir, nodes=args.nodes, base_port=base)
+    recorded_file = os.path.join(run_dir, "groups")
+    recorded = int(open(recorded_file).read()) if os.path.exists(recorded_file) else None
+    groups = args.groups or recorded or 1
+    if recorded is not None and groups != recorded:
+        raise ValueError(f"the cluster in {run_dir} runs {recorded} Raft group(s), not {groups}: "
+                         "wipe it first (raftps cluster wipe: deletes its data) to change the layout")
+    cl = LocalCluster(run_dir, nodes=args.nodes, base_port=base, groups=groups)
+    if args.action == "start" and recorded is None:
+        with open(recorded_file, "w") as f:
+            f.write(str(groups))
+    return cl
 
 
 def cluster(args: argparse.Namespace) -> int:
-    cl = _cluster(args)
+    try:
+        cl = _cluster(args)
+    except ValueError as exc:
+        print(f"raftps cluster: {exc}", file=sys.stderr)
+        return 2
     if args.action == "start":
         addresses = cl.start(timeout=args.timeout)
         print(_status_table(cl.status()))
@@ -412,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])
     p.add_argument("node", type=int, nargs="?", help="node number for kill")
     p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
+    p.add_argument("--groups", type=int, default=int(os.environ.get("RAFTPS_GROUPS", "0")) or None,
+                   help="Raft groups to shard tensors over (start: fixed for the cluster's life; default 1)")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--base-port", type=int, default=None)
     p.add_argument("--timeout", type=float, default=60.0)
