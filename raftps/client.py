@@ -46,6 +46,14 @@ def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
     return out
 
 
+def newest(a: Any, b: Any) -> Any:
+    """The later of two store versions: ints, or {group: version} maps (then group by group)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+        return {g: max(a.get(g, 0), b.get(g, 0)) for g in sorted(set(a) | set(b))}
+    return max(a, b)
+
+
 def _refusal(sock: socket.socket, limits: codec.Limits) -> dict | None:
     """The error a node sent before it stopped reading our request (a frame over one of its
     limits, say), if it is there to read."""

@@ -60,6 +60,9 @@ class NodeConfig:
     heartbeat: float = 0.1
     leader_fallback: float = 1.875            # a leader without a majority steps down after this (2.5x election)
     request_timeout: float = 3.0              # one write's wait for replication and commit
+    # With several Raft groups: the member that should lead this group (groups.py spreads them
+    # over the nodes); a leader hands over to it once it is connected and caught up. None: any.
+    preferred_leader: str | None = None
     limits: codec.Limits = field(default_factory=codec.Limits)   # frame, tensor and array-count limits
     # The client port (see README, Security). No token: any client that reaches the port is served.
     client_token: str | None = None
@@ -181,6 +184,8 @@ class RaftNode:
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
             compaction_entries=config.compaction_entries, read_confirm=config.read_confirm), self)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
+        if config.preferred_leader not in (None, config.raft_address):
+            threading.Thread(target=self._hand_over_loop, name="leader-balance", daemon=True).start()
 
     # ---- the Applier: called by the log's thread, one at a time --------------------------------
 
@@ -249,6 +254,22 @@ class RaftNode:
             if self.payloads.disk_bytes > self.config.payload_budget:
                 self.log.compact()
             self.payloads.collect_orphans(max_age=600.0, keep=[self._missing] if self._missing else [])
+
+    def _hand_over_loop(self, every: float = 5.0) -> None:
+        """Leaders spread over the nodes: pysyncobj elects whoever times out first, so without
+        this one node may lead several groups and carry their traffic. A leader that is not this
+        group's preferred member hands over (TimeoutNow) once that member is connected and has
+        the whole log (pysyncobj refuses otherwise); checked every few seconds, so a flapping
+        node cannot make leadership move often."""
+        preferred = self.config.preferred_leader
+        while not self._stopped:
+            time.sleep(every)
+            if self._stopped or not self.log.is_leader() or not self.log.is_connected(preferred):
+                continue
+            status = self.log.status()
+            if status.match.get(preferred) == status.commit:
+                log.info("handing leadership to the preferred member %s", preferred)
+                self.log.transfer_leadership(timeout=2.0, to=preferred)
 
     # ---- payloads an entry waits for --------------------------------------------------------
 

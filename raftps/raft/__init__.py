@@ -151,8 +151,9 @@ class ReplicatedLog(ABC):
         """Add ("add") or remove ("remove") one member, one change at a time; ``done(ok, why)``."""
 
     @abstractmethod
-    def transfer_leadership(self, timeout: float) -> None:
-        """Hand leadership to a caught-up member; returns once this one is not leader (or timeout)."""
+    def transfer_leadership(self, timeout: float, to: str | None = None) -> None:
+        """Hand leadership to member ``to`` (None: the most caught-up one) if it is caught up;
+        returns once this one is not leader (or at the timeout, leadership kept)."""
 
     @abstractmethod
     def is_connected(self, address: str) -> bool: ...

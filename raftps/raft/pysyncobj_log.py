@@ -219,9 +219,10 @@ class SyncObjLog(ReplicatedLog):
         change = self._core.addNodeToCluster if action == "add" else self._core.removeNodeFromCluster
         self._in_tick(lambda: change(address, callback) or True)
 
-    def transfer_leadership(self, timeout: float) -> None:
-        """pysyncobj hands leadership (in the tick thread) to the most caught-up connected follower;
-        it refuses while that follower's log is behind, so try on every tick."""
+    def transfer_leadership(self, timeout: float, to: str | None = None) -> None:
+        """pysyncobj hands leadership (in the tick thread, Raft's TimeoutNow) to ``to`` or the most
+        caught-up connected follower; it refuses while that follower's log is behind, so try on
+        every tick."""
         deadline = time.monotonic() + timeout
         sent = threading.Event()
 
@@ -229,7 +230,7 @@ class SyncObjLog(ReplicatedLog):
             if sent.is_set() or time.monotonic() > deadline or not self.is_leader():
                 sent.set()
                 return True
-            self._core.transferLeadership(None, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
+            self._core.transferLeadership(to, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
             return sent.is_set()
         self._in_tick(attempt)
         sent.wait(timeout)

@@ -161,3 +161,16 @@ def test_a_node_outside_group_0_serves_its_groups(tmp_path) -> None:
     finally:
         cl.stop()
         cl.drop_payloads()
+
+
+def test_leaders_spread_one_group_per_node(cluster) -> None:
+    """Whoever won the elections (and after the kill above), each group's leadership moves to its
+    preferred member: group g to node g+1, so each of the three nodes leads one group."""
+    deadline = time.monotonic() + 40.0
+    leaders: list = []
+    while time.monotonic() < deadline:
+        leaders = [cluster.leader(g) for g in range(3)]
+        if leaders == [1, 2, 3]:
+            break
+        time.sleep(0.5)
+    assert leaders == [1, 2, 3]
