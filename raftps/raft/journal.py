@@ -188,7 +188,15 @@ class DurableJournal(Journal):
     def _read_small(self, name: str, default: Any) -> Any:
         if not self.storage.exists(self._file(name)):
             return default
-        return _unpack_small(self.storage.read_file(self._file(name)), self._file(name))
+        try:
+            return _unpack_small(self.storage.read_file(self._file(name)), self._file(name))
+        except JournalCorrupt:
+            # Only unsynced writes can tear: the commit hint always, everything with fsync=False.
+            # A torn term or start file of a durable journal is real corruption: refuse to guess.
+            if self.fsync and name != "commit":
+                raise
+            log.warning("journal %s: %s is torn (written without fsync); using %r", self.path, name, default)
+            return default
 
     def _open_segments(self, start: int) -> None:
         names = [n for n in self.storage.listdir(self.path) if n.endswith(SEGMENT_SUFFIX)]
