@@ -237,7 +237,7 @@ def test_cross_process_power_cut(tmp_path):
     # file); round 2's own unsynced append is lost.
     assert read(os.path.join(data, "log")) == b"synced;unsynced;synced;"
     assert read(os.path.join(data, "meta")) == b"meta-2"
-    assert read(os.path.join(data, "fresh")) == b"x"     # the meta rename's dir fsync covered it
+    assert read(os.path.join(data, "fresh")) == b"xx"    # its name made durable by the meta rename
     assert os.path.getsize(os.path.join(state, "ops.log")) == 0
 
 
