@@ -203,3 +203,28 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path):
     finally:
         for box in boxes:
             box.destroy()
+
+
+def test_hook_one_node_commits_only_durable_entries(tmp_path):
+    """(b) where it is tightest: a node alone elects itself and counts its own log at once,
+    in the same tick as its term's no-op is appended."""
+    journal = DurableJournal(str(tmp_path / "j"), storage=SimulatedDisk(str(tmp_path / "s")))
+    conf = SyncObjConf(journalFile=None, raftMinTimeout=0.4, raftMaxTimeout=0.5)
+    box = Box("127.0.0.1:28140", [], conf)
+    install_durable_journal(box, journal)
+    violations: list[str] = []
+    ticks = [0]
+
+    def after_tick():
+        ticks[0] += 1
+        if box.raftCommitIndex > journal.durable_index:
+            violations.append(f"commit {box.raftCommitIndex} > durable {journal.durable_index}")
+
+    box.addOnTickCallback(after_tick)
+    try:
+        assert box.inc(sync=True, timeout=10) == 1
+        for n in range(2, 30):
+            assert box.inc(sync=True, timeout=10) == n
+        assert ticks[0] > 10 and not violations, (ticks, violations[:5])
+    finally:
+        box.destroy()
