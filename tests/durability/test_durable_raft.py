@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,5 +227,59 @@ def test_hook_one_node_commits_only_durable_entries(tmp_path):
         for n in range(2, 30):
             assert box.inc(sync=True, timeout=10) == n
         assert ticks[0] > 10 and not violations, (ticks, violations[:5])
+    finally:
+        box.destroy()
+
+
+class Snapshotted(SyncObj):
+    """``n`` is assigned after SyncObj.__init__, so pysyncobj's default serializer snapshots it."""
+
+    def __init__(self, me: str, journal: DurableJournal, conf: SyncObjConf):
+        super().__init__(me, [], conf)
+        install_durable_journal(self, journal)
+        self.n = 0
+
+    @replicated
+    def inc(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def test_restart_with_log_below_the_snapshot_keeps_the_entries_after_it(tmp_path):
+    """If a journal still holds entries below the snapshot (compaction's ``start`` write lost),
+    pysyncobj's __loadDumpFile would clear it (its first entries are not the snapshot's) and lose
+    every entry after the snapshot; the hook drops only the prefix."""
+    dump, jdir, old = str(tmp_path / "dump"), str(tmp_path / "j"), str(tmp_path / "old")
+    conf = lambda: SyncObjConf(journalFile=None, fullDumpFile=dump, useFork=False,  # noqa: E731
+                               raftMinTimeout=0.4, raftMaxTimeout=0.5,
+                               logCompactionMinEntries=10 ** 9, logCompactionMinTime=10 ** 9)
+    box = Snapshotted("127.0.0.1:28150", DurableJournal(jdir), conf())
+    try:
+        for n in range(1, 41):
+            assert box.inc(sync=True, timeout=10) == n
+        box._SyncObj__raftLog.sync()
+        shutil.copytree(jdir, old)                   # the log before compaction: entries 1..~42
+        box.forceLogCompaction()
+        deadline = time.monotonic() + 10
+        while len(box._SyncObj__raftLog) > 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(box._SyncObj__raftLog) <= 5, "no compaction"
+        for n in range(41, 61):
+            assert box.inc(sync=True, timeout=10) == n
+    finally:
+        box.destroy_synchronous()
+    # The old, uncompacted log, continued with what was appended after the snapshot.
+    after = DurableJournal(jdir)
+    stale = DurableJournal(old)
+    for entry in after[:]:
+        if entry[1] > stale[-1][1]:
+            stale.add(*entry)
+    stale._destroy()
+    after._destroy()
+    shutil.rmtree(jdir)
+    os.rename(old, jdir)
+    box = Snapshotted("127.0.0.1:28151", DurableJournal(jdir), conf())
+    try:
+        assert box.inc(sync=True, timeout=10) == 61
     finally:
         box.destroy()
