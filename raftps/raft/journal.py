@@ -96,6 +96,13 @@ Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syn
 7. adds the new attribute names to ``_SyncObj__properies`` so pysyncobj's default serializer does
    not pickle them into snapshots.
 
+For raftps/node.py: ``SyncObjConf(journalFile=None, ...)``; ``journal = DurableJournal(
+os.path.join(data_dir, "raft"), storage=storage_from_env(), fsync=durability == "fsync")`` before
+``super().__init__``; ``install_durable_journal(self, journal)`` as the first call after it (before
+``install_pysyncobj_fixes``, which wraps the transport and is independent of these wrappers: its
+``follower_hint`` rewrites the queued acks when they are finally sent); an existing
+``raft.journal`` is carried over once with ``import_file_journal`` before the SyncObj is built.
+
 Not covered here: the snapshot file (``fullDumpFile`` or raftps's own serializer) must be fsynced
 (file, then directory) before pysyncobj's serializer reports success, because compaction deletes
 the log below it right after; pysyncobj's own ``Serializer`` does not fsync.
@@ -111,7 +118,7 @@ import struct
 import zlib
 from typing import Any
 
-from pysyncobj.journal import Journal
+from pysyncobj.journal import FileJournal, Journal
 
 from .storage import OSStorage, Storage, StorageFile, write_atomic
 
@@ -430,3 +437,25 @@ class DurableJournal(Journal):
         if commit > self._commit_saved:
             self._write_small("commit", {"commit": commit}, fsync=False)   # a hint: no fsync
             self._commit_saved = commit
+
+
+def import_file_journal(path: str, journal: DurableJournal) -> int:
+    """Copy pysyncobj's FileJournal at ``path`` (with its ``.meta``) into an empty journal, durably.
+
+    For a node switching journals in place: its log, term and vote must carry over, or it could
+    vote twice in a term or lose entries it acknowledged. Returns the number of entries copied."""
+    if len(journal):
+        raise ValueError(f"journal {journal.path} is not empty")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    old = FileJournal(path)
+    try:
+        for i in range(len(old)):
+            journal.add(*old[i])
+        journal.setRaftCommitIndex(old.getRaftCommitIndex())
+        journal.setCurrentTerm(old.getCurrentTerm(), old.getVotedForNodeId())
+        journal.sync()
+        journal.onOneSecondTimer()
+        return len(old)
+    finally:
+        old._destroy()

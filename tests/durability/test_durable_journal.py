@@ -359,3 +359,26 @@ def test_commit_hint_never_passes_the_durable_log(disk, tmp_path):
         disk.power_cut("torn", seed=seed)
         j = DurableJournal(path, storage=disk)
         assert 1 <= j.getRaftCommitIndex() <= len(j)
+
+
+def test_import_of_a_pysyncobj_file_journal(tmp_path):
+    from pysyncobj.journal import FileJournal
+
+    from raftps.raft.journal import import_file_journal
+    old_path = str(tmp_path / "raft.journal")
+    old = FileJournal(old_path)
+    items = entries(30)
+    for e in items:
+        old.add(*e)
+    old.setCurrentTerm(5, "127.0.0.1:9")
+    old.setRaftCommitIndex(25)
+    old.onOneSecondTimer()
+    old._destroy()
+    j = DurableJournal(str(tmp_path / "j"))
+    assert import_file_journal(old_path, j) == 30
+    j._destroy()
+    j = DurableJournal(str(tmp_path / "j"))
+    assert list(j[:]) == items
+    assert (j.getCurrentTerm(), j.getVotedForNodeId(), j.getRaftCommitIndex()) == (5, "127.0.0.1:9", 25)
+    with pytest.raises(ValueError):
+        import_file_journal(old_path, j)
