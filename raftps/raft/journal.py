@@ -150,6 +150,10 @@ def _unpack_small(blob: bytes, what: str) -> Any:
     return json.loads(blob[8:])
 
 
+class JournalFailed(OSError):
+    """An fsync of the journal failed: it can no longer tell what is durable (see sync())."""
+
+
 class _Segment:
     __slots__ = ("first", "path", "file", "size", "dirty")
 
@@ -175,6 +179,7 @@ class DurableJournal(Journal):
         self._dir_dirty = False                  # segments created or removed since the last sync
         self._start_after_clear = False          # the next add() writes the ``start`` file
         self._durable_index = 0
+        self.failed: OSError | None = None       # the fsync error that stopped this journal
         self.storage.makedirs(self.path)
         meta = self._read_small("term", {"term": 0, "vote": None})
         self._term: int = meta["term"]
@@ -269,21 +274,31 @@ class DurableJournal(Journal):
     def sync(self) -> int:
         """Make every append and truncation so far durable, with one fsync per file written.
 
-        Called at least twice per tick by the hook: nothing to do must cost nothing."""
+        Called at least twice per tick by the hook: nothing to do must cost nothing. A failed
+        fsync is final (``JournalFailed`` now and on every later call): the kernel may have dropped
+        the pages it could not write and a retry may then report success without them, so nothing
+        written since the last good sync can ever be called durable; restart the node."""
+        if self.failed is not None:
+            raise JournalFailed(f"journal {self.path}: an earlier fsync failed") from self.failed
         if self._dirty or self._dir_dirty:
             tail = self._segments[-1] if self._segments else None
-            for segment in self._dirty:
-                if segment.dirty:                # else removed since it was written
-                    if self.fsync:
-                        self._segment_file(segment).fsync()
-                        self.fsync_count += 1
-                    segment.dirty = False
-                    if segment is not tail and segment.file is not None:
-                        segment.file.close()     # full: never written again
-                        segment.file = None
-            if self._dir_dirty and self.fsync:
-                self.storage.fsync_dir(self.path)
-                self.fsync_count += 1
+            try:
+                for segment in self._dirty:
+                    if segment.dirty:            # else removed since it was written
+                        if self.fsync:
+                            self._segment_file(segment).fsync()
+                            self.fsync_count += 1
+                        segment.dirty = False
+                        if segment is not tail and segment.file is not None:
+                            segment.file.close()     # full: never written again
+                            segment.file = None
+                if self._dir_dirty and self.fsync:
+                    self.storage.fsync_dir(self.path)
+                    self.fsync_count += 1
+            except OSError as exc:
+                self.failed = exc
+                log.critical("journal %s: fsync failed, nothing more will be made durable: %s", self.path, exc)
+                raise JournalFailed(f"journal {self.path}: fsync failed") from exc
             self._dirty.clear()
             self._dir_dirty = False
         self._durable_index = self._entries[-1][1] if self._entries else 0

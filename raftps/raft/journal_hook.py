@@ -3,6 +3,10 @@
 Why each wrapper exists, and in which order pysyncobj runs them, is in the docstring of
 ``raftps/raft/journal.py`` ("Where pysyncobj 0.3.17 must call sync()" and "Integration plan").
 Only pysyncobj's name-mangled attributes (``_SyncObj__...``) and ``_onTick`` are touched.
+
+If an fsync fails, ``journal.sync()`` raises ``JournalFailed`` from then on, so every later tick
+fails at its start (pysyncobj logs it and retries): queued acknowledgements are never sent and the
+node neither votes nor leads again. It has to be restarted; ``journal.failed`` says why.
 """
 
 from __future__ import annotations

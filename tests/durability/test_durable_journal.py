@@ -382,3 +382,29 @@ def test_import_of_a_pysyncobj_file_journal(tmp_path):
     assert (j.getCurrentTerm(), j.getVotedForNodeId(), j.getRaftCommitIndex()) == (5, "127.0.0.1:9", 25)
     with pytest.raises(ValueError):
         import_file_journal(old_path, j)
+
+
+class FailingFsync(SimulatedDisk):
+    fail = False
+
+    def _log(self, header, data=b""):
+        if self.fail and header[0] == "fsync":
+            raise OSError(5, "Input/output error")
+        super()._log(header, data)
+
+
+def test_a_failed_fsync_stops_the_journal_for_good(tmp_path):
+    from raftps.raft.journal import JournalFailed
+    disk = FailingFsync(str(tmp_path / "state"))
+    j = DurableJournal(str(tmp_path / "j"), storage=disk)
+    fill(j, entries(5))
+    assert j.sync() == 5
+    fill(j, entries(5, first=6))
+    disk.fail = True
+    with pytest.raises(JournalFailed):
+        j.sync()
+    disk.fail = False                            # the disk "recovers": a retry must not pass
+    with pytest.raises(JournalFailed):
+        j.sync()
+    assert j.durable_index == 5 and j.failed is not None
+    disk.close()
