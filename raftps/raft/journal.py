@@ -246,15 +246,16 @@ class DurableJournal(Journal):
                 entries.append((bytes(command), idx, term))
                 offsets.append(pos)
                 pos, nxt = end, nxt + 1
+            if first < start and nxt <= start:
+                # Wholly below the start: compaction or clear() left it (its removal was not
+                # durable yet). It says nothing about the log above the start: no sequence check.
+                self._remove(path)
+                continue
             if why is not None:
                 log.warning("journal %s: dropping %d bytes at offset %d of %s (index %d on): %s",
                             self.path, len(blob) - pos, pos, path, nxt, why)
                 broken = True
             kept = [i for i, e in enumerate(entries) if e[1] >= start]
-            if not kept and entries:             # wholly below the start: compaction left it
-                self._remove(path)
-                expected = nxt
-                continue
             f = self.storage.open(path)
             if why is not None:
                 f.truncate(pos)

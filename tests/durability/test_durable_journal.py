@@ -408,3 +408,24 @@ def test_a_failed_fsync_stops_the_journal_for_good(tmp_path):
         j.sync()
     assert j.durable_index == 5 and j.failed is not None
     disk.close()
+
+
+def test_old_segments_left_by_clear_do_not_hide_the_new_log(tmp_path):
+    """clear() + snapshot entries far above: if the old segments' removal is lost but the start
+    record is not, reopening skips them instead of calling the new log a gap."""
+    path = str(tmp_path / "j")
+    j = DurableJournal(path, segment_size=300)
+    fill(j, entries(30))
+    j._destroy()
+    saved = {n: open(os.path.join(path, n), "rb").read() for n in segments(path)}
+    j = DurableJournal(path, segment_size=300)
+    j.clear()
+    snap = entries(3, first=500, term=3)
+    fill(j, snap)
+    j._destroy()
+    for name, blob in saved.items():             # the old segments reappear (an undone unlink)
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(blob[:len(blob) - 3] if name == max(saved) else blob)   # one of them torn
+    j = DurableJournal(path, segment_size=300)
+    assert list(j[:]) == snap
+    assert segments(path) == [f"{500:020d}.seg"]
