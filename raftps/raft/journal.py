@@ -10,10 +10,15 @@ getRaftCommitIndex, setCurrentTerm, getCurrentTerm, getVotedForNodeId, onOneSeco
 
 On disk (one directory)
 -----------------------
-* ``<first index, 20 digits>.seg``: segments of records ``<u64 length><u64 index><u64 term><u32
-  crc32>`` + command, the CRC over the first three fields and the command. A new segment starts
-  when the current one reaches ``segment_size``; offsets are per segment and Python ints, so there
-  is no 4 GiB limit on the log (nor on a segment).
+* ``<first index, 20 digits>.seg``: segments of records ``<u64 length><u64 index><u64 term><u64
+  previous entry's term><u32 crc32>`` + command, the CRC over the other fields and the command. A
+  new segment starts when the current one reaches ``segment_size``; offsets are per segment and
+  Python ints, so there is no 4 GiB limit on the log (nor on a segment). The previous term chains
+  the records as Raft's prevLogTerm does: if a cut keeps a truncated-and-rewritten segment but
+  undoes the removal of the next one (the old suffix reappears, its indices following on), the
+  chain breaks at the junction and the old suffix is dropped, instead of a log that never
+  existed, whose old tail could later match a leader's prevLogTerm above entries that differ
+  from the leader's.
 * ``start``: the first index kept (written by ``deleteEntriesTo`` and after ``clear``); whole
   segments below it are deleted, records below it in the first segment are skipped on open. So log
   compaction costs one small atomic write, never a rewrite of the log.
@@ -26,7 +31,7 @@ On disk (one directory)
 Small files (``start``, ``term``, ``commit``) are ``b"RPSJ"`` + crc32 + JSON.
 
 Opening reads every segment in index order and stops at the first record that is short, fails its
-CRC or breaks the index sequence: that segment is truncated there and later segments are deleted,
+CRC or breaks the index sequence or the term chain: that segment is truncated there and later segments are deleted,
 and what was dropped (file, offset, bytes, why) is logged at WARNING. Then everything read is
 fsynced once (a process crash leaves unsynced data in the page cache, which we must not count as
 durable until it is), so ``durable_index`` starts at the last index.
@@ -124,7 +129,7 @@ from .storage import OSStorage, Storage, StorageFile, write_atomic
 
 log = logging.getLogger("raftps.raft.journal")
 
-RECORD = struct.Struct("<QQQI")          # command length, index, term, crc32
+RECORD = struct.Struct("<QQQQI")         # command length, index, term, previous entry's term, crc32
 _SMALL_MAGIC = b"RPSJ"
 SEGMENT_SUFFIX = ".seg"
 DEFAULT_SEGMENT_SIZE = 64 << 20
@@ -134,8 +139,8 @@ class JournalCorrupt(Exception):
     """A small file (term, start) that is not what this journal writes: refuse to guess."""
 
 
-def encode_record(command: bytes, idx: int, term: int) -> bytes:
-    head = struct.pack("<QQQ", len(command), idx, term)
+def encode_record(command: bytes, idx: int, term: int, prev_term: int = 0) -> bytes:
+    head = struct.pack("<QQQQ", len(command), idx, term, prev_term)
     return head + struct.pack("<I", zlib.crc32(command, zlib.crc32(head))) + command
 
 
@@ -215,6 +220,7 @@ class DurableJournal(Journal):
         names = [n for n in self.storage.listdir(self.path) if n.endswith(SEGMENT_SUFFIX)]
         firsts = sorted(int(n[:-len(SEGMENT_SUFFIX)]) for n in names if n[:-len(SEGMENT_SUFFIX)].isdigit())
         expected: int | None = None              # the index the next record must have
+        last_term: int | None = None             # the term of the record before it
         broken = False
         for first in firsts:
             path = self._file(f"{first:020d}{SEGMENT_SUFFIX}")
@@ -231,25 +237,29 @@ class DurableJournal(Journal):
                 if pos + RECORD.size > len(blob):
                     why = "short record header"
                     break
-                length, idx, term, crc = RECORD.unpack_from(blob, pos)
+                length, idx, term, prev_term, crc = RECORD.unpack_from(blob, pos)
                 end = pos + RECORD.size + length
                 if end > len(blob):
                     why = f"record of {length} bytes runs past the end"
                     break
                 command = blob[pos + RECORD.size:end]
-                if zlib.crc32(command, zlib.crc32(blob[pos:pos + 24])) != crc:
+                if zlib.crc32(command, zlib.crc32(blob[pos:pos + RECORD.size - 4])) != crc:
                     why = "bad crc32"
                     break
                 if idx != nxt:
                     why = f"index {idx}, expected {nxt}"
                     break
+                if last_term is not None and prev_term != last_term:
+                    why = f"index {idx} follows a term {prev_term} entry, not this log's term {last_term}"
+                    break
                 entries.append((bytes(command), idx, term))
                 offsets.append(pos)
-                pos, nxt = end, nxt + 1
+                pos, nxt, last_term = end, nxt + 1, term
             if first < start and nxt <= start:
                 # Wholly below the start: compaction or clear() left it (its removal was not
                 # durable yet). It says nothing about the log above the start: no sequence check.
                 self._remove(path)
+                last_term = None
                 continue
             if why is not None:
                 log.warning("journal %s: dropping %d bytes at offset %d of %s (index %d on): %s",
@@ -352,7 +362,7 @@ class DurableJournal(Journal):
             self._start_after_clear = False
         if self._entries and idx != self._entries[-1][1] + 1:
             raise ValueError(f"journal {self.path}: add of index {idx} after {self._entries[-1][1]}")
-        record = encode_record(command, idx, term)
+        record = encode_record(command, idx, term, self._entries[-1][2] if self._entries else 0)
         tail = self._segments[-1] if self._segments else None
         if tail is None or (tail.size > 0 and tail.size + len(record) > self.segment_size):
             tail = _Segment(idx, self._file(f"{idx:020d}{SEGMENT_SUFFIX}"), None, 0)

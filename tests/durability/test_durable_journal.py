@@ -429,3 +429,27 @@ def test_old_segments_left_by_clear_do_not_hide_the_new_log(tmp_path):
     j = DurableJournal(path, segment_size=300)
     assert list(j[:]) == snap
     assert segments(path) == [f"{500:020d}.seg"]
+
+
+def test_a_resurrected_old_segment_is_not_joined_to_a_rewritten_one(tmp_path):
+    """deleteEntriesFrom removes a later segment and the log is rewritten up to exactly where that
+    segment began; a cut that undoes the removal (the old file reappears, indices following on)
+    must not give the mixed log: the term chain breaks at the junction."""
+    path = str(tmp_path / "j")
+    old = entries(20, term=5, size=30)
+    record = len(encode_record(*old[0]))
+    j = DurableJournal(path, segment_size=10 * record)   # 10 records a segment
+    fill(j, old)
+    j._destroy()
+    second = f"{11:020d}.seg"
+    saved = open(os.path.join(path, second), "rb").read()
+    j = DurableJournal(path, segment_size=10 * record)
+    j.deleteEntriesFrom(4)                               # keep 1..4, drop 5..20 (and segment 11)
+    new = entries(6, first=5, term=6, size=30)           # 5..10: the first segment is full again
+    fill(j, new)
+    j._destroy()
+    assert segments(path) == [f"{1:020d}.seg"]
+    with open(os.path.join(path, second), "wb") as f:    # the undone unlink
+        f.write(saved)
+    j = DurableJournal(path, segment_size=10 * record)
+    assert list(j[:]) == old[:4] + new
