@@ -19,7 +19,8 @@ On disk (one directory)
   chain breaks at the junction and the old suffix is dropped, instead of a log that never
   existed, whose old tail could later match a leader's prevLogTerm above entries that differ
   from the leader's.
-* ``start``: the first index kept (written by ``deleteEntriesTo`` and after ``clear``); whole
+* ``start``: the first index kept (written by ``deleteEntriesTo`` and by the first ``add`` to an
+  empty log, e.g. after ``clear``); whole
   segments below it are deleted, records below it in the first segment are skipped on open. So log
   compaction costs one small atomic write, never a rewrite of the log.
 * ``term``: current term and vote, replaced atomically (temporary file, fsync, rename, fsync of the
@@ -182,7 +183,7 @@ class DurableJournal(Journal):
         self._segments: list[_Segment] = []
         self._dirty: list[_Segment] = []         # segments written since the last sync
         self._dir_dirty = False                  # segments created or removed since the last sync
-        self._start_after_clear = False          # the next add() writes the ``start`` file
+        self._start = 0                          # what the ``start`` file says
         self._durable_index = 0
         self.failed: OSError | None = None       # the fsync error that stopped this journal
         self.storage.makedirs(self.path)
@@ -191,7 +192,8 @@ class DurableJournal(Journal):
         self._vote: Any = meta["vote"]
         self._commit_saved: int = self._read_small("commit", {"commit": 1})["commit"]
         self._commit = self._commit_saved
-        self._open_segments(self._read_small("start", {"start": 0})["start"])
+        self._start = self._read_small("start", {"start": 0})["start"]
+        self._open_segments(self._start)
         if self.fsync:
             for segment in self._segments:       # read back from the page cache != durable
                 self._mark(segment)
@@ -355,11 +357,17 @@ class DurableJournal(Journal):
 
     def add(self, command: bytes, idx: int, term: int) -> None:
         command = bytes(command)
-        if self._start_after_clear:
-            # After clear() the new first entry may be anywhere above the old log: record it before
-            # writing, so that segments of the old log that survive a cut are skipped, not joined.
-            self._write_small("start", {"start": idx}, fsync=True)
-            self._start_after_clear = False
+        if not self._entries:
+            # The first entry of a new log (after clear(), or of an empty one): it may be anywhere
+            # above or below the old log. Its start is recorded, durably, before the entry, so that
+            # leftovers of the old log surviving a cut are skipped, not joined, and so that this
+            # entry is not skipped as below an older start; an empty leftover segment goes too.
+            for segment in self._segments:
+                self._drop(segment)
+            self._segments = []
+            if idx != self._start:
+                self._write_small("start", {"start": idx}, fsync=True)
+                self._start = idx
         if self._entries and idx != self._entries[-1][1] + 1:
             raise ValueError(f"journal {self.path}: add of index {idx} after {self._entries[-1][1]}")
         record = encode_record(command, idx, term, self._entries[-1][2] if self._entries else 0)
@@ -382,7 +390,6 @@ class DurableJournal(Journal):
             self._drop(segment)
         self._segments, self._entries, self._offsets = [], [], []
         self._durable_index = 0
-        self._start_after_clear = True
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:
         if entryFrom >= len(self._entries):
@@ -410,9 +417,13 @@ class DurableJournal(Journal):
             self.clear()
             return
         first = self._entries[entryTo][1]
-        # Durable at once: pysyncobj deletes the log below a snapshot it has just written, and a
-        # journal that starts below the snapshot after a restart would be cleared by it.
+        # The log first: a follower may compact past its durable index (its commit index follows
+        # the leader's), and a start above what survives a cut would leave it an empty log.
+        self.sync()
+        # Then the start, durable at once: pysyncobj deletes the log below a snapshot it has just
+        # written, and it clears a journal that starts below its snapshot on restart.
         self._write_small("start", {"start": first}, fsync=True)
+        self._start = first
         k = self._segment_of(first)
         for segment in self._segments[:k]:
             self._drop(segment)
