@@ -40,8 +40,11 @@ def filesystem(path: str) -> str:
     return f"{best[2]} ({best[0]} on {best[1]})"
 
 
-def run(name: str, make: Callable[[str], tuple[Callable[[bytes, int], None], Callable[[], int], Callable[[], None]]],
-        base: str, size: int, seconds: float) -> dict:
+Maker = Callable[[str], tuple[Callable[[bytes, int], None], Callable[[], int], Callable[[], None]]]
+
+
+def run(name: str, make: Maker, base: str, size: int, seconds: float) -> dict:
+    """Append for ``seconds`` through ``make(path)``'s (add, fsync count, close)."""
     path = os.path.join(base, name.replace(" ", "_"))
     add, fsyncs, close = make(path)
     payload = os.urandom(size)

@@ -20,9 +20,9 @@ On disk (one directory)
   existed, whose old tail could later match a leader's prevLogTerm above entries that differ
   from the leader's.
 * ``start``: the first index kept (written by ``deleteEntriesTo`` and by the first ``add`` to an
-  empty log, e.g. after ``clear``); whole
-  segments below it are deleted, records below it in the first segment are skipped on open. So log
-  compaction costs one small atomic write, never a rewrite of the log.
+  empty log, e.g. after ``clear``); whole segments below it are deleted, records below it in the
+  first segment are skipped on open. So log compaction costs a sync and one small atomic write,
+  never a rewrite of the log.
 * ``term``: current term and vote, replaced atomically (temporary file, fsync, rename, fsync of the
   directory) before ``setCurrentTerm`` returns.
 * ``commit``: the commit index, a hint written lazily by ``onOneSecondTimer`` (pysyncobj applies up
@@ -32,10 +32,10 @@ On disk (one directory)
 Small files (``start``, ``term``, ``commit``) are ``b"RPSJ"`` + crc32 + JSON.
 
 Opening reads every segment in index order and stops at the first record that is short, fails its
-CRC or breaks the index sequence or the term chain: that segment is truncated there and later segments are deleted,
-and what was dropped (file, offset, bytes, why) is logged at WARNING. Then everything read is
-fsynced once (a process crash leaves unsynced data in the page cache, which we must not count as
-durable until it is), so ``durable_index`` starts at the last index.
+CRC or breaks the index sequence or the term chain: that segment is truncated there and later
+segments are deleted, and what was dropped (file, offset, bytes, why) is logged at WARNING. Then
+everything read is fsynced once (a process crash leaves unsynced data in the page cache, which we
+must not count as durable until it is), so ``durable_index`` starts at the last index.
 
 Appends (``add``) and truncations (``deleteEntriesFrom``) are written without fsync; ``sync()``
 fsyncs every segment written since the last sync, and the directory if segments were created or
@@ -310,7 +310,8 @@ class DurableJournal(Journal):
                     self.fsync_count += 1
             except OSError as exc:
                 self.failed = exc
-                log.critical("journal %s: fsync failed, nothing more will be made durable: %s", self.path, exc)
+                log.critical("journal %s: fsync failed, nothing more will be made durable: %s",
+                             self.path, exc)
                 raise JournalFailed(f"journal {self.path}: fsync failed") from exc
             self._dirty.clear()
             self._dir_dirty = False

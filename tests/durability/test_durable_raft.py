@@ -160,16 +160,18 @@ class Box(SyncObj):
         return self.n
 
 
-def test_hook_acks_and_commits_only_durable_entries(tmp_path):
+@pytest.mark.parametrize("batch,port", [(False, 28130), (True, 28180)])
+def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, port):
     """(a) no follower acknowledges an index above its durable index; (b) a leader's commit index
-    never exceeds its own durable index; checked on every ack sent and after every tick."""
-    addrs = [f"127.0.0.1:{28130 + i}" for i in range(3)]
+    never exceeds its own durable index; checked on every ack sent and after every tick, with
+    entries sent at once (raftps) and in pysyncobj's default batches."""
+    addrs = [f"127.0.0.1:{port + i}" for i in range(3)]
     violations: list[str] = []
     checks = [0, 0]
     boxes, journals = [], []
     for i, addr in enumerate(addrs):
         journal = DurableJournal(str(tmp_path / f"j{i}"), storage=SimulatedDisk(str(tmp_path / f"s{i}")))
-        conf = SyncObjConf(journalFile=None, appendEntriesUseBatch=False, raftMinTimeout=0.5,
+        conf = SyncObjConf(journalFile=None, appendEntriesUseBatch=batch, raftMinTimeout=0.5,
                            raftMaxTimeout=1.0, connectionRetryTime=0.2)
         box = Box(addr, [a for a in addrs if a != addr], conf)
         install_durable_journal(box, journal)
@@ -179,15 +181,16 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path):
         def observed_send(peer, message, journal=journal, send=send):
             if isinstance(message, dict) and message.get("type") == "next_node_idx" and message["success"]:
                 checks[0] += 1
-                if message["next_node_idx"] - 1 > journal.durable_index:
-                    violations.append(f"ack of {message['next_node_idx'] - 1} > durable {journal.durable_index}")
+                acked = message["next_node_idx"] - 1
+                if acked > journal.durable_index:
+                    violations.append(f"ack of {acked} > durable {journal.durable_index}")
             return send(peer, message)
 
         def after_tick(box=box, journal=journal):
             if box._isLeader():
                 checks[1] += 1
                 if box.raftCommitIndex > journal.durable_index:
-                    violations.append(f"leader commit {box.raftCommitIndex} > durable {journal.durable_index}")
+                    violations.append(f"commit {box.raftCommitIndex} > durable {journal.durable_index}")
 
         transport.send = observed_send
         box.addOnTickCallback(after_tick)
@@ -209,7 +212,7 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path):
         for _ in range(500):
             lead.inc(callback=callback)
         assert done.wait(60), f"{len(results)} of 500 committed"
-        assert checks[0] > 100 and checks[1] >= 3, checks          # acks sent, leader ticks checked
+        assert checks[0] >= 2 and checks[1] >= 3, checks           # acks sent, leader ticks checked
         assert not violations, violations[:5]
         fsyncs = sum(j.fsync_count for j in journals)
         assert fsyncs < 3 * 500, f"{fsyncs} fsyncs for 500 entries on 3 nodes: no group commit"
