@@ -29,7 +29,7 @@ from .dataplane import DataPlaneServer, Peers
 from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
 from .machine import TensorStore
 from .metrics import Instruments
-from .payloads import PayloadStore, payload_id
+from .payloads import PayloadStore, fsync_dir, payload_id
 from .raft import NotApplied, NotReady, RaftSettings, ReplicatedLog, SnapshotMeta
 
 log = logging.getLogger("raftps.node")
@@ -60,6 +60,10 @@ class NodeConfig:
     heartbeat: float = 0.1
     leader_fallback: float = 1.875            # a leader without a majority steps down after this (2.5x election)
     request_timeout: float = 3.0              # one write's wait for replication and commit
+    # "fsync": nothing acknowledged is lost to a power cut (README, Durability): the Raft journal,
+    # term and vote, payloads (on disk in the data dir, not tmpfs) and snapshots are fsynced before
+    # they count. "none": they survive a process crash, not a power loss (the default, measured).
+    durability: str = "none"
     # With several Raft groups: the member that should lead this group (groups.py spreads them
     # over the nodes); a leader hands over to it once it is connected and caught up. None: any.
     preferred_leader: str | None = None
@@ -157,8 +161,11 @@ class RaftNode:
         self.lock = threading.Lock()              # guards machine against readers in other threads
         self.applied = threading.Condition(self.lock)
         sweep_abandoned_payload_dirs()
-        self.payloads = PayloadStore(config.payload_dir or default_payload_dir(config.data_dir),
-                                     owner=os.path.abspath(config.data_dir))
+        durable = config.durability == "fsync"
+        payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
+                                             else default_payload_dir(config.data_dir))
+        self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), fsync=durable)
+        self._synced_snapshot = 0                 # durable: snapshot index whose rename is fsynced
         others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
         # The other members' Raft addresses. Membership changes move them (raftps member
         # add/remove); tick() keeps the data plane and the majority in step.
@@ -182,7 +189,8 @@ class RaftNode:
             address=config.raft_address, others=sorted(others), data_dir=config.data_dir,
             secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
-            compaction_entries=config.compaction_entries, read_confirm=config.read_confirm), self)
+            compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
+            durability=config.durability), self)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
         if config.preferred_leader not in (None, config.raft_address):
             threading.Thread(target=self._hand_over_loop, name="leader-balance", daemon=True).start()
@@ -217,7 +225,7 @@ class RaftNode:
 
     def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
         # In the log's thread: no apply runs until the frame is written, so nothing is frozen.
-        snapshot_file.write(path, meta, self.machine.snapshot(share=False))
+        snapshot_file.write(path, meta, self.machine.snapshot(share=False), fsync=self.config.durability == "fsync")
         self._snapshot_index = meta.index
         self.instruments.snapshots.labels("write").inc()
 
@@ -242,6 +250,11 @@ class RaftNode:
             log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
             self._members = members
             self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
+        if self.config.durability == "fsync" and self._snapshot_index > self._synced_snapshot:
+            # the log renamed the snapshot into place; its name is durable before (on the next
+            # tick) the log drops the entries it covers and before the payloads below go
+            fsync_dir(self.config.data_dir)
+            self._synced_snapshot = self._snapshot_index
         # The log renamed the snapshot into place right after save_snapshot returned, so the
         # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
         # pysyncobj keeps those two entries in its log and may still send them to a peer.

@@ -40,9 +40,14 @@ def from_frame(frame: Any) -> tuple[SnapshotMeta, dict]:
     return meta, machine
 
 
-def write(filename: str, meta: SnapshotMeta, machine: dict) -> None:
+def write(filename: str, meta: SnapshotMeta, machine: dict, fsync: bool = False) -> None:
+    """``fsync``: durable mode; the file is on disk before the log renames it into place (and
+    the node fsyncs the directory before the log drops the entries it covers)."""
     with open(filename, "wb") as f:
         codec.write_frame(f, to_frame(meta, machine))
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read(filename: str, limits: codec.Limits | None = None) -> tuple[SnapshotMeta, dict]:

@@ -79,6 +79,9 @@ class RaftSettings:
     leader_fallback: float = 1.875             # a leader without a majority steps down after this
     compaction_entries: int = 2000             # a snapshot after this many entries
     read_confirm: bool = True                  # ReadIndex's confirmation round (False: tests only, UNSAFE)
+    # "fsync": the log, term and vote are fsynced before they count (a follower's acknowledgement,
+    # the leader's own vote in the commit count, a granted vote); "none": never fsynced.
+    durability: str = "none"
 
 
 @dataclass
