@@ -150,7 +150,8 @@ class LocalCluster:
                 "--token-file", self.token_file, *self._tls_args(), *self.extra_args]
         if self.command_prefix is not None:
             argv = self.command_prefix(node) + argv
-        env = {**os.environ, **self.env}
+        # "{node}" in a value is this node's number (e.g. a simulated disk's state dir per node)
+        env = {**os.environ, **{k: v.replace("{node}", str(node)) for k, v in self.env.items()}}
         with open(self.log_file(node), "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

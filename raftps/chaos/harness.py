@@ -40,13 +40,14 @@ def children(pid: int) -> list[int]:
 
 class Harness:
     def __init__(self, case: str, run_dir: str, base_port: int, nodes: int = 3, netns: bool = False,
-                 node_args: Sequence[str] = (), subnet: str = "10.77.0", groups: int = 1, **workload: Any) -> None:
+                 node_args: Sequence[str] = (), subnet: str = "10.77.0", groups: int = 1, durability: str = "none",
+                 env: dict[str, str] | None = None, **workload: Any) -> None:
         self.case, self.nodes, self.groups = case, nodes, groups
         self.net = Net(nodes, prefix=f"rps{base_port % 1000:03d}", subnet=subnet) if netns else None
         self.cluster = LocalCluster(run_dir, nodes=nodes, base_port=base_port,
                                     hosts=self.net.hosts() if self.net else None,
                                     command_prefix=self.net.command_prefix if self.net else None,
-                                    extra_args=list(node_args), groups=groups)
+                                    extra_args=list(node_args), groups=groups, durability=durability, env=env)
         self.workload_args = workload
         self.workload: Workload | None = None         # group 0's (the only one with one group)
         self.workloads: list[Workload] = []

@@ -105,7 +105,12 @@ def _open_journal(data_dir: str, durable: bool) -> DurableJournal | None:
             raise ValueError(f"{data_dir} was run with --durability fsync: its Raft log is in {durable_dir}; "
                              "start it with --durability fsync")
         return None
-    journal = DurableJournal(durable_dir, storage=storage_from_env(), fsync=True)
+    # RAFTPS_UNSAFE_JOURNAL_NO_FSYNC=1 (tests only): the durable journal's format, never fsynced, so
+    # the power-cut test shows what it catches (tests/durability/test_power_cut.py)
+    fsync = os.environ.get("RAFTPS_UNSAFE_JOURNAL_NO_FSYNC") != "1"
+    if not fsync:
+        log.warning("UNSAFE: the durable journal is never fsynced (RAFTPS_UNSAFE_JOURNAL_NO_FSYNC, tests only)")
+    journal = DurableJournal(durable_dir, storage=storage_from_env(), fsync=fsync)
     if os.path.isfile(plain) and len(journal) == 0:
         copied = import_file_journal(plain, journal)
         os.replace(plain, plain + ".imported")
