@@ -479,8 +479,8 @@ class SimulatedDisk(Storage):
         with self._lock:
             self._know(path)
             if path not in self.model.names:
-                if not create:
-                    raise FileNotFoundError(path)
+                if not create or not os.path.isdir(os.path.dirname(path)):
+                    raise FileNotFoundError(path)      # before logging: the log holds what happened
                 self._log(["create", path])
             f = SimFile(self, path, self.model.names[path], OSFile(path, create=True))
             self._files.add(f)
@@ -491,6 +491,8 @@ class SimulatedDisk(Storage):
         with self._lock:
             self._know(src)
             self._know(dst)
+            if src not in self.model.names or not os.path.isdir(os.path.dirname(dst)):
+                raise FileNotFoundError(src)
             self._log(["rename", src, dst])
             os.rename(src, dst)
 
@@ -498,6 +500,8 @@ class SimulatedDisk(Storage):
         path = os.path.abspath(path)
         with self._lock:
             self._know(path)
+            if path not in self.model.names:
+                raise FileNotFoundError(path)
             self._log(["remove", path])
             os.remove(path)
 

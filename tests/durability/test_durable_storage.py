@@ -246,3 +246,16 @@ def test_storage_from_env(tmp_path):
     d = storage_from_env({SIMDISK_ENV: str(tmp_path / "s")})
     assert isinstance(d, SimulatedDisk)
     d.close()
+
+
+def test_failed_operations_are_not_logged(disk, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        disk.open(str(tmp_path / "no-such-dir" / "f"))
+    with pytest.raises(FileNotFoundError):
+        disk.rename(str(tmp_path / "data" / "missing"), str(tmp_path / "data" / "x"))
+    with pytest.raises(FileNotFoundError):
+        disk.remove(str(tmp_path / "data" / "missing"))
+    with pytest.raises(FileNotFoundError):
+        disk.open(str(tmp_path / "data" / "missing"), create=False)
+    assert list(load_model(disk.state_dir).known) == []
+    disk.power_cut("torn")                        # and the log still replays
