@@ -337,8 +337,9 @@ def _encode(header: list, data: bytes = b"") -> bytes:
     return _LOG_HEAD.pack(len(head), len(data), zlib.crc32(data, zlib.crc32(head))) + head + data
 
 
-def read_log(state_dir: str) -> Iterable[tuple[list, bytes]]:
-    """The operations logged in ``state_dir``, stopping at a torn or corrupt record."""
+def read_log(state_dir: str) -> Iterable[tuple[list, bytes, int]]:
+    """The operations logged in ``state_dir`` (header, data, end offset), stopping at a torn or
+    corrupt record."""
     try:
         with open(os.path.join(state_dir, _LOG_NAME), "rb") as f:
             blob = f.read()
@@ -354,15 +355,19 @@ def read_log(state_dir: str) -> Iterable[tuple[list, bytes]]:
         data = blob[pos + _LOG_HEAD.size + hlen:end]
         if zlib.crc32(data, zlib.crc32(head)) != crc:
             return
-        yield json.loads(head), bytes(data)
+        yield json.loads(head), bytes(data), end
         pos = end
 
 
 def load_model(state_dir: str) -> DiskModel:
-    model = DiskModel()
-    for header, data in read_log(state_dir):
+    return _load(state_dir)[0]
+
+
+def _load(state_dir: str) -> tuple[DiskModel, int]:
+    model, valid = DiskModel(), 0
+    for header, data, valid in read_log(state_dir):
         model.apply(header, data)
-    return model
+    return model, valid
 
 
 def apply_cut(contents: dict[str, bytes | None]) -> None:
@@ -460,9 +465,10 @@ class SimulatedDisk(Storage):
         self.fsyncs = 0
         self.dir_fsyncs = 0
         self.fsyncs_by_path: dict[str, int] = {}
-        self.model = load_model(self.state_dir)  # a killed predecessor's operations still count
+        self.model, valid = _load(self.state_dir)  # a killed predecessor's operations still count
         self._log_fd = os.open(os.path.join(self.state_dir, _LOG_NAME),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.ftruncate(self._log_fd, valid)        # its torn last record would hide all of ours
 
     def _log(self, header: list, data: bytes = b"") -> None:
         os.write(self._log_fd, _encode(header, data))
