@@ -23,7 +23,7 @@ the data bytes (the data of a write, or the whole content of a file seen for the
 record is written (one ``write(2)`` on an ``O_APPEND`` descriptor, which survives a SIGKILL of the
 writer because it is in the kernel's page cache) *before* the operation is done, so the log always
 covers at least what the files contain; a torn last record (a writer killed mid-record) fails its
-CRC and is ignored, like an operation that never returned.
+CRC and is ignored, like an operation that never returned (the next process cuts it off).
 
 Headers: ``["base", path]`` (a file that existed before the log began, with its content: it is
 durable as it is), ``["create", path]``, ``["write", inode, offset]``, ``["trunc", inode, size]``,
