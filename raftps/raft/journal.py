@@ -101,7 +101,7 @@ Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syn
 4. replaces ``_SyncObj__onBecomeLeader`` by the original followed by ``journal.sync()``;
 5. replaces ``_onTick`` by: ``sync()`` + send queued acks; the original tick; then (in a
    ``finally``) ``sync()`` + send queued acks: one fsync per tick for all appends (leader and
-   follower) of that tick;
+   follower) of that tick (steps 3-5 only with ``fsync=True``: without, pysyncobj runs as before);
 6. wraps the serializer's ``deserialize`` so that on start, if the journal still holds entries
    below a snapshot (compaction's ``start`` write lost, or an old journal), the prefix is dropped
    before pysyncobj compares the journal's first two entries with the snapshot's: pysyncobj
