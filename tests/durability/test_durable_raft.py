@@ -307,3 +307,20 @@ def test_restart_with_log_below_the_snapshot_keeps_the_entries_after_it(tmp_path
         assert box.inc(sync=True, timeout=10) == 61
     finally:
         box.destroy()
+
+
+def test_install_refuses_a_file_journal_and_a_late_call(tmp_path):
+    conf = SyncObjConf(journalFile=str(tmp_path / "file.journal"), autoTick=False)
+    box = Box("127.0.0.1:28195", [], conf)
+    try:
+        with pytest.raises(RuntimeError, match="journalFile=None"):
+            install_durable_journal(box, DurableJournal(str(tmp_path / "a")))
+    finally:
+        box.destroy()
+    box = Box("127.0.0.1:28196", [], SyncObjConf(journalFile=None, autoTick=False))
+    try:
+        box.doTick(0.0)
+        with pytest.raises(RuntimeError, match="ticked already"):
+            install_durable_journal(box, DurableJournal(str(tmp_path / "b")))
+    finally:
+        box.destroy()
