@@ -10,7 +10,10 @@ pysyncobj's FileJournal never fsyncs; ``+ flush`` adds its own mmap flush (msync
 With ``--cluster N``, also N pipelined entries through 3 pysyncobj nodes in this process (one GIL:
 compare the rows, not with a real cluster) on DurableJournal with and without fsync (through
 ``install_durable_journal``, one fsync per node per tick) and on FileJournal; "per fsync" there is
-entries x 3 nodes / fsyncs.
+entries x 3 nodes / fsyncs. Stock pysyncobj, without raftps's fixes: its success replies rewind
+the leader's nextIndex below batches in flight (raftps/pysyncobj_fixes.py, keep_next_index), which
+the acknowledgements held until the tick's fsync make more frequent ("truncating already-applied
+log entries" in the log).
 Prints the filesystem the directory is on, a table, and a JSON line.
 """
 
