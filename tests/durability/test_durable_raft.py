@@ -169,11 +169,21 @@ class Box(SyncObj):
         return self.n
 
 
-@pytest.mark.parametrize("batch,port", [(False, 28130), (True, 28180)])
-def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, port):
+def raftps_fixes():
+    try:                                         # where the lead is moving it
+        from raftps.raft.pysyncobj_fixes import install
+    except ImportError:
+        from raftps.pysyncobj_fixes import install
+    return install
+
+
+@pytest.mark.parametrize("batch,fixes,port", [(False, False, 28130), (True, False, 28180),
+                                              (False, True, 28185)])
+def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, fixes, port):
     """(a) no follower acknowledges an index above its durable index; (b) a leader's commit index
     never exceeds its own durable index; checked on every ack sent and after every tick, with
-    entries sent at once (raftps) and in pysyncobj's default batches."""
+    entries sent at once (raftps) and in pysyncobj's default batches, and with raftps's own
+    pysyncobj fixes installed too (they wrap the same transport)."""
     addrs = [f"127.0.0.1:{port + i}" for i in range(3)]
     violations: list[str] = []
     checks = [0, 0]
@@ -184,6 +194,8 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, port):
                            raftMaxTimeout=1.0, connectionRetryTime=0.2)
         box = Box(addr, [a for a in addrs if a != addr], conf)
         install_durable_journal(box, journal)
+        if fixes:
+            raftps_fixes()(box)
         transport = box._SyncObj__transport
         send = transport.send
 
