@@ -1,11 +1,19 @@
 """Appends/s of the Raft journal: fsync per entry, group commit, no fsync, and pysyncobj's FileJournal.
 
     python -m bench.journal [--dir /work/tmp-bench] [--size 1024] [--seconds 3] [--groups 16,64]
+                            [--cluster 5000 --port 28900]
 
 Every mode appends ``--size``-byte entries to a fresh journal in ``--dir`` (a real disk: not tmpfs,
 or fsync costs nothing) for ``--seconds``, then reports entries/s, MB/s and the fsyncs it made.
 ``group N`` is DurableJournal.sync() after every N appends: what one tick of a busy node does.
 pysyncobj's FileJournal never fsyncs; ``+ flush`` adds its own mmap flush (msync) per entry.
+With ``--cluster N``, also N pipelined entries through 3 pysyncobj nodes in this process (one GIL:
+compare the rows, not with a real cluster) on DurableJournal with and without fsync (through
+``install_durable_journal``, one fsync per node per tick) and on FileJournal; "per fsync" there is
+entries x 3 nodes / fsyncs. Stock pysyncobj, without raftps's fixes: its success replies rewind
+the leader's nextIndex below batches in flight (raftps/pysyncobj_fixes.py, keep_next_index), which
+the acknowledgements held until the tick's fsync make more frequent ("truncating already-applied
+log entries" in the log).
 Prints the filesystem the directory is on, a table, and a JSON line.
 """
 
@@ -17,12 +25,15 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
+from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.journal import FileJournal
 
 from raftps.raft.journal import DurableJournal
+from raftps.raft.journal_hook import install_durable_journal
 
 
 def filesystem(path: str) -> str:
@@ -94,12 +105,76 @@ def file_journal(flush: bool):
     return make
 
 
+class _Sink(SyncObj):
+    def __init__(self, me: str, peers: list[str], conf: SyncObjConf):
+        self.count = 0
+        super().__init__(me, peers, conf)
+
+    @replicated
+    def put(self, blob: bytes) -> int:
+        self.count += 1
+        return self.count
+
+
+def cluster(journal: str, base: str, port: int, size: int, entries: int) -> dict:
+    """3 SyncObjs in this process on 127.0.0.1:port..port+2; ``entries`` pipelined puts to the
+    leader; entries/s until the last is committed, and the fsyncs per entry of all three nodes.
+    ``journal``: "fsync" or "no fsync" (DurableJournal), or "FileJournal" (pysyncobj's)."""
+    addrs = [f"127.0.0.1:{port + i}" for i in range(3)]
+    nodes, journals = [], []
+    for i, addr in enumerate(addrs):
+        path = os.path.join(base, f"c{port}-{i}")
+        conf = SyncObjConf(journalFile=os.path.join(base, f"c{port}-{i}.journal") if journal == "FileJournal"
+                           else None, appendEntriesUseBatch=False, raftMinTimeout=1.0, raftMaxTimeout=2.0,
+                           appendEntriesBatchSizeBytes=1 << 20)
+        node = _Sink(addr, [a for a in addrs if a != addr], conf)
+        if journal != "FileJournal":
+            j = DurableJournal(path, fsync=journal == "fsync")
+            install_durable_journal(node, j)
+            journals.append(j)
+        nodes.append(node)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(n._isLeader() for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("no leader")
+            time.sleep(0.05)
+        lead = next(n for n in nodes if n._isLeader())
+        lead.put(b"warm", sync=True, timeout=30)
+        before = sum(j.fsync_count for j in journals)
+        done = threading.Event()
+        results: list[int] = []
+
+        def callback(result: object, error: int) -> None:
+            results.append(error)
+            if len(results) == entries:
+                done.set()
+
+        payload = os.urandom(size)
+        start = time.perf_counter()
+        for _ in range(entries):
+            lead.put(payload, callback=callback)
+        if not done.wait(300):
+            raise RuntimeError(f"{len(results)} of {entries} committed")
+        elapsed = time.perf_counter() - start
+        fsyncs = sum(j.fsync_count for j in journals) - before
+        return {"mode": f"cluster, {journal}", "entries": entries, "seconds": round(elapsed, 3),
+                "per_s": round(entries / elapsed), "mb_s": round(entries * size / elapsed / 1e6, 2),
+                "fsyncs": fsyncs, "entries_per_fsync": round(3 * entries / fsyncs, 1) if fsyncs else None}
+    finally:
+        for node in nodes:
+            node.destroy_synchronous()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/work/tmp-bench-journal", help="a directory on the disk to measure")
     ap.add_argument("--size", type=int, default=1024, help="entry size in bytes")
     ap.add_argument("--seconds", type=float, default=3.0, help="per mode")
     ap.add_argument("--groups", default="16,64", help="group-commit sizes")
+    ap.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="also N pipelined entries through 3 in-process pysyncobj nodes per journal")
+    ap.add_argument("--port", type=int, default=28900, help="first of the cluster ports (3 per mode)")
     args = ap.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="bench-", dir=args.dir)
@@ -116,6 +191,12 @@ def main(argv: list[str] | None = None) -> None:
             row = run(name, make, base, args.size, args.seconds)
             rows.append(row)
             print(f"{name:<24}{row['entries']:>9}{row['per_s']:>12}{row['mb_s']:>9}{row['fsyncs']:>9}"
+                  f"{row['entries_per_fsync'] if row['entries_per_fsync'] else '-':>11}")
+            sys.stdout.flush()
+        for k, journal in enumerate(["fsync", "no fsync", "FileJournal"] if args.cluster else []):
+            row = cluster(journal, base, args.port + 3 * k, args.size, args.cluster)
+            rows.append(row)
+            print(f"{row['mode']:<24}{row['entries']:>9}{row['per_s']:>12}{row['mb_s']:>9}{row['fsyncs']:>9}"
                   f"{row['entries_per_fsync'] if row['entries_per_fsync'] else '-':>11}")
             sys.stdout.flush()
     finally:

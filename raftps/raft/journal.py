@@ -74,6 +74,13 @@ before the next tick's computation; the latter may run in the same tick *before*
 was written). Sending entries to followers before the leader's own fsync is allowed by Raft (the
 leader's copy only counts once durable), and keeps the two fsyncs in parallel.
 
+Lines of pysyncobj 0.3.17's syncobj.py: ``_onTick`` L611-706 (new term L640, commit computation
+L655-677 with ``count = 1`` at L660, ``_checkCommandsToApply()`` L699, ``poll`` L706); leader
+appends L528 (``_checkCommandsToApply``) and L1227 (``__onBecomeLeader``); follower appends L1006
+and its acks L1019 (entries) and L1025 (snapshot); failed/heartbeat replies L969-989; votes
+L921/L937 then ``response_vote`` L941, L957; ``__sendNextNodeIdx`` L1098; ``__setCurrentTerm``
+L1234; the journal clear of ``__loadDumpFile`` L1489-1495; tcp_connection.py ``send`` L141.
+
 (c) Votes: ``request_vote`` is answered by ``__setCurrentTerm(term, node.id)`` and then a
 ``response_vote`` send; a candidate calls ``__setCurrentTerm(term + 1, self)`` before sending
 ``request_vote``; a higher term seen in any message goes through ``__setCurrentTerm`` before
@@ -94,7 +101,7 @@ Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syn
 4. replaces ``_SyncObj__onBecomeLeader`` by the original followed by ``journal.sync()``;
 5. replaces ``_onTick`` by: ``sync()`` + send queued acks; the original tick; then (in a
    ``finally``) ``sync()`` + send queued acks: one fsync per tick for all appends (leader and
-   follower) of that tick;
+   follower) of that tick (steps 3-5 only with ``fsync=True``: without, pysyncobj runs as before);
 6. wraps the serializer's ``deserialize`` so that on start, if the journal still holds entries
    below a snapshot (compaction's ``start`` write lost, or an old journal), the prefix is dropped
    before pysyncobj compares the journal's first two entries with the snapshot's: pysyncobj

@@ -89,9 +89,10 @@ def install_durable_journal(syncobj: SyncObj, journal: DurableJournal) -> None:
         _drop_below_snapshot(journal, data)
         return data
 
-    s._SyncObj__sendNextNodeIdx = queue_ack
-    s._SyncObj__onBecomeLeader = become_leader_durably
-    s._onTick = durable_tick
+    if journal.fsync:                            # with fsync=False there is nothing to wait for
+        s._SyncObj__sendNextNodeIdx = queue_ack
+        s._SyncObj__onBecomeLeader = become_leader_durably
+        s._onTick = durable_tick
     s._SyncObj__serializer.deserialize = deserialize_keeping_log
     s._raftps_durable = journal
     s._SyncObj__properies.update(_ATTRS)         # not state: keep them out of default snapshots

@@ -23,7 +23,7 @@ the data bytes (the data of a write, or the whole content of a file seen for the
 record is written (one ``write(2)`` on an ``O_APPEND`` descriptor, which survives a SIGKILL of the
 writer because it is in the kernel's page cache) *before* the operation is done, so the log always
 covers at least what the files contain; a torn last record (a writer killed mid-record) fails its
-CRC and is ignored, like an operation that never returned.
+CRC and is ignored, like an operation that never returned (the next process cuts it off).
 
 Headers: ``["base", path]`` (a file that existed before the log began, with its content: it is
 durable as it is), ``["create", path]``, ``["write", inode, offset]``, ``["trunc", inode, size]``,
@@ -337,8 +337,9 @@ def _encode(header: list, data: bytes = b"") -> bytes:
     return _LOG_HEAD.pack(len(head), len(data), zlib.crc32(data, zlib.crc32(head))) + head + data
 
 
-def read_log(state_dir: str) -> Iterable[tuple[list, bytes]]:
-    """The operations logged in ``state_dir``, stopping at a torn or corrupt record."""
+def read_log(state_dir: str) -> Iterable[tuple[list, bytes, int]]:
+    """The operations logged in ``state_dir`` (header, data, end offset), stopping at a torn or
+    corrupt record."""
     try:
         with open(os.path.join(state_dir, _LOG_NAME), "rb") as f:
             blob = f.read()
@@ -354,15 +355,19 @@ def read_log(state_dir: str) -> Iterable[tuple[list, bytes]]:
         data = blob[pos + _LOG_HEAD.size + hlen:end]
         if zlib.crc32(data, zlib.crc32(head)) != crc:
             return
-        yield json.loads(head), bytes(data)
+        yield json.loads(head), bytes(data), end
         pos = end
 
 
 def load_model(state_dir: str) -> DiskModel:
-    model = DiskModel()
-    for header, data in read_log(state_dir):
+    return _load(state_dir)[0]
+
+
+def _load(state_dir: str) -> tuple[DiskModel, int]:
+    model, valid = DiskModel(), 0
+    for header, data, valid in read_log(state_dir):
         model.apply(header, data)
-    return model
+    return model, valid
 
 
 def apply_cut(contents: dict[str, bytes | None]) -> None:
@@ -460,9 +465,10 @@ class SimulatedDisk(Storage):
         self.fsyncs = 0
         self.dir_fsyncs = 0
         self.fsyncs_by_path: dict[str, int] = {}
-        self.model = load_model(self.state_dir)  # a killed predecessor's operations still count
+        self.model, valid = _load(self.state_dir)  # a killed predecessor's operations still count
         self._log_fd = os.open(os.path.join(self.state_dir, _LOG_NAME),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.ftruncate(self._log_fd, valid)        # its torn last record would hide all of ours
 
     def _log(self, header: list, data: bytes = b"") -> None:
         os.write(self._log_fd, _encode(header, data))
@@ -479,8 +485,8 @@ class SimulatedDisk(Storage):
         with self._lock:
             self._know(path)
             if path not in self.model.names:
-                if not create:
-                    raise FileNotFoundError(path)
+                if not create or not os.path.isdir(os.path.dirname(path)):
+                    raise FileNotFoundError(path)      # before logging: the log holds what happened
                 self._log(["create", path])
             f = SimFile(self, path, self.model.names[path], OSFile(path, create=True))
             self._files.add(f)
@@ -491,6 +497,8 @@ class SimulatedDisk(Storage):
         with self._lock:
             self._know(src)
             self._know(dst)
+            if src not in self.model.names or not os.path.isdir(os.path.dirname(dst)):
+                raise FileNotFoundError(src)
             self._log(["rename", src, dst])
             os.rename(src, dst)
 
@@ -498,6 +506,8 @@ class SimulatedDisk(Storage):
         path = os.path.abspath(path)
         with self._lock:
             self._know(path)
+            if path not in self.model.names:
+                raise FileNotFoundError(path)
             self._log(["remove", path])
             os.remove(path)
 

@@ -169,11 +169,21 @@ class Box(SyncObj):
         return self.n
 
 
-@pytest.mark.parametrize("batch,port", [(False, 28130), (True, 28180)])
-def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, port):
+def raftps_fixes():
+    try:                                         # where the lead is moving it
+        from raftps.raft.pysyncobj_fixes import install
+    except ImportError:
+        from raftps.pysyncobj_fixes import install
+    return install
+
+
+@pytest.mark.parametrize("batch,fixes,port", [(False, False, 28130), (True, False, 28180),
+                                              (False, True, 28185)])
+def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, fixes, port):
     """(a) no follower acknowledges an index above its durable index; (b) a leader's commit index
     never exceeds its own durable index; checked on every ack sent and after every tick, with
-    entries sent at once (raftps) and in pysyncobj's default batches."""
+    entries sent at once (raftps) and in pysyncobj's default batches, and with raftps's own
+    pysyncobj fixes installed too (they wrap the same transport)."""
     addrs = [f"127.0.0.1:{port + i}" for i in range(3)]
     violations: list[str] = []
     checks = [0, 0]
@@ -184,6 +194,8 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, port):
                            raftMaxTimeout=1.0, connectionRetryTime=0.2)
         box = Box(addr, [a for a in addrs if a != addr], conf)
         install_durable_journal(box, journal)
+        if fixes:
+            raftps_fixes()(box)
         transport = box._SyncObj__transport
         send = transport.send
 
@@ -305,5 +317,22 @@ def test_restart_with_log_below_the_snapshot_keeps_the_entries_after_it(tmp_path
     box = Snapshotted("127.0.0.1:28151", DurableJournal(jdir), conf())
     try:
         assert box.inc(sync=True, timeout=10) == 61
+    finally:
+        box.destroy()
+
+
+def test_install_refuses_a_file_journal_and_a_late_call(tmp_path):
+    conf = SyncObjConf(journalFile=str(tmp_path / "file.journal"), autoTick=False)
+    box = Box("127.0.0.1:28195", [], conf)
+    try:
+        with pytest.raises(RuntimeError, match="journalFile=None"):
+            install_durable_journal(box, DurableJournal(str(tmp_path / "a")))
+    finally:
+        box.destroy()
+    box = Box("127.0.0.1:28196", [], SyncObjConf(journalFile=None, autoTick=False))
+    try:
+        box.doTick(0.0)
+        with pytest.raises(RuntimeError, match="ticked already"):
+            install_durable_journal(box, DurableJournal(str(tmp_path / "b")))
     finally:
         box.destroy()

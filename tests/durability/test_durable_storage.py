@@ -246,3 +246,39 @@ def test_storage_from_env(tmp_path):
     d = storage_from_env({SIMDISK_ENV: str(tmp_path / "s")})
     assert isinstance(d, SimulatedDisk)
     d.close()
+
+
+def test_failed_operations_are_not_logged(disk, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        disk.open(str(tmp_path / "no-such-dir" / "f"))
+    with pytest.raises(FileNotFoundError):
+        disk.rename(str(tmp_path / "data" / "missing"), str(tmp_path / "data" / "x"))
+    with pytest.raises(FileNotFoundError):
+        disk.remove(str(tmp_path / "data" / "missing"))
+    with pytest.raises(FileNotFoundError):
+        disk.open(str(tmp_path / "data" / "missing"), create=False)
+    assert list(load_model(disk.state_dir).known) == []
+    disk.power_cut("torn")                        # and the log still replays
+
+
+def test_a_new_process_appends_after_a_torn_log_record(tmp_path):
+    """A writer killed mid-record leaves a torn tail; the next one must cut it off, or every
+    record it logs would sit behind it, unreadable."""
+    state = str(tmp_path / "state")
+    path = str(tmp_path / "f")
+    d = SimulatedDisk(state)
+    f = d.open(path)
+    d.fsync_dir(str(tmp_path))
+    f.append(b"one;")
+    f.fsync()
+    d.close()
+    with open(os.path.join(state, "ops.log"), "ab") as log:
+        log.write(b"\x07\x00\x00")                  # half a record header
+    d = SimulatedDisk(state)
+    f = d.open(path)
+    f.append(b"two;")
+    f.fsync()
+    f.append(b"three;")
+    d.close()
+    power_cut(state, "synced")
+    assert read(path) == b"one;two;"
