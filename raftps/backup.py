@@ -28,7 +28,7 @@ BACKUP_FORMAT = 1
 # bytes arrive, so these bound what a node may send, not what is allocated up front).
 SAVE_LIMITS = codec.Limits(max_header_bytes=1 << 30, max_blob_bytes=1 << 40, max_arrays=1 << 24,
                            max_tensor_bytes=1 << 40)
-NODE_FILES = ("raft.journal", snapshot_file.NAME)
+NODE_FILES = ("raft.journal", "raft.journal.d", snapshot_file.NAME)   # plain and durable journals
 
 
 def save(client: Client, path: str) -> dict:
