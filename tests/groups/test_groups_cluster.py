@@ -174,3 +174,18 @@ def test_leaders_spread_one_group_per_node(cluster) -> None:
             break
         time.sleep(0.5)
     assert leaders == [1, 2, 3]
+
+
+def test_export_and_import_across_groups(cluster, tmp_path) -> None:
+    from raftps.models import export_model, import_model
+    names = [f"m/layer{i}" for i in range(8)]
+    with cluster.client(timeout=30.0) as c:
+        c.create_many({n: np.full(3, float(i), np.float32) for i, n in enumerate(names)}, {n: SGD for n in names})
+        path = str(tmp_path / "m.safetensors")
+        summary = export_model(c, "m", "safetensors", path)
+        assert summary["tensors"] == 8 and isinstance(summary["version"], dict)
+        result = import_model(c, path, "copy", {"name": "sgd", "lr": 0.5})
+        assert result["created"] == 8
+        tensors, _ = c.pull([f"copy/layer{i}" for i in range(8)])
+    for i in range(8):
+        np.testing.assert_array_equal(tensors[f"copy/layer{i}"], np.full(3, float(i), np.float32))
