@@ -89,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
                         idle_timeout=args.idle_timeout, metrics_port=args.metrics_port,
                         read_mode=args.read_mode, read_confirm=not args.unsafe_skip_read_confirm,
-                        durability=args.durability)
+                        durability=args.durability, entries_in_flight=args.entries_in_flight)
     layout = Layout(tuple(peers), args.groups)
     try:
         replicas = {g: RaftNode(group_config(config, layout, g)) for g in layout.hosted_by(args.id)}
@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="linearizable reads: readindex (the leader confirms its leadership with a round of "
                         "probes to a majority, no log entry) or log (a barrier entry through the Raft log)")
     p.add_argument("--unsafe-skip-read-confirm", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--entries-in-flight", type=int, default=defaults["entries_in_flight"].default,
+                   help="group commit: log entries the leader keeps proposed and not yet applied; writes "
+                        "arriving meanwhile share the next entry (0: every write its own entry)")
     p.add_argument("--durability", choices=("none", "fsync"), default=defaults["durability"].default,
                    help="fsync: the Raft journal, term and vote, payloads (in DATA_DIR/payloads) and snapshots "
                         "are fsynced before they count, so a power loss loses nothing acknowledged; none: "

@@ -27,6 +27,7 @@ import numpy as np
 from . import codec, snapshot_file
 from .dataplane import DataPlaneServer, Peers
 from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
+from .group_commit import BATCH, GroupCommit
 from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore, fsync_dir, payload_id
@@ -60,6 +61,9 @@ class NodeConfig:
     heartbeat: float = 0.1
     leader_fallback: float = 1.875            # a leader without a majority steps down after this (2.5x election)
     request_timeout: float = 3.0              # one write's wait for replication and commit
+    # Group commit (group_commit.py): log entries proposed and not yet applied, at most; writes
+    # arriving meanwhile share the next entry. 0: every write its own entry, at once.
+    entries_in_flight: int = 2
     # "fsync": nothing acknowledged is lost to a power cut (README, Durability): the Raft journal,
     # term and vote, payloads (on disk in the data dir, not tmpfs) and snapshots are fsynced before
     # they count. "none": they survive a process crash, not a power loss (the default, measured).
@@ -191,17 +195,47 @@ class RaftNode:
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
             compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
             durability=config.durability), self)
+        self.group_commit = GroupCommit(self.log, in_flight=config.entries_in_flight)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
         if config.preferred_leader not in (None, config.raft_address):
             threading.Thread(target=self._hand_over_loop, name="leader-balance", daemon=True).start()
 
     # ---- the Applier: called by the log's thread, one at a time --------------------------------
 
-    def apply(self, entry: bytes, index: int) -> dict:
-        pid = None
+    def apply(self, entry: bytes, index: int) -> Any:
+        """Apply log entry ``index``: one write, or a batch of them (group_commit.py), each with
+        the next store version. A batch's payloads must all be here before any write applies."""
+        batch = False
         try:
             command = msgpack.unpackb(entry, raw=False)
-            pid = command.pop("payload", None)
+            if isinstance(command, dict) and command.get("op") == BATCH:
+                batch = True
+                entries = command["entries"]
+                if not isinstance(entries, list) or not all(isinstance(e, bytes) for e in entries):
+                    raise ValueError("a batch's entries are a list of bytes")
+                commands = [self._decode(msgpack.unpackb(e, raw=False), index) for e in entries]
+            else:
+                commands = [self._decode(command, index)]
+        except NotReady:
+            raise
+        except Exception as exc:    # same bytes on every replica, so the same error everywhere
+            commands, batch = [({"op": "invalid", "reason": f"undecodable entry: {exc}"}, None)], False
+        started = time.perf_counter()
+        with self.lock:
+            results = [self.machine.apply(self.machine.version + 1, c) for c, _ in commands]
+            self.applied.notify_all()
+        self.instruments.apply_seconds.observe(time.perf_counter() - started)
+        for _, pid in commands:
+            if pid is not None:
+                self.payloads.applied(pid, index)
+        return results if batch else results[0]
+
+    def _decode(self, command: Any, index: int) -> tuple[dict, str | None]:
+        """(the command with its tensors, its payload id): raises NotReady if the payload is not here."""
+        if not isinstance(command, dict):
+            return {"op": "invalid", "reason": "an entry is a map"}, None
+        pid = command.pop("payload", None)
+        try:
             if pid is not None:
                 tensors = self.payloads.get(pid)
                 if tensors is None:
@@ -213,15 +247,8 @@ class RaftNode:
         except NotReady:
             raise
         except Exception as exc:    # same bytes on every replica, so the same error everywhere
-            command = {"op": "invalid", "reason": f"undecodable entry: {exc}"}
-        started = time.perf_counter()
-        with self.lock:
-            result = self.machine.apply(index, command)
-            self.applied.notify_all()
-        self.instruments.apply_seconds.observe(time.perf_counter() - started)
-        if pid is not None:
-            self.payloads.applied(pid, index)
-        return result
+            return {"op": "invalid", "reason": f"undecodable entry: {exc}"}, None
+        return command, pid
 
     def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
         # In the log's thread: no apply runs until the frame is written, so nothing is frozen.
@@ -408,7 +435,8 @@ class RaftNode:
             done.set()
 
         proposed = time.perf_counter()
-        self.log.propose(msgpack.packb(command, use_bin_type=True), callback)
+        # a barrier's reader runs right after its apply: alone, or later writes would be in its state
+        self.group_commit.propose(msgpack.packb(command, use_bin_type=True), callback, alone=command["op"] == "barrier")
         if not done.wait(max(0.0, deadline - time.monotonic())):
             raise NotApplied("no commit before the request timeout", applied=None)
         result, error = box[0]
@@ -537,6 +565,8 @@ class RaftNode:
             "pid": os.getpid(),
             "read_mode": self.config.read_mode,       # linearizable reads: readindex or log
             "read_rounds": raft.read_rounds,          # ReadIndex confirmation rounds completed
+            "entries_proposed": self.group_commit.entries,   # log entries this node proposed as leader ...
+            "writes_proposed": self.group_commit.writes,     # ... carrying this many writes (group commit)
         }
 
     # ---- membership (raftps member ...) ----------------------------------------------------
@@ -580,6 +610,7 @@ class RaftNode:
             while self._snapshot_index < target - 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
         self._stopped = True
+        self.group_commit.stop()
         self._missing_event.set()
         self.data_server.close()
         self.peers.close()
