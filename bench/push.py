@@ -67,11 +67,12 @@ def _cpu_fields(node_times: list[tuple[float, ...]], res: dict[str, Any]) -> dic
 
 
 def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
-            base_port: int, pull_clients: list[int] | None = None, durability: str = "none") -> list[dict[str, Any]]:
+            base_port: int, pull_clients: list[int] | None = None, durability: str = "none",
+            node_args: list[str] | None = None, system: str | None = None) -> list[dict[str, Any]]:
     """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients)."""
     from raftps.localcluster import LocalCluster
-    system = f"raftps-{nodes}" + ("-durable" if durability == "fsync" else "")
-    cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port, durability=durability)
+    system = system or f"raftps-{nodes}" + ("-durable" if durability == "fsync" else "")
+    cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port, durability=durability, extra_args=node_args)
     os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
