@@ -56,3 +56,18 @@ def test_without_fsync_the_same_cut_loses_acknowledged_pushes(tmp_path) -> None:
         assert "no linearizable read of the final state" in str(exc)
         return
     assert not result.valid and result.acked_lost > 0, line
+
+
+def test_nemesis_with_power_cuts() -> None:
+    """The seeded nemesis with power cuts among its faults (seed 3: a follower killed, the leader's
+    power cut twice, a pause, every node's power cut), on durable nodes, process faults only."""
+    import subprocess
+    import sys
+    from raftps.chaos.nemesis import schedule
+    assert {"powercut-leader", "powercut-all"} <= {s.fault for s in schedule(3, 30, False, power=True)}
+    p = subprocess.run([sys.executable, "-m", "raftps.chaos", "--seconds", "30", "--seed", "3", "--no-netns",
+                        "--power-cuts", "--base-port", "36700"], capture_output=True, text=True, timeout=240)
+    print(p.stdout[-3000:], p.stderr[-3000:])
+    line = next((l for l in p.stdout.splitlines() if l.startswith("case=nemesis")), "")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "acked_lost=0 duplicated=0" in line and line.endswith("replicas_identical=true"), line
