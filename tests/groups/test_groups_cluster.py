@@ -189,3 +189,16 @@ def test_export_and_import_across_groups(cluster, tmp_path) -> None:
         tensors, _ = c.pull([f"copy/layer{i}" for i in range(8)])
     for i in range(8):
         np.testing.assert_array_equal(tensors[f"copy/layer{i}"], np.full(3, float(i), np.float32))
+
+
+def test_metrics_have_a_sample_per_group(cluster) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    row = next(r for r in cluster.status() if r["node"] == 1 and r.get("metrics"))
+    text = urllib.request.urlopen(f"http://{row['metrics']}/metrics", timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    applied = {s.labels["group"]: s.value for s in families["raftps_applied_index"].samples}
+    assert sorted(applied) == ["0", "1", "2"] and all(v > 0 for v in applied.values())
+    roles = [s for s in families["raftps_role"].samples if s.value == 1.0]
+    assert sorted(s.labels["group"] for s in roles) == ["0", "1", "2"]
