@@ -256,18 +256,26 @@ def snapshot(args: argparse.Namespace) -> int:
         if args.action == "save":
             with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=backup.SAVE_LIMITS) as client:
                 out = backup.save(client, args.file)
-            print(f"saved the store at version {out['version']} (digest {out['digest'][:16]}, {out['tensors']} "
-                  f"tensors, {out['bytes']} bytes) to {out['path']}")
+            print(f"saved the store at version {_versions(out)} ({out['tensors']} tensors, {out['bytes']} bytes) "
+                  f"to {out['path']}")
             return 0
         dirs = list(args.data_dir or [])
         if args.run_dir:
             from .localcluster import LocalCluster
             dirs += [LocalCluster(args.run_dir, nodes=args.nodes).data_dir(n) for n in range(1, args.nodes + 1)]
         out = backup.restore(args.file, dirs, args.peers.split(",") if args.peers else None)
-        print(f"seeded {len(dirs)} data dir(s) with the store at version {out['version']} (digest "
-              f"{out['digest'][:16]}, {out['tensors']} tensors, saved {out['created']}); start the nodes")
+        print(f"seeded {len(dirs)} data dir(s) with the store at version {_versions(out)} ({out['tensors']} "
+              f"tensors, saved {out['created']}); start the nodes"
+              + (f" with --groups {out['groups']}" if out["groups"] > 1 else ""))
         return 0
     return _run(f"snapshot {args.action}", run)
+
+
+def _versions(out: dict) -> str:
+    """'V (digest D...)', or per Raft group 'g0: V (digest D...), g1: ...'."""
+    if isinstance(out["version"], dict):
+        return ", ".join(f"g{g}: {v} (digest {out['digest'][g][:16]})" for g, v in sorted(out["version"].items()))
+    return f"{out['version']} (digest {out['digest'][:16]})"
 
 
 def member(args: argparse.Namespace) -> int:
