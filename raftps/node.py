@@ -140,7 +140,7 @@ def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:
                 owner = f.read().strip()
         except OSError:
             continue
-        if not os.path.isdir(owner):
+        if owner and not os.path.isdir(owner):      # empty: being written (by an older node); keep it
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

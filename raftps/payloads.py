@@ -65,8 +65,11 @@ class PayloadStore:
         self.fsync = fsync
         os.makedirs(directory, exist_ok=True)
         if owner is not None:       # lets a sweep tell an abandoned tmpfs dir from a live one
-            with open(os.path.join(directory, "OWNER"), "w") as f:
+            # atomically: a sweep by another node starting now must never read it empty
+            tmp = os.path.join(directory, f"OWNER.{os.getpid()}.{threading.get_ident()}.tmp")
+            with open(tmp, "w") as f:
                 f.write(owner + "\n")
+            os.replace(tmp, os.path.join(directory, "OWNER"))
         self._memory: dict[str, dict[str, np.ndarray]] = {}
         self._applied: dict[str, int] = {}          # payload id -> log index it was applied at
         self._disk_bytes = 0

@@ -62,3 +62,16 @@ def test_drop_spares_frees_them(tmp_path) -> None:
     store.collect(through_index=1)
     store.drop_spares()
     assert os.listdir(tmp_path) == [] and store.spare_bytes_held == 0
+
+
+def test_sweep_keeps_a_dir_whose_owner_file_is_being_written(tmp_path) -> None:
+    """A node starting while another sweeps: an OWNER still empty must not read as abandoned."""
+    from raftps.node import sweep_abandoned_payload_dirs
+    young = tmp_path / "raftps-payloads-young"
+    young.mkdir()
+    (young / "OWNER").write_text("")
+    gone = tmp_path / "raftps-payloads-gone"
+    gone.mkdir()
+    (gone / "OWNER").write_text(str(tmp_path / "no-such-data-dir") + "\n")
+    sweep_abandoned_payload_dirs(str(tmp_path))
+    assert young.is_dir() and not gone.exists()
