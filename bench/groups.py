@@ -1,7 +1,7 @@
 """Load per node as nodes and Raft groups are added (issue 14's benchmark): multi-Raft scale-out.
 
     python -m bench.groups [--configs 3x1,3x3,6x6,9x9] [--seconds 15] [--warmup 3] [--clients 4]
-                           [--runs 2] [--max-ops 3000] [--out bench/results]
+                           [--leaders elected,spread] [--max-ops 3000] [--out bench/results]
     python -m bench --parts groups          (only when named)
 
 For each (N nodes, G groups) a fresh cluster (``serve --groups G``; G = 1: one group on all N),
@@ -86,6 +86,15 @@ def sample(pids: dict[int, int], links: dict[int, str]) -> dict[int, tuple[float
     return {n: (proc_cpu_seconds(pids[n]), veth_bytes(links[n])) for n in pids}
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (all cores)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    tck = os.sysconf("SC_CLK_TCK")
+    idle = v[3] + v[4]                       # idle + iowait
+    return (sum(v[:8]) - idle) / tck, sum(v[:8]) / tck
+
+
 def delta(a: dict[int, tuple[float, int]], b: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
     return {n: (b[n][0] - a[n][0], b[n][1] - a[n][1]) for n in a}
 
@@ -112,6 +121,53 @@ def leaders(rows: list[dict]) -> dict[int, int]:
             if g not in best or (r.get("term") or 0) > (best[g].get("term") or 0):
                 best[g] = r
     return {g: r["node"] for g, r in sorted(best.items())}
+
+
+def spread_leaders(cl: Any, net: Any, admin: Any, nodes: int, groups: int, budget: float = 60.0) -> dict[str, Any]:
+    """Move leaderships until no node leads more than ceil(G/N) groups. raftps has no leadership
+    transfer a client can ask for, so: take a group led by the node that leads most, preferably
+    one with a member that leads fewer than ceil(G/N), and cut its leader off from that group
+    only (iptables in the leader's namespace drops TCP to and from the group's Raft ports; the
+    node's other groups are untouched) until another member is elected, then heal. The new
+    leader is either other member, at random, so it may take a few moves within ``budget`` s."""
+    from raftps.groups import Layout
+    layout = Layout(tuple(cl.peers), groups)
+    ideal = -(-groups // nodes)
+    moves: list[dict[str, int]] = []
+    deadline = time.monotonic() + budget
+    lead: dict[int, int] = {}
+    rng = np.random.default_rng(0)
+
+    def count(lead: dict[int, int]) -> dict[int, int]:
+        return {n: sum(1 for v in lead.values() if v == n) for n in range(1, nodes + 1)}
+
+    while time.monotonic() < deadline:
+        lead = leaders(admin.status(timeout=5.0, digest=False))
+        if len(lead) < groups:
+            time.sleep(0.3)
+            continue
+        c = count(lead)
+        worst = max(c, key=c.get)
+        if c[worst] <= ideal:
+            break
+        led = [g for g, n in lead.items() if n == worst]
+        helpful = [g for g in led if any(c[m] < ideal for m in layout.members(g) if m != worst)]
+        g = int(rng.choice(helpful or led))
+        ports = [int(layout.raft_address(m, g).rsplit(":", 1)[1]) for m in layout.members(g)]
+        try:
+            for port in ports:
+                for chain, way in (("INPUT", "--dport"), ("INPUT", "--sport"), ("OUTPUT", "--dport"),
+                                   ("OUTPUT", "--sport")):
+                    net.iptables(worst, "-A", chain, "-p", "tcp", way, str(port), "-j", "DROP")
+            t = time.monotonic()
+            while time.monotonic() - t < 10.0 and leaders(admin.status(timeout=5.0, digest=False)).get(g) == worst:
+                time.sleep(0.2)
+        finally:
+            net.heal(worst)
+        moves.append({"group": g, "from": worst})
+        time.sleep(1.0)                       # the old leader hears the new term and steps down
+    c = count(lead) if len(lead) == groups else {}
+    return {"moves": moves, "leaders": lead, "spread": bool(c) and max(c.values()) <= ideal}
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -173,7 +229,9 @@ class Load:
 
 def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup: float, clients: int,
                    max_ops: int, base_port: int = BASE_PORT, prefix: str = PREFIX, subnet: str = SUBNET,
-                   per_group: int = 2) -> dict[str, Any]:
+                   per_group: int = 2, leaders_mode: str = "elected") -> dict[str, Any]:
+    """One fresh cluster of ``nodes`` nodes and ``groups`` groups in namespaces; ``leaders_mode``
+    "elected": leaders as pysyncobj elected them; "spread": moved first (spread_leaders)."""
     from raftps.chaos.netns import Net, available
     from raftps.localcluster import LocalCluster
     why = available()
@@ -182,7 +240,8 @@ def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup
     net = Net(nodes, prefix=prefix, subnet=subnet)
     cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port, hosts=net.hosts(), command_prefix=net.command_prefix,
                       extra_args=["--request-timeout", str(REQUEST_TIMEOUT)], groups=groups)
-    rec: dict[str, Any] = {"nodes": nodes, "groups": groups, "clients": clients, "push_bytes": ELEMENTS * 4}
+    rec: dict[str, Any] = {"nodes": nodes, "groups": groups, "clients": clients, "push_bytes": ELEMENTS * 4,
+                           "leaders_mode": leaders_mode}
     load: Load | None = None
     t_start = time.monotonic()
     try:
@@ -193,6 +252,9 @@ def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup
         links = {n: host_veth(net, n) for n in pids}
         names = tensor_names(groups, per_group)
         with cl.client(timeout=60.0) as admin:
+            rec["leaders_elected"] = leaders(admin.status(timeout=5.0, digest=False))
+            if leaders_mode == "spread":
+                rec["spread"] = spread_leaders(cl, net, admin, nodes, groups)
             admin.create_many({n: np.zeros(ELEMENTS, np.float32) for n in names},
                               {n: {"name": "sgd", "lr": 1e-3} for n in names})
             # idle: what hosting the groups costs with no load (Raft heartbeats, ticks)
@@ -207,12 +269,14 @@ def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup
             lead0 = leaders(admin.status(timeout=5.0, digest=False))
             ok0, pg0 = load.counts()
             s0, t0 = sample(pids, links), time.monotonic()
+            me0, m0 = proc_cpu_seconds(os.getpid()), machine_busy()
             with load.lock:
                 load.recording = True
             while time.monotonic() - t0 < seconds and load.counts()[0] - ok0 < max_ops:
                 time.sleep(0.05)
             ok1, pg1 = load.counts()
             s1, t1 = sample(pids, links), time.monotonic()
+            me1, m1 = proc_cpu_seconds(os.getpid()), machine_busy()
             with load.lock:
                 load.recording = False
             lead1 = leaders(admin.status(timeout=5.0, digest=False))
@@ -225,7 +289,11 @@ def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup
                    pushes_per_s=pushes / window, errors=len(load.errors), error_examples=load.errors[:3],
                    latency_ms_p50=1e3 * statistics.median(load.lat) if load.lat else None,
                    leaders_start=lead0, leaders_end=lead1, leaders_changed=lead0 != lead1)
-        rec.update(summarize_nodes(d, pushes, window, groups, nodes, lead1))
+        rec.update(summarize_nodes(d, pushes, window, groups, nodes, lead1, rec["idle_cpu_per_s"]))
+        # the client threads live in this process (its other threads only sleep and sample)
+        rec["client_cpu_ms_per_push"] = 1e3 * (me1 - me0) / max(pushes, 1)
+        rec["client_cores"] = (me1 - me0) / window
+        rec["machine_cores_busy"] = (m1[0] - m0[0]) / window      # everything on the machine, others' work too
         rec["loadavg_1m"] = round(os.getloadavg()[0], 2)
     finally:
         if load is not None:
@@ -251,21 +319,27 @@ def _alive(pid: int) -> bool:
 
 
 def summarize_nodes(d: dict[int, tuple[float, int]], pushes: int, window: float, groups: int, nodes: int,
-                    lead: dict[int, int]) -> dict[str, Any]:
-    """Per-node and per-config figures from the window's CPU and byte deltas."""
+                    lead: dict[int, int], idle_per_s: dict[int, float] | None = None) -> dict[str, Any]:
+    """Per-node and per-config figures from the window's CPU and byte deltas. ``idle_per_s``: each
+    node's CPU seconds per second with no load; subtracted (times the window) for the
+    load-attributable figure ("net"), which a machine whose cores cap pushes/s would otherwise
+    inflate by idle CPU / pushes/s."""
     from raftps.groups import Layout
     layout = Layout(tuple(f"x:{n}" for n in range(1, nodes + 1)), groups)
     p = max(pushes, 1)
     per_node = []
     for n in sorted(d):
         cpu, b = d[n]
+        idle = (idle_per_s or {}).get(n, 0.0) * window
         per_node.append({"node": n, "cpu_s": round(cpu, 3), "bytes": b, "cpu_ms_per_push": 1e3 * cpu / p,
+                         "net_cpu_ms_per_push": 1e3 * (cpu - idle) / p,
                          "kib_per_push": b / p / 1024, "cores": cpu / window,
                          "hosts_groups": layout.hosted_by(n) if groups > 1 else [0],
                          "leads": sum(1 for g, ln in lead.items() if ln == n)})
     busiest = max(per_node, key=lambda r: r["cpu_ms_per_push"])
     return {"per_node": per_node, "busiest_node": busiest["node"],
             "busiest_cpu_ms_per_push": busiest["cpu_ms_per_push"],
+            "busiest_net_cpu_ms_per_push": max(r["net_cpu_ms_per_push"] for r in per_node),
             "mean_cpu_ms_per_push": statistics.mean(r["cpu_ms_per_push"] for r in per_node),
             "total_cpu_ms_per_push": sum(r["cpu_ms_per_push"] for r in per_node),
             "busiest_bytes_per_push": max(r["kib_per_push"] for r in per_node) * 1024,
@@ -290,101 +364,133 @@ def _converged(client: Any, groups: int, timeout: float = 60.0) -> bool:
 
 # ---- the whole benchmark ----------------------------------------------------------------------
 
+MODES = ("elected", "spread")
+
+
 def measure(run_dir: str, configs: list[tuple[int, int]] = CONFIGS, seconds: float = 15.0, warmup: float = 3.0,
-            clients: int = 4, max_ops: int = 3000, runs: int = 1) -> dict[str, Any]:
+            clients: int = 4, max_ops: int = 3000, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    """Every config once per leader mode (a fresh cluster each time), modes one after the other."""
     from raftps.chaos.netns import Net
     Net(max(n for n, _ in configs), prefix=PREFIX, subnet=SUBNET).down()     # leftovers of a crashed run
     records = []
-    for run in range(1, runs + 1):
+    for mode in modes:
         for nodes, groups in configs:
-            log(f"groups: run {run}, N={nodes} G={groups}: {seconds:.0f} s after {warmup:.0f} s of warm-up")
-            d = os.path.join(run_dir, f"n{nodes}g{groups}r{run}")
+            log(f"groups: N={nodes} G={groups}, leaders {mode}: {seconds:.0f} s after {warmup:.0f} s of warm-up")
+            d = os.path.join(run_dir, f"n{nodes}g{groups}{mode}")
             try:
-                rec = measure_config(d, nodes, groups, seconds, warmup, clients, max_ops)
+                rec = measure_config(d, nodes, groups, seconds, warmup, clients, max_ops, leaders_mode=mode)
             except Exception as exc:
                 log(f"groups: N={nodes} G={groups} failed: {type(exc).__name__}: {exc}")
-                rec = {"nodes": nodes, "groups": groups, "error": f"{type(exc).__name__}: {exc}"}
-            rec["run"] = run
+                rec = {"nodes": nodes, "groups": groups, "leaders_mode": mode, "error": f"{type(exc).__name__}: {exc}"}
             shutil.rmtree(d, ignore_errors=True)
             records.append(rec)
             if "error" not in rec:
-                log(f"groups: N={nodes} G={groups}: {rec['pushes_per_s']:.1f} pushes/s ({rec['pushes']}), busiest "
-                    f"node {rec['busiest_node']} {rec['busiest_cpu_ms_per_push']:.1f} ms CPU/push, mean "
-                    f"{rec['mean_cpu_ms_per_push']:.1f}, busiest {rec['busiest_bytes_per_push'] / MiB:.1f} MiB/push; "
-                    f"leads {rec['leads_per_node']}; {rec['errors']} errors; cleanup {rec['cleanup']}")
-    return {"records": records, "summary": summarize(records, configs)}
+                log(f"groups: N={nodes} G={groups} ({mode}): {rec['pushes_per_s']:.1f} pushes/s ({rec['pushes']}), "
+                    f"busiest node {rec['busiest_node']} {rec['busiest_cpu_ms_per_push']:.1f} ms CPU/push "
+                    f"(net of idle {rec['busiest_net_cpu_ms_per_push']:.1f}), mean {rec['mean_cpu_ms_per_push']:.1f}, "
+                    f"busiest {rec['busiest_bytes_per_push'] / MiB:.1f} MiB/push; leads {rec['leads_per_node']}"
+                    f"{' (spread: ' + str(len(rec['spread']['moves'])) + ' moves)' if 'spread' in rec else ''}; "
+                    f"client {rec['client_cores']:.2f} cores, machine {rec['machine_cores_busy']:.2f} cores busy; "
+                    f"{rec['errors']} errors; cleanup {rec['cleanup']}")
+    return {"records": records, "summary": summarize(records, configs, modes)}
 
 
-def summarize(records: list[dict[str, Any]], configs: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Per config: the mean over runs, and the ratios of busiest-node CPU per push to (3, 1)'s."""
+SUMMED = ("pushes_per_s", "busiest_cpu_ms_per_push", "busiest_net_cpu_ms_per_push", "mean_cpu_ms_per_push",
+          "busiest_bytes_per_push", "total_cpu_ms_per_push", "machine_cores_busy", "client_cores")
+
+
+def summarize(records: list[dict[str, Any]], configs: list[tuple[int, int]],
+              modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
+    """Per leader mode and config (the mean if a config ran more than once), with the ratios of
+    busiest-node CPU per push to (3, 1)'s in the same mode, and the targets."""
     out = []
-    for nodes, groups in configs:
-        rs = [r for r in records if r["nodes"] == nodes and r["groups"] == groups and "error" not in r]
-        if not rs:
-            out.append({"nodes": nodes, "groups": groups, "runs": 0})
-            continue
-        m = {k: statistics.mean(r[k] for r in rs) for k in
-             ("pushes_per_s", "busiest_cpu_ms_per_push", "mean_cpu_ms_per_push", "busiest_bytes_per_push",
-              "total_cpu_ms_per_push")}
-        out.append({"nodes": nodes, "groups": groups, "runs": len(rs), **m,
-                    "busiest_cpu_ms_per_push_runs": [r["busiest_cpu_ms_per_push"] for r in rs]})
-    base = next((s for s in out if (s["nodes"], s["groups"]) == (3, 1) and s["runs"]), None)
-    for s in out:
-        if base and s["runs"]:
-            s["ratio_busiest_cpu"] = s["busiest_cpu_ms_per_push"] / base["busiest_cpu_ms_per_push"]
-            s["ratio_mean_cpu"] = s["mean_cpu_ms_per_push"] / base["mean_cpu_ms_per_push"]
-            t = TARGETS.get((s["nodes"], s["groups"]))
-            if t is not None:
-                s["target"] = t
-                s["target_met"] = s["ratio_busiest_cpu"] <= t
+    for mode in modes:
+        rows = []
+        for nodes, groups in configs:
+            rs = [r for r in records if (r["nodes"], r["groups"], r.get("leaders_mode")) == (nodes, groups, mode)
+                  and "error" not in r]
+            if not rs:
+                rows.append({"nodes": nodes, "groups": groups, "leaders_mode": mode, "runs": 0})
+                continue
+            rows.append({"nodes": nodes, "groups": groups, "leaders_mode": mode, "runs": len(rs),
+                         **{k: statistics.mean(r[k] for r in rs) for k in SUMMED},
+                         "max_leads": max(max(r["leads_per_node"].values()) for r in rs)})
+        base = next((s for s in rows if (s["nodes"], s["groups"]) == (3, 1) and s["runs"]), None)
+        for s in rows:
+            if base and s["runs"]:
+                s["ratio_busiest_cpu"] = s["busiest_cpu_ms_per_push"] / base["busiest_cpu_ms_per_push"]
+                s["ratio_busiest_net_cpu"] = s["busiest_net_cpu_ms_per_push"] / base["busiest_net_cpu_ms_per_push"]
+                s["ratio_mean_cpu"] = s["mean_cpu_ms_per_push"] / base["mean_cpu_ms_per_push"]
+                s["ratio_busiest_bytes"] = s["busiest_bytes_per_push"] / base["busiest_bytes_per_push"]
+                t = TARGETS.get((s["nodes"], s["groups"]))
+                if t is not None:
+                    s["target"] = t
+                    s["target_met"] = s["ratio_busiest_cpu"] <= t
+        out += rows
     return out
 
 
 # ---- report -----------------------------------------------------------------------------------
 
 def _leads(rec: dict[str, Any]) -> str:
-    return " ".join(f"{n}:{c}" for n, c in sorted(rec["leads_per_node"].items(), key=lambda kv: int(kv[0])))
+    return " ".join(f"{c}" for n, c in sorted(rec["leads_per_node"].items(), key=lambda kv: int(kv[0])))
+
+
+def _x(v: Any, nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}x"
 
 
 def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
     recs, summ = result["records"], result["summary"]
     L = ["# Load per node as nodes and Raft groups are added (multi-Raft)", "",
          f"{meta.get('date', '')}, commit {meta.get('commit', '?')}, {meta.get('machine', '')}; load average "
-         f"{meta.get('loadavg_start')} at the start, {meta.get('loadavg_end')} at the end. "
-         f"`{meta.get('command', 'python -m bench.groups')}`.", "",
-         f"Every node in its own network namespace (veth + bridge, 10.77.20.I); {meta.get('clients')} client threads "
-         "in the root namespace, each its own `raftps.Client`, pushing 4 MiB float32 gradients (SGD), one tensor "
-         "per push, cycling through 2 tensors per group; "
+         f"{meta.get('loadavg_start')} at the start, {meta.get('loadavg_end')} at the end; {meta.get('elapsed_s')} s. "
+         f"`{meta.get('command', 'python -m bench.groups')}` (bench/groups.py).", "",
+         f"Every node in its own network namespace (veth + bridge, real addresses 10.77.20.I); {meta.get('clients')} "
+         "client threads in the root namespace, each its own `raftps.Client`, pushing 4 MiB float32 gradients (SGD), "
+         "one tensor per push, cycling through 2 tensors per group (names hashed into each group); "
          f"{meta.get('warmup')} s warm-up, then a window of {meta.get('seconds')} s (at most {meta.get('max_ops')} "
-         "pushes). CPU: utime+stime(+children) of each node process over the window; bytes: rx+tx of the node's "
-         "host-side veth; both divided by the pushes acknowledged in the window.", "",
+         "pushes). CPU: utime+stime (+reaped children) of each node process over the window; bytes: rx+tx of the "
+         "node's host-side veth; both divided by the pushes acknowledged in the window. \"net of idle\" subtracts "
+         "each node's own CPU rate with no load (measured for 2 s before the load) times the window. Leaders "
+         "\"elected\": as pysyncobj elected them; \"spread\": moved before the load, one group at a time, by "
+         "cutting the leader of a group led by the node leading most off from that group's Raft ports (iptables in "
+         "its namespace) until another member is elected, until no node leads more than ceil(G/N).", "",
          "## Per run", "",
-         "| N | G | run | pushes/s | pushes | busiest-node CPU ms/push | mean-node CPU ms/push | all nodes CPU ms/push "
-         "| busiest-node MiB/push | groups led per node | idle CPU %/node (max) | errors |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| N | G | leaders | pushes/s | pushes | busiest-node CPU ms/push | (net of idle) | mean-node CPU ms/push "
+         "| all nodes CPU ms/push | busiest-node MiB/push | groups led by node 1..N | idle CPU % of a core/node "
+         "| cores busy: machine / client | errors |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         if "error" in r:
-            L.append(f"| {r['nodes']} | {r['groups']} | {r['run']} | failed: {r['error']} | | | | | | | | |")
+            L.append(f"| {r['nodes']} | {r['groups']} | {r.get('leaders_mode')} | failed: {r['error']} "
+                     "| | | | | | | | | | |")
             continue
-        L.append(f"| {r['nodes']} | {r['groups']} | {r['run']} | {r['pushes_per_s']:.1f} | {r['pushes']} | "
-                 f"{r['busiest_cpu_ms_per_push']:.1f} (node {r['busiest_node']}) | {r['mean_cpu_ms_per_push']:.1f} | "
+        idle = [100 * v for v in r["idle_cpu_per_s"].values()]
+        L.append(f"| {r['nodes']} | {r['groups']} | {r['leaders_mode']} | {r['pushes_per_s']:.1f} | {r['pushes']} | "
+                 f"{r['busiest_cpu_ms_per_push']:.1f} (node {r['busiest_node']}) | "
+                 f"{r['busiest_net_cpu_ms_per_push']:.1f} | {r['mean_cpu_ms_per_push']:.1f} | "
                  f"{r['total_cpu_ms_per_push']:.1f} | {r['busiest_bytes_per_push'] / MiB:.1f} | {_leads(r)}"
-                 f"{' (changed)' if r['leaders_changed'] else ''} | "
-                 f"{100 * max(r['idle_cpu_per_s'].values()):.0f} | {r['errors']} |")
-    L += ["", "## Per configuration (mean over runs) and the targets", "",
-          "| N | G | runs | pushes/s | busiest-node CPU ms/push | mean-node CPU ms/push | busiest-node MiB/push "
-          "| busiest / (3,1) | mean / (3,1) | target | met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 f"{' (changed in the window)' if r['leaders_changed'] else ''}"
+                 f"{'' if 'spread' not in r else ' (' + str(len(r['spread']['moves'])) + ' moves' + ('' if r['spread']['spread'] else ', not spread') + ')'} | "
+                 f"{min(idle):.1f}-{max(idle):.1f} | {r['machine_cores_busy']:.2f} / {r['client_cores']:.2f} | "
+                 f"{r['errors']} |")
+    L += ["", "## Per configuration: ratios to (3, 1) and the targets", "",
+          "| leaders | N | G | pushes/s | busiest-node CPU ms/push | busiest / (3,1) | net of idle: busiest / (3,1) "
+          "| mean-node CPU ms/push | mean / (3,1) | busiest-node MiB/push | target | met |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summ:
         if not s["runs"]:
-            L.append(f"| {s['nodes']} | {s['groups']} | 0 | failed | | | | | | | |")
+            L.append(f"| {s['leaders_mode']} | {s['nodes']} | {s['groups']} | failed | | | | | | | | |")
             continue
         t = s.get("target")
-        L.append(f"| {s['nodes']} | {s['groups']} | {s['runs']} | {s['pushes_per_s']:.1f} | "
-                 f"{s['busiest_cpu_ms_per_push']:.1f} | {s['mean_cpu_ms_per_push']:.1f} | "
-                 f"{s['busiest_bytes_per_push'] / MiB:.1f} | {s.get('ratio_busiest_cpu', float('nan')):.2f}x | "
-                 f"{s.get('ratio_mean_cpu', float('nan')):.2f}x | {f'<= {t}x' if t else '-'} | "
-                 f"{('yes' if s['target_met'] else 'no') if t else '-'} |")
-    L += ["", "Per node (CPU ms/push, KiB/push, leads) in groups.json. Plot: groups.png.", ""]
+        L.append(f"| {s['leaders_mode']} | {s['nodes']} | {s['groups']} | {s['pushes_per_s']:.1f} | "
+                 f"{s['busiest_cpu_ms_per_push']:.1f} | **{_x(s.get('ratio_busiest_cpu'))}** | "
+                 f"{_x(s.get('ratio_busiest_net_cpu'))} | {s['mean_cpu_ms_per_push']:.1f} | "
+                 f"{_x(s.get('ratio_mean_cpu'))} | {s['busiest_bytes_per_push'] / MiB:.1f} | "
+                 f"{f'<= {t}x' if t else '-'} | {('yes' if s['target_met'] else 'no') if t else '-'} |")
+    L += ["", "Per node (CPU ms/push, net of idle, KiB/push, groups hosted, groups led) in groups.json. "
+          "Plot: groups.png.", ""]
     if meta.get("notes"):
         L += [meta["notes"], ""]
     return "\n".join(L)
@@ -394,32 +500,35 @@ def plot(result: dict[str, Any], out: str) -> str | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    recs = [r for r in result["records"] if "error" not in r]
     summ = [s for s in result["summary"] if s["runs"]]
     if not summ:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    label = lambda s: f"N={s['nodes']}, G={s['groups']}"   # noqa: E731
-    xs = list(range(len(summ)))
-    ax.plot(xs, [s["busiest_cpu_ms_per_push"] for s in summ], "o-", color="C3", label="busiest node (mean of runs)")
-    ax.plot(xs, [s["mean_cpu_ms_per_push"] for s in summ], "s-", color="C0", label="mean node (mean of runs)")
-    for i, s in enumerate(summ):
-        rs = [r for r in recs if (r["nodes"], r["groups"]) == (s["nodes"], s["groups"])]
-        ax.plot([i] * len(rs), [r["busiest_cpu_ms_per_push"] for r in rs], "x", color="C3", alpha=0.6)
-        ax.plot([i] * len(rs), [r["mean_cpu_ms_per_push"] for r in rs], "+", color="C0", alpha=0.6)
-    base = next((s for s in summ if (s["nodes"], s["groups"]) == (3, 1)), None)
+    fig, ax = plt.subplots(figsize=(7.0, 4.4))
+    style = {"elected": ("-", 1.0), "spread": ("--", 0.8)}
+    for mode in sorted({s["leaders_mode"] for s in summ}):
+        ss = [s for s in summ if s["leaders_mode"] == mode]
+        ls, alpha = style.get(mode, (":", 0.8))
+        ns = [s["nodes"] + (0.08 if mode == "spread" else 0) for s in ss]
+        ax.plot(ns, [s["busiest_cpu_ms_per_push"] for s in ss], "o" + ls, color="C3", alpha=alpha,
+                label=f"busiest node, leaders {mode}")
+        ax.plot(ns, [s["mean_cpu_ms_per_push"] for s in ss], "s" + ls, color="C0", alpha=alpha,
+                label=f"mean node, leaders {mode}")
+        for s, x in zip(ss, ns):
+            ax.annotate(f"G={s['groups']}", (x, s["busiest_cpu_ms_per_push"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+    base = [s for s in summ if (s["nodes"], s["groups"]) == (3, 1)]
     if base:
+        b = statistics.mean(s["busiest_cpu_ms_per_push"] for s in base)
         for (n, g), t in TARGETS.items():
-            if any((s["nodes"], s["groups"]) == (n, g) for s in summ):
-                i = next(i for i, s in enumerate(summ) if (s["nodes"], s["groups"]) == (n, g))
-                ax.plot([i - 0.2, i + 0.2], [t * base["busiest_cpu_ms_per_push"]] * 2, "--", color="k", lw=1)
-        ax.plot([], [], "--", color="k", lw=1, label="target for the busiest node")
-    ax.set_xticks(xs, [label(s) for s in summ])
+            ax.plot([n - 0.3, n + 0.3], [t * b] * 2, "-", color="k", lw=2)
+        ax.plot([], [], "-", color="k", lw=2, label="target for the busiest node")
+    ax.set_xticks([3, 6, 9])
+    ax.set_xlabel("nodes N (G = 1 and 3 at N = 3, G = N beyond)")
     ax.set_ylabel("node CPU ms per committed 4 MiB push")
     ax.set_ylim(bottom=0)
-    ax.set_title("CPU per push per node as nodes and Raft groups are added")
+    ax.set_title("CPU per push per node as nodes and Raft groups are added", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out, "groups.png")
     fig.savefig(path, dpi=110)
@@ -439,19 +548,20 @@ def write(result: dict[str, Any], meta: dict[str, Any], out: str) -> str:
 
 
 def run(out: str, configs: list[tuple[int, int]] = CONFIGS, seconds: float = 15.0, warmup: float = 3.0,
-        clients: int = 4, max_ops: int = 3000, runs: int = 1, command: str = "python -m bench.groups") -> dict:
+        clients: int = 4, max_ops: int = 3000, modes: tuple[str, ...] = MODES,
+        command: str = "python -m bench.groups") -> dict:
     import platform
     import subprocess
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="raftps-groups-") as run_dir:
-        result = measure(run_dir, configs, seconds, warmup, clients, max_ops, runs)
+        result = measure(run_dir, configs, seconds, warmup, clients, max_ops, modes)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "machine": f"{os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}",
             "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
-            "seconds": seconds, "warmup": warmup, "clients": clients, "max_ops": max_ops, "runs": runs,
+            "seconds": seconds, "warmup": warmup, "clients": clients, "max_ops": max_ops, "modes": list(modes),
             "elapsed_s": round(time.monotonic() - t0, 1)}
     md = write(result, meta, out)
     print(md)
@@ -460,8 +570,7 @@ def run(out: str, configs: list[tuple[int, int]] = CONFIGS, seconds: float = 15.
 
 def bench_part(out: str, mode: str) -> list[dict]:
     """``python -m bench --parts groups``: writes groups.md/.json/.png; no rows for results.md."""
-    full = mode == "full"
-    run(out, seconds=20.0 if full else 10.0, runs=2 if full else 1, command=f"python -m bench --parts groups ({mode})")
+    run(out, seconds=20.0 if mode == "full" else 10.0, command=f"python -m bench --parts groups ({mode})")
     return []
 
 
@@ -481,10 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-ops", type=int, default=3000, help="most pushes in a window")
-    ap.add_argument("--runs", type=int, default=2, help="fresh clusters per config (leaders are elected at random)")
+    ap.add_argument("--leaders", default="elected,spread",
+                    help="one fresh cluster per config for each: elected (as pysyncobj elected), "
+                         "spread (leaderships moved until no node leads more than ceil(G/N))")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
-    r = run(a.out, _configs(a.configs), a.seconds, a.warmup, a.clients, a.max_ops, a.runs,
+    modes = tuple(m for m in a.leaders.split(",") if m)
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--leaders: a comma list of {MODES}")
+    r = run(a.out, _configs(a.configs), a.seconds, a.warmup, a.clients, a.max_ops, modes,
             command="python -m bench.groups " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0 if all("error" not in x for x in r["records"]) else 1
 
