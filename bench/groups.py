@@ -381,7 +381,10 @@ def measure(run_dir: str, configs: list[tuple[int, int]] = CONFIGS, seconds: flo
                 rec = measure_config(d, nodes, groups, seconds, warmup, clients, max_ops, leaders_mode=mode)
             except Exception as exc:
                 log(f"groups: N={nodes} G={groups} failed: {type(exc).__name__}: {exc}")
-                rec = {"nodes": nodes, "groups": groups, "leaders_mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+                rec = {"nodes": nodes, "groups": groups, "leaders_mode": mode, "error": f"{type(exc).__name__}: {exc}",
+                       "log_tails": _log_tails(d, nodes)}
+                for name, tail in rec["log_tails"].items():
+                    log(f"--- {name} (last lines)\n{tail}")
             shutil.rmtree(d, ignore_errors=True)
             records.append(rec)
             if "error" not in rec:
@@ -393,6 +396,20 @@ def measure(run_dir: str, configs: list[tuple[int, int]] = CONFIGS, seconds: flo
                     f"client {rec['client_cores']:.2f} cores, machine {rec['machine_cores_busy']:.2f} cores busy; "
                     f"{rec['errors']} errors; cleanup {rec['cleanup']}")
     return {"records": records, "summary": summarize(records, configs, modes)}
+
+
+def _log_tails(run_dir: str, nodes: int, lines: int = 15) -> dict[str, str]:
+    """The last lines of each node's log that has an error or a traceback (for a failed config)."""
+    out = {}
+    for i in range(1, nodes + 1):
+        try:
+            with open(os.path.join(run_dir, f"node{i}.log"), errors="replace") as f:
+                text = f.readlines()
+        except OSError:
+            continue
+        if any("Traceback" in t or "rror" in t for t in text):
+            out[f"node{i}.log"] = "".join(text[-lines:])
+    return out
 
 
 SUMMED = ("pushes_per_s", "busiest_cpu_ms_per_push", "busiest_net_cpu_ms_per_push", "mean_cpu_ms_per_push",
