@@ -539,36 +539,47 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], out: str) -> str | None:
+    """Busiest-node and mean-node CPU per push for each config (N = 3 with G = 1 and 3, then
+    G = N): the mean of the runs as lines, each run as a faint mark, the targets as bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     summ = [s for s in result["summary"] if s["runs"]]
+    recs = [r for r in result["records"] if "error" not in r]
     if not summ:
         return None
+    configs = sorted({(s["nodes"], s["groups"]) for s in summ})
+    pos = {c: i for i, c in enumerate(configs)}
     fig, ax = plt.subplots(figsize=(7.0, 4.4))
-    style = {"elected": ("-", 1.0), "spread": ("--", 0.8)}
-    for mode in sorted({s["leaders_mode"] for s in summ}):
+    looks = {("elected", "busiest"): dict(color="C3", ls="-", marker="o", mfc="C3"),
+             ("spread", "busiest"): dict(color="C1", ls="--", marker="o", mfc="white"),
+             ("elected", "mean"): dict(color="C0", ls="-", marker="s", mfc="C0"),
+             ("spread", "mean"): dict(color="C9", ls="--", marker="s", mfc="white")}
+    for mode in [m for m in MODES if any(s["leaders_mode"] == m for s in summ)]:
         ss = [s for s in summ if s["leaders_mode"] == mode]
-        ls, alpha = style.get(mode, (":", 0.8))
-        ns = [s["nodes"] + (0.08 if mode == "spread" else 0) for s in ss]
-        ax.plot(ns, [s["busiest_cpu_ms_per_push"] for s in ss], "o" + ls, color="C3", alpha=alpha,
-                label=f"busiest node, leaders {mode}")
-        ax.plot(ns, [s["mean_cpu_ms_per_push"] for s in ss], "s" + ls, color="C0", alpha=alpha,
-                label=f"mean node, leaders {mode}")
-        for s, x in zip(ss, ns):
-            ax.annotate(f"G={s['groups']}", (x, s["busiest_cpu_ms_per_push"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7)
-    base = [s for s in summ if (s["nodes"], s["groups"]) == (3, 1)]
-    if base:
-        b = statistics.mean(s["busiest_cpu_ms_per_push"] for s in base)
-        for (n, g), t in TARGETS.items():
-            ax.plot([n - 0.3, n + 0.3], [t * b] * 2, "-", color="k", lw=2)
-        ax.plot([], [], "-", color="k", lw=2, label="target for the busiest node")
-    ax.set_xticks([3, 6, 9])
-    ax.set_xlabel("nodes N (G = 1 and 3 at N = 3, G = N beyond)")
+        dx = -0.06 if mode == "elected" else 0.06
+        for what in ("busiest", "mean"):
+            key = f"{what}_cpu_ms_per_push"
+            look = looks[(mode, what)]
+            ax.plot([pos[(s["nodes"], s["groups"])] + dx for s in ss], [s[key] for s in ss], lw=1.5, ms=6,
+                    label=f"{what} node, leaders {mode}", **look)
+            rs = [r for r in recs if r.get("leaders_mode") == mode]
+            ax.plot([pos[(r["nodes"], r["groups"])] + dx for r in rs], [r[key] for r in rs], ls="none", marker="x",
+                    ms=4, color=look["color"], alpha=0.5)
+    ones = [r["busiest_cpu_ms_per_push"] for r in recs if (r["nodes"], r["groups"]) == (3, 1)]
+    if ones:
+        b = statistics.mean(ones)
+        for c, t in TARGETS.items():
+            if c in pos:
+                ax.plot([pos[c] - 0.25, pos[c] + 0.25], [t * b] * 2, "-", color="k", lw=2)
+                ax.annotate(f"target {t}x", (pos[c] + 0.27, t * b), fontsize=7, va="center")
+        ax.plot([], [], "-", color="k", lw=2, label="target for the busiest node (x the (3,1) mean)")
+    ax.set_xticks(range(len(configs)), [f"N={n}, G={g}" for n, g in configs])
+    ax.set_xlim(-0.4, len(configs) - 0.4)
+    ax.set_xlabel("nodes N and Raft groups G (x: one run, lines: mean of runs)")
     ax.set_ylabel("node CPU ms per committed 4 MiB push")
     ax.set_ylim(bottom=0)
-    ax.set_title("CPU per push per node as nodes and Raft groups are added", fontsize=10)
+    ax.set_title("CPU per push on the busiest and the mean node as nodes and Raft groups are added", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -637,7 +648,15 @@ def main(argv: list[str] | None = None) -> int:
                          "spread (leaderships moved until no node leads more than ceil(G/N))")
     ap.add_argument("--repeat", type=int, default=2, help="rounds of everything (the summary is their mean)")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--render", action="store_true",
+                    help="only re-render groups.md and groups.png from --out/groups.json (its meta.notes too)")
     a = ap.parse_args(argv)
+    if a.render:
+        with open(os.path.join(a.out, "groups.json")) as f:
+            data = json.load(f)
+        meta = data.pop("meta")
+        print(write(data, meta, a.out))
+        return 0
     modes = tuple(m for m in a.leaders.split(",") if m)
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--leaders: a comma list of {MODES}")
