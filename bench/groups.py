@@ -411,7 +411,7 @@ def measure(run_dir: str, configs: list[tuple[int, int]] = CONFIGS, seconds: flo
                     f"{' (spread: ' + str(len(rec['spread']['moves'])) + ' moves)' if 'spread' in rec else ''}; "
                     f"client {rec['client_cores']:.2f} cores, machine {rec['machine_cores_busy']:.2f} cores busy; "
                     f"{rec['errors']} errors; cleanup {rec['cleanup']}")
-    return {"records": records, "summary": summarize(records, configs, modes)}
+    return {"records": records, "summary": summarize(records, configs, modes), "model": cost_model(records)}
 
 
 def _log_tails(run_dir: str, nodes: int, lines: int = 15) -> dict[str, str]:
@@ -463,6 +463,39 @@ def summarize(records: list[dict[str, Any]], configs: list[tuple[int, int]],
                     s["target_met"] = s["ratio_busiest_cpu"] <= t
         out += rows
     return out
+
+
+def cost_model(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a push costs the leader and a follower of its group, net of idle, from the (3, 1) runs
+    (L, F ms), and what that predicts for each run's busiest node: node i leading l_i and following
+    f_i of the G groups (each getting 1/G of the pushes) costs (l_i L + f_i F) / G per push, plus
+    its idle CPU rate / pushes/s. ``balanced``: the busiest node with leaders spread evenly and no
+    idle term (one node per host, whose pushes/s the cores do not cap), as a ratio to L."""
+    ones = [r for r in records if (r["nodes"], r["groups"]) == (3, 1) and "error" not in r]
+    lead = [n["net_cpu_ms_per_push"] for r in ones for n in r["per_node"] if n["leads"]]
+    follow = [n["net_cpu_ms_per_push"] for r in ones for n in r["per_node"] if not n["leads"]]
+    if not lead or not follow:
+        return None
+    L, F = statistics.mean(lead), statistics.mean(follow)
+    runs = []
+    for r in records:
+        if "error" in r:
+            continue
+        pred = [(n["leads"] * L + (len(n["hosts_groups"]) - n["leads"]) * F) / r["groups"]
+                + 1e3 * _get(r["idle_cpu_per_s"], n["node"]) / max(r["pushes_per_s"], 1e-9) for n in r["per_node"]]
+        runs.append({"nodes": r["nodes"], "groups": r["groups"], "leaders_mode": r["leaders_mode"],
+                     "round": r.get("round"), "measured": r["busiest_cpu_ms_per_push"], "model": max(pred)})
+    balanced = {}
+    for nodes, groups in sorted({(r["nodes"], r["groups"]) for r in records}):
+        from raftps.groups import Layout
+        hosted = len(Layout(tuple(f"x:{i}" for i in range(1, nodes + 1)), groups).hosted_by(1))
+        leads = -(-groups // nodes)
+        balanced[f"{nodes}x{groups}"] = (leads * L + (hosted - leads) * F) / groups / L
+    return {"leader_ms": L, "follower_ms": F, "runs": runs, "balanced_ratio_no_idle": balanced}
+
+
+def _get(d: dict, node: int) -> float:
+    return d.get(node, d.get(str(node), 0.0))          # int keys in memory, str keys from JSON
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -531,6 +564,20 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
                  f"{_x(s.get('ratio_busiest_net_cpu'))} | {s['mean_cpu_ms_per_push']:.1f} | "
                  f"{_x(s.get('ratio_mean_cpu'))} | {s['busiest_bytes_per_push'] / MiB:.1f} | "
                  f"{f'<= {t}x' if t else '-'} | {('yes' if s['target_met'] else 'no') if t else '-'} |")
+    model = result.get("model")
+    if model:
+        L += ["", "## A cost model from the (3, 1) runs", "",
+              f"Net of idle, a push costs its group's leader L = {model['leader_ms']:.1f} ms and each follower "
+              f"F = {model['follower_ms']:.1f} ms of CPU (the (3, 1) runs). A node leading l and following f of "
+              "the G groups should then spend (l L + f F) / G per push, plus its idle CPU rate / pushes/s:", "",
+              "| N | G | leaders | round | busiest node measured ms/push | model |", "|---|---|---|---|---|---|"]
+        for m in model["runs"]:
+            L.append(f"| {m['nodes']} | {m['groups']} | {m['leaders_mode']} | {m['round']} | {m['measured']:.1f} | "
+                     f"{m['model']:.1f} |")
+        L += ["", "With leaders spread evenly and no idle term (one node per host, where pushes/s are not capped "
+              "by two shared cores), the busiest node's CPU per push would be "
+              + ", ".join(f"({k.replace('x', ', ')}) {v:.2f}x" for k, v in model["balanced_ratio_no_idle"].items())
+              + " that of (3, 1) by this model."]
     L += ["", "Per node (CPU ms/push, net of idle, KiB/push, groups hosted, groups led) in groups.json. "
           "Plot: groups.png.", ""]
     if meta.get("notes"):
@@ -655,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "groups.json")) as f:
             data = json.load(f)
         meta = data.pop("meta")
+        data["model"] = cost_model(data["records"])
         print(write(data, meta, a.out))
         return 0
     modes = tuple(m for m in a.leaders.split(",") if m)
