@@ -107,9 +107,10 @@ def delta(a: dict[int, tuple[float, int]], b: dict[int, tuple[float, int]]) -> d
 
 def tensor_names(groups: int, per_group: int = 2) -> list[str]:
     """``per_group`` names hashing into each group, group by group."""
+    from itertools import count, islice
     out = []
     for g in range(groups):
-        out += [n for n in (f"p{g}.{j}" for j in range(100_000)) if _group_of(n, groups) == g][:per_group]
+        out += islice((n for n in (f"p{g}.{j}" for j in count()) if _group_of(n, groups) == g), per_group)
     return out
 
 
