@@ -238,7 +238,7 @@ def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup
                    max_ops: int, base_port: int = BASE_PORT, prefix: str = PREFIX, subnet: str = SUBNET,
                    per_group: int = 2, leaders_mode: str = "elected") -> dict[str, Any]:
     """One fresh cluster of ``nodes`` nodes and ``groups`` groups in namespaces; ``leaders_mode``
-    "elected": leaders as pysyncobj elected them; "spread": moved first (spread_leaders)."""
+    "elected": leaders where the cluster puts them; "spread": moved first (spread_leaders)."""
     from raftps.chaos.netns import Net, available
     from raftps.localcluster import LocalCluster
     why = available()
@@ -527,7 +527,8 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
          "pushes). CPU: utime+stime (+reaped children) of each node process over the window; bytes: rx+tx of the "
          "node's host-side veth; both divided by the pushes acknowledged in the window. \"net of idle\" subtracts "
          "each node's own CPU rate with no load (measured for 2 s before the load) times the window. Leaders "
-         "\"elected\": as pysyncobj elected them; \"spread\": moved before the load, one group at a time, by "
+         "\"elected\": as the cluster placed them itself (pysyncobj elects at random; since the preferred-leader "
+         "hand-over in raftps a leader then hands over to its group's preferred member, node g+1); \"spread\": moved before the load, one group at a time, by "
          "cutting the leader of a group led by the node leading most off from that group's Raft ports (iptables in "
          "its namespace) until another member is elected, until no node leads more than ceil(G/N).", "",
          "## Per run", "",
