@@ -524,6 +524,18 @@ def _leads(rec: dict[str, Any]) -> str:
     return " ".join(f"{c}" for n, c in sorted(rec["leads_per_node"].items(), key=lambda kv: int(kv[0])))
 
 
+def _settled(rec: dict[str, Any]) -> str:
+    """How the leaders got where they are: elected, then handed to the preferred members."""
+    if rec.get("leaders_mode") != "elected" or rec["groups"] == 1 or "leaders_elected" not in rec:
+        return ""
+    first = {}
+    for g, n in rec["leaders_elected"].items():
+        first[int(n)] = first.get(int(n), 0) + 1
+    elected = " ".join(str(first.get(i, 0)) for i in range(1, rec["nodes"] + 1))
+    s = rec.get("leaders_settled_s")
+    return f" (elected: {elected}; " + (f"all preferred after {s} s)" if s is not None else "not all preferred)")
+
+
 def _restarts(rec: dict[str, Any]) -> str:
     n = len(rec.get("failed_starts") or [])
     return f" ({n} failed start{'s' if n > 1 else ''}, see START_RETRIES)" if n else ""
@@ -566,7 +578,8 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
                  f"{r['busiest_net_cpu_ms_per_push']:.1f} | {r['mean_cpu_ms_per_push']:.1f} | "
                  f"{r['total_cpu_ms_per_push']:.1f} | {r['busiest_bytes_per_push'] / MiB:.1f} | {_leads(r)}"
                  f"{' (changed in the window)' if r['leaders_changed'] else ''}"
-                 f"{'' if 'spread' not in r else ' (' + str(len(r['spread']['moves'])) + ' moves' + ('' if r['spread']['spread'] else ', not spread') + ')'} | "
+                 f"{'' if 'spread' not in r else ' (' + str(len(r['spread']['moves'])) + ' moves' + ('' if r['spread']['spread'] else ', not spread') + ')'}"
+                 f"{_settled(r)} | "
                  f"{min(idle):.1f}-{max(idle):.1f} | {r['machine_cores_busy']:.2f} / {r['client_cores']:.2f} | "
                  f"{r['errors']}{_restarts(r)} |")
     L += ["", "## Per configuration: ratios to (3, 1) and the targets", "",
