@@ -12,12 +12,15 @@ alone still rewrites results.md in --out, without tables: give it another --out,
 touching 1% of a 1M x 64 embedding against dense pushes of it; writes sparse.md/.json; the same
 caveat), and torch (bench/torch_train.py, only when named: examples/
 cnn_digits.py and examples/char_gpt.py through raftps.torch in sync, async and Downpour mode
-against one process and DDP x4; writes torch_train.md/.json and torch_<example>.png). Each is bounded in count and time; a part that fails is reported as failed and the
+against one process and DDP x4; writes torch_train.md/.json and torch_<example>.png), and groups
+(bench/groups.py, only when named, needs root: CPU-seconds and bytes per 4 MiB push of the busiest
+node for (N, G) = (3, 1), (3, 3), (6, 6), (9, 9) Raft groups, nodes in network namespaces; writes
+groups.md/.json/.png; the same caveat). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
 B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
-+201..+203; etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499.
++201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import async_algos, catchup, etcd, failover, loopback, naive_store, push, report, sparse, torch_train, train
+from . import async_algos, catchup, etcd, failover, groups, loopback, naive_store, push, report, sparse, torch_train, train
 from .common import KiB, MiB, log
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     # Their own report files too (torch_train.md/.json, torch_<example>.png; sparse.md/.json).
     part("torch", lambda: torch_train.bench_part(os.path.join(run_dir, "torch"), B, mode, a.out))
     part("sparse", lambda: sparse.bench_part(os.path.join(run_dir, "sparse"), B + 250, mode, a.out))
+    part("groups", lambda: groups.bench_part(a.out, mode))    # groups.md/.json/.png
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,
