@@ -226,9 +226,23 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
     own timeout applies to each recv. ``mac`` checks the frame's tag before it is decoded.
     ``on_size`` is told the frame's size once its prefix is read (metrics).
     """
+    return recv_frame_into(sock, limits, first_byte_timeout=first_byte_timeout, frame_timeout=frame_timeout,
+                           mac=mac, on_size=on_size)[0]
+
+
+def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
+                    frame_timeout: float | None = None, mac: FrameMac | None = None,
+                    on_size: Callable[[int], None] | None = None,
+                    target: Callable[[bytes, int], memoryview | None] | None = None) -> tuple[Any, bytes | None]:
+    """``recv_frame``, returning (message, SHA-256 of the blob when ``mac`` is given, else None).
+    ``target(header, blob_len)``, called once the (not yet authenticated) header is in, may
+    return a writable view of exactly ``blob_len`` bytes to receive the blob into (a payload
+    file's mapping, say) instead of fresh memory; the message's arrays are then views of it.
+    Whoever gave the view learns of a failure from the exception and must release it."""
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
     own_timeout = sock.gettimeout()          # restored for the reply's send
+    digest = None
     try:
         if first_byte_timeout is not None:
             sock.settimeout(first_byte_timeout)
@@ -242,20 +256,24 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
                 on_size(PREFIX.size + header_len + blob_len)
             header = bytearray(header_len)
             recv_exactly(sock, memoryview(header), deadline=deadline)
-            blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
+            blob = target(bytes(header), blob_len) if target is not None and blob_len else None
+            if blob is None:
+                blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
             if mac is None:
                 recv_exactly(sock, memoryview(blob), deadline=deadline)
             else:
                 # Hash each chunk as it lands, while the kernel receives the next one.
-                digest = hashlib.sha256()
+                h = hashlib.sha256()
                 with memoryview(blob) as view_of_blob:
                     for start in range(0, blob_len, HASH_CHUNK):
                         part = view_of_blob[start:start + HASH_CHUNK]
                         recv_exactly(sock, part, deadline=deadline)
-                        digest.update(part)
+                        h.update(part)
+                        part.release()
                 tag = bytearray(FrameMac.TAG)
                 recv_exactly(sock, memoryview(tag), deadline=deadline)
-                mac.verify(prefix, header, digest.digest(), bytes(tag))
+                digest = h.digest()
+                mac.verify(prefix, header, digest, bytes(tag))
         except socket.timeout:
             if frame_timeout is None:
                 raise
@@ -263,7 +281,16 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
                                 "of its first byte") from None
     finally:
         sock.settimeout(own_timeout)
-    return _decode(bytes(header), memoryview(blob), limits)
+    return _decode(bytes(header), memoryview(blob), limits), digest
+
+
+def peek_header(header: bytes) -> Any:
+    """A frame's header decoded without its blob: arrays stay ExtType descriptors. For choosing
+    where a blob goes before the frame is authenticated; never trusted beyond that."""
+    try:
+        return msgpack.unpackb(header, ext_hook=msgpack.ExtType, raw=False, strict_map_key=False)
+    except Exception:
+        return None
 
 
 def send_frame(sock: socket.socket, message: Any, mac: FrameMac | None = None) -> int:
