@@ -153,7 +153,9 @@ class PayloadStore:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every page at once: page by page, the socket reads that fill the
+            # mapping took 2.7 ms of CPU per 4 MiB here, against 1.6 ms populated (a bytearray: 1.5).
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
