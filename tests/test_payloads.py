@@ -62,3 +62,55 @@ def test_drop_spares_frees_them(tmp_path) -> None:
     store.collect(through_index=1)
     store.drop_spares()
     assert os.listdir(tmp_path) == [] and store.spare_bytes_held == 0
+
+
+def _received(store: PayloadStore, seq: int, n: int = 1 << 16) -> tuple[str, dict]:
+    """A payload the way the data plane receives one: into a reserved file, then committed."""
+    import msgpack
+    from raftps import codec
+    pid, tensors = payload(seq, n)
+    buffers = codec.encode({"tensors": tensors})
+    header = msgpack.packb({"tensors": {"w": msgpack.ExtType(codec.ARRAY_EXT, msgpack.packb(["float32", [n]]))}},
+                           use_bin_type=True)
+    assert header == bytes(buffers[1])                  # the file's frame is the one put would write
+    r = store.reserve(header, tensors["w"].nbytes)
+    r.blob[:] = memoryview(tensors["w"]).cast("B")
+    view = codec.decode(r.mm, codec.Limits())["tensors"]
+    store.commit(r, pid, view)
+    return pid, view
+
+
+def test_a_payload_received_into_its_file_is_a_normal_payload(tmp_path) -> None:
+    store = PayloadStore(str(tmp_path))
+    pid, view = _received(store, 1)
+    assert store.has(pid) and store.get(pid) is view
+    store.applied(pid, index=1)
+    assert np.array_equal(store.get(pid)["w"], np.full(1 << 16, 1.0, np.float32))    # from the file
+    assert store.disk_bytes == os.path.getsize(tmp_path / pid)
+    del view
+    store.collect(through_index=1)
+    assert len(spares(str(tmp_path))) == 1              # nothing views its mapping: reused
+    pid2, _ = payload(2)
+    store.put(pid2, payload(2)[1])
+    assert spares(str(tmp_path)) == []
+
+
+def test_a_mapped_payload_file_still_viewed_is_never_reused(tmp_path) -> None:
+    store = PayloadStore(str(tmp_path))
+    pid, view = _received(store, 1)
+    kept = view["w"]                                    # e.g. an array someone still holds
+    store.applied(pid, index=1)
+    store.collect(through_index=1)
+    assert spares(str(tmp_path)) == [] and not store.has(pid)   # unlinked, not a spare
+    for seq in range(2, 5):
+        p, t = payload(seq)
+        store.put(p, t)
+    assert np.array_equal(kept, np.full(1 << 16, 1.0, np.float32))   # never overwritten
+
+
+def test_an_aborted_reservation_leaves_no_payload(tmp_path) -> None:
+    store = PayloadStore(str(tmp_path))
+    r = store.reserve(b"\x80", 16)
+    store.abort(r)
+    store.abort(r)                                      # twice is harmless
+    assert [n for n in os.listdir(tmp_path) if not n.endswith(SPARE_SUFFIX)] == [] and store.disk_bytes == 0
