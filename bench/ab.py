@@ -27,11 +27,25 @@ print("RESULT " + json.dumps({k: r[k] for k in ("ops_per_s", "MB_per_s", "p50_ms
 """
 
 
+def _stop_nodes_of(run_dir: str) -> None:
+    """SIGKILL the nodes a failed start left behind: the processes whose command line names run_dir."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if run_dir.encode() in f.read():
+                    os.kill(int(pid), 9)
+        except OSError:
+            pass
+
+
 def run_one(tree: str, size: int, clients: int, seconds: float, port: int) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     with tempfile.TemporaryDirectory(prefix="raftps-ab-") as d:
-        out = subprocess.run([sys.executable, "-c", CHILD, d, str(size), str(clients), str(seconds), str(port)],
-                             cwd=tree, env=env, capture_output=True, text=True, timeout=seconds + 180)
+        try:
+            out = subprocess.run([sys.executable, "-c", CHILD, d, str(size), str(clients), str(seconds), str(port)],
+                                 cwd=tree, env=env, capture_output=True, text=True, timeout=seconds + 180)
+        finally:
+            _stop_nodes_of(d)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return {**json.loads(line[7:]), "load": os.getloadavg()[0]}
@@ -49,10 +63,19 @@ def main() -> None:
     a = ap.parse_args()
     trees = a.trees.split(",")
     runs: dict[str, list[dict]] = {t: [] for t in trees}
+    count = 0
     for rep in range(a.reps):
         order = trees if rep % 2 == 0 else trees[::-1]
         for t in order:
-            r = run_one(t, a.size, a.clients, a.seconds, a.base_port)
+            for attempt in range(3):      # a fresh port range each run (+1..+3, +101.., +201.., +301..)
+                count += 1
+                try:
+                    r = run_one(t, a.size, a.clients, a.seconds, a.base_port + 10 * (count % 10))
+                    break
+                except RuntimeError as exc:
+                    print(f"rep {rep} {t}: run failed, again on other ports: {str(exc)[-300:]}", flush=True)
+            else:
+                raise SystemExit(f"{t}: three runs failed")
             runs[t].append(r)
             print(f"rep {rep} {t}: {r['ops_per_s']:.1f} pushes/s, nodes {r['cpu_ms_per_push_nodes']:.1f} ms CPU/push "
                   f"(busiest {r['cpu_ms_per_push_max_node']:.1f}), p50 {r['p50_ms']:.0f} ms, errors {r['errors']}, "

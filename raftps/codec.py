@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import math
 import mmap
+import os
 import socket
 import struct
 import time
@@ -232,13 +233,9 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
 
 def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
                     frame_timeout: float | None = None, mac: FrameMac | None = None,
-                    on_size: Callable[[int], None] | None = None,
-                    target: Callable[[bytes, int], memoryview | None] | None = None) -> tuple[Any, bytes | None]:
-    """``recv_frame``, returning (message, SHA-256 of the blob when ``mac`` is given, else None).
-    ``target(header, blob_len)``, called once the (not yet authenticated) header is in, may
-    return a writable view of exactly ``blob_len`` bytes to receive the blob into (a payload
-    file's mapping, say) instead of fresh memory; the message's arrays are then views of it.
-    Whoever gave the view learns of a failure from the exception and must release it."""
+                    on_size: Callable[[int], None] | None = None) -> tuple[Any, bytes | None]:
+    """``recv_frame``, returning (message, SHA-256 of the blob when ``mac`` is given, else None):
+    the digest the MAC checked, for the receiver to reuse (a payload id's check)."""
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
     own_timeout = sock.gettimeout()          # restored for the reply's send
@@ -256,9 +253,7 @@ def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, fir
                 on_size(PREFIX.size + header_len + blob_len)
             header = bytearray(header_len)
             recv_exactly(sock, memoryview(header), deadline=deadline)
-            blob = target(bytes(header), blob_len) if target is not None and blob_len else None
-            if blob is None:
-                blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
+            blob = bytearray(blob_len) if blob_len <= EAGER_BLOB_BYTES else mmap.mmap(-1, blob_len)
             if mac is None:
                 recv_exactly(sock, memoryview(blob), deadline=deadline)
             else:
@@ -282,15 +277,6 @@ def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, fir
     finally:
         sock.settimeout(own_timeout)
     return _decode(bytes(header), memoryview(blob), limits), digest
-
-
-def peek_header(header: bytes) -> Any:
-    """A frame's header decoded without its blob: arrays stay ExtType descriptors. For choosing
-    where a blob goes before the frame is authenticated; never trusted beyond that."""
-    try:
-        return msgpack.unpackb(header, ext_hook=msgpack.ExtType, raw=False, strict_map_key=False)
-    except Exception:
-        return None
 
 
 def send_frame(sock: socket.socket, message: Any, mac: FrameMac | None = None) -> int:
@@ -321,8 +307,10 @@ def write_frame(f: BinaryIO, message: Any) -> int:
 def read_frame_file(path: str, limits: Limits | None = None) -> Any:
     """One frame from a file. Default limits: the file's own size, which bounds every allocation
     (the network limits, 4096 arrays and 1 GiB, would refuse a large store's own snapshot)."""
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
+    with open(path, "rb") as f:         # read straight into the buffer the arrays will view
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        del data[f.readinto(data) or 0:]
+        data += f.read()                  # (a file that grew meanwhile: decode says what is wrong)
     if limits is None:
         n = len(data)
         limits = Limits(max_header_bytes=n, max_blob_bytes=n, max_arrays=n, max_tensor_bytes=n)

@@ -8,11 +8,9 @@ from both nonces, one per direction, frames counted): a frame injected into or r
 authenticated connection is refused before it is decoded. ``put`` stores a payload and
 acknowledges once it is on disk; ``get`` returns a payload or ``found: False``.
 
-A put's blob is received straight into the payload's file (PayloadStore.reserve: a shared mapping
-of a tmpfs file), hashed as it lands for the frame's MAC, and that one digest also checks the
-payload id (payloads.verify_digest); only a put that passes both becomes the payload (commit),
-any other is dropped (abort). The leader hashes a payload once (its id, and the digest every
-peer's frame tag signs) before sending it to every peer at once.
+A put's blob is hashed as it arrives, for the frame's MAC, and that one digest also checks the
+payload id (payloads.verify_digest). The leader hashes a payload once (its id, and the digest
+every peer's frame tag signs) before sending it to every peer at once.
 """
 from __future__ import annotations
 
@@ -26,12 +24,11 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
-import msgpack
 import numpy as np
 
 from . import codec, snapshot_file
 from .errors import ProtocolError
-from .payloads import PAYLOAD_ID, PayloadStore, Reservation, verify, verify_digest
+from .payloads import PAYLOAD_ID, PayloadStore, verify, verify_digest
 from .raft import SnapshotMeta
 
 log = logging.getLogger("raftps.dataplane")
@@ -86,22 +83,9 @@ class DataPlaneServer:
             if mac is None:
                 return
             while True:
-                reserved: list[Reservation] = []
-
-                def into_file(header: bytes, blob_len: int) -> memoryview | None:
-                    r = self._reserve_put(header, blob_len)
-                    if r is None:
-                        return None
-                    reserved.append(r)
-                    return r.blob
-                try:
-                    msg, digest = codec.recv_frame_into(conn, self.limits, first_byte_timeout=3600.0,
-                                                        frame_timeout=self.frame_timeout, mac=mac, target=into_file)
-                except BaseException:
-                    for r in reserved:
-                        self.store.abort(r)
-                    raise
-                codec.send_frame(conn, self._handle_safely(msg, digest, reserved[0] if reserved else None), mac=mac)
+                msg, digest = codec.recv_frame_into(conn, self.limits, first_byte_timeout=3600.0,
+                                                    frame_timeout=self.frame_timeout, mac=mac)
+                codec.send_frame(conn, self._handle_safely(msg, digest), mac=mac)
         except (ConnectionError, OSError, ProtocolError) as exc:
             log.debug("data-plane connection closed: %s", exc)
         finally:
@@ -125,33 +109,15 @@ class DataPlaneServer:
         codec.send_frame(conn, {"ok": True})
         return _session_macs(self.key, hello["nonce"], nonce)[1]
 
-    def _reserve_put(self, header: bytes, blob_len: int) -> Reservation | None:
-        """A payload file to receive a put's blob into, if the (not yet authenticated) header is
-        a well-formed put of a payload not here yet; None: receive into memory as any frame."""
-        msg = codec.peek_header(header)
-        if not (isinstance(msg, dict) and len(msg) == 3 and msg.get("op") == "put"):
-            return None
-        pid, tensors = msg.get("pid"), msg.get("tensors")
-        if not (isinstance(pid, str) and PAYLOAD_ID.fullmatch(pid) and isinstance(tensors, dict) and tensors
-                and all(isinstance(k, str) and isinstance(v, msgpack.ExtType) and v.code == codec.ARRAY_EXT
-                        for k, v in tensors.items())) or self.store.has(pid):
-            return None
-        try:      # the file's own frame: the same array descriptors, so the same blob
-            return self.store.reserve(msgpack.packb({"tensors": tensors}, use_bin_type=True), blob_len)
-        except (OSError, ValueError):
-            return None
-
-    def _handle_safely(self, msg: object, digest: bytes | None = None, reserved: Reservation | None = None) -> dict:
+    def _handle_safely(self, msg: object, digest: bytes | None = None) -> dict:
         try:
-            return self._handle(msg, digest, reserved)
+            return self._handle(msg, digest)
         except Exception as exc:     # a bug must cost one request, not the connection
             log.exception("data-plane request failed")
             return {"ok": False, "message": f"internal error: {exc!r}"}
-        finally:
-            if reserved is not None and not reserved.done:
-                self.store.abort(reserved)
 
-    def _handle(self, msg: object, digest: bytes | None = None, reserved: Reservation | None = None) -> dict:
+    def _handle(self, msg: object, digest: bytes | None = None) -> dict:
+        """``digest``: the SHA-256 of the frame's blob (its MAC's), which checks a put's id."""
         if not isinstance(msg, dict):
             return {"ok": False, "message": "expected a map"}
         op, pid = msg.get("op"), msg.get("pid")
@@ -182,10 +148,7 @@ class DataPlaneServer:
                         or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in tensors.items()) \
                         or not (verify(pid, tensors) if digest is None else verify_digest(pid, tensors, digest)):
                     return {"ok": False, "message": f"payload {pid}: content does not match its checksum"}
-                if reserved is not None:
-                    self.store.commit(reserved, pid, tensors)
-                else:
-                    self.store.put(pid, tensors)
+                self.store.put(pid, tensors)
                 return {"ok": True}
             if op == "get":
                 tensors = self.store.get(pid)

@@ -11,12 +11,6 @@ payloads: in tmpfs a new file costs page allocation and zeroing, 4.9 ms per 4 Mi
 for overwriting a spare (measured here, under load). A spare is never a valid payload id, and a
 payload appears under its id only once completely written (rename), as with a new file.
 
-A follower receives a payload straight into its file (``reserve``: the data plane's socket reads
-land in a shared mapping of the file, no buffer in between and no second write); the tensors kept
-in memory until the entry is applied are views of that mapping. Such a file is reused as a spare
-only once nothing references its mapping any more; otherwise it is unlinked (its pages live on
-with the mapping), so an array handed out never changes.
-
 A payload's id names its content by SHA-256 (``content_hash``), the same hash the data plane's
 frame MAC takes over the blob, so each byte is hashed once per node: the leader hashes a payload
 once for its id and every peer's frame tag, a follower once as it arrives (the MAC check), and the
@@ -25,7 +19,6 @@ id check reuses that digest.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import re
 import threading
@@ -92,15 +85,6 @@ def verify_digest(pid: str, tensors: dict[str, np.ndarray], blob_digest: bytes) 
     return pid.rsplit("-", 1)[1] == content_hash(layout, blob_digest)
 
 
-class Reservation:
-    """A payload file being received in place: ``blob`` is the writable view of its tensor bytes."""
-
-    def __init__(self, tmp: str, mm: mmap.mmap, offset: int, size: int):
-        self.tmp, self.mm, self.size = tmp, mm, size
-        self.blob = memoryview(mm)[offset:]
-        self.done = False
-
-
 class PayloadStore:
     def __init__(self, directory: str, owner: str | None = None, spare_bytes: int = 256 << 20):
         self.directory = directory
@@ -115,7 +99,6 @@ class PayloadStore:
         self._spares: list[tuple[str, int]] = []    # (path, size) of files free for reuse
         self._spare_total = 0
         self._spare_serial = 0
-        self._mapped: dict[str, mmap.mmap] = {}     # payload id -> the mapping its tensors view
         self._cond = threading.Condition()
         for name in os.listdir(directory):
             if name == "OWNER":
@@ -144,63 +127,6 @@ class PayloadStore:
             if pid not in self._applied:
                 self._memory[pid] = tensors
             self._cond.notify_all()
-
-    def reserve(self, header: bytes, blob_len: int) -> Reservation:
-        """A file (a spare if there is one) of one frame with this header and ``blob_len`` tensor
-        bytes, mapped: the caller receives the blob into ``.blob``, then ``commit`` or ``abort``."""
-        tmp = self._take_spare() or os.path.join(self.directory, f"{threading.get_ident()}.{time.monotonic_ns()}.tmp")
-        size = codec.PREFIX.size + len(header) + blob_len
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            # MAP_POPULATE maps every page at once: page by page, the socket reads that fill the
-            # mapping took 2.7 ms of CPU per 4 MiB here, against 1.6 ms populated (a bytearray: 1.5).
-            # Above codec.EAGER_BLOB_BYTES pages come as bytes arrive, as for a received frame, so a
-            # sender declaring 1 GiB and sending 16 bytes costs no 1 GiB.
-            populate = getattr(mmap, "MAP_POPULATE", 0) if blob_len <= codec.EAGER_BLOB_BYTES else 0
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        mm[:codec.PREFIX.size] = codec.PREFIX.pack(codec.MAGIC, len(header), blob_len)
-        mm[codec.PREFIX.size:codec.PREFIX.size + len(header)] = header
-        return Reservation(tmp, mm, codec.PREFIX.size + len(header), size)
-
-    def commit(self, r: Reservation, pid: str, tensors: dict[str, np.ndarray]) -> None:
-        """The reserved file, received and checked, becomes payload ``pid``; ``tensors`` (views of
-        its mapping) are kept in memory until the entry is applied."""
-        path = self._path(pid)
-        r.done = True
-        r.blob.release()
-        if os.path.exists(path):      # a second put of the same payload: keep the first file
-            self._discard(r)
-            with self._cond:
-                self._cond.notify_all()
-            return
-        os.replace(r.tmp, path)
-        with self._cond:
-            self._disk_bytes += r.size
-            self._mapped[pid] = r.mm
-            if pid not in self._applied:
-                self._memory[pid] = tensors
-            self._cond.notify_all()
-
-    def abort(self, r: Reservation) -> None:
-        if r.done:
-            return
-        r.done = True
-        r.blob.release()
-        self._discard(r)
-
-    def _discard(self, r: Reservation) -> None:
-        try:
-            r.mm.close()
-        except BufferError:           # views of it are still alive: never reuse the file
-            os.unlink(r.tmp)
-            return
-        self._give_spare(r.tmp, r.size)
 
     def get(self, pid: str) -> dict[str, np.ndarray] | None:
         with self._cond:
@@ -274,20 +200,12 @@ class PayloadStore:
         return freed
 
     def _unlink(self, pid: str) -> int:
-        """Remove a payload: its file becomes a spare while spares stay under ``spare_bytes``
-        (and nothing views its mapping: an array handed out must never change)."""
+        """Remove a payload: its file becomes a spare while spares stay under ``spare_bytes``."""
         try:
             path = self._path(pid)
             size = os.path.getsize(path)
             with self._cond:          # a rename is a few microseconds: done under the lock
-                mm = self._mapped.pop(pid, None)
-                reusable = True
-                if mm is not None:
-                    try:
-                        mm.close()
-                    except BufferError:
-                        reusable = False
-                if reusable and self._spare_total + size <= self.spare_bytes:
+                if self._spare_total + size <= self.spare_bytes:
                     self._spare_serial += 1
                     spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
                     os.replace(path, spare)
@@ -299,17 +217,6 @@ class PayloadStore:
         except (FileNotFoundError, ValueError):
             return 0
         return size
-
-    def _give_spare(self, path: str, size: int) -> None:
-        with self._cond:
-            if self._spare_total + size <= self.spare_bytes:
-                self._spare_serial += 1
-                spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
-                os.replace(path, spare)
-                self._spares.append((spare, size))
-                self._spare_total += size
-                return
-        os.unlink(path)
 
     def _take_spare(self) -> str | None:
         with self._cond:
