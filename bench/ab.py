@@ -17,6 +17,13 @@ import subprocess
 import sys
 import tempfile
 
+RAW = """
+import json, sys
+from bench import push
+r = push.measure_raw(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), 10**6, int(sys.argv[5]))[0]
+print("RESULT " + json.dumps({k: r[k] for k in ("ops_per_s", "MB_per_s", "p50_ms", "p99_ms", "errors",
+                                             "cpu_ms_per_push_nodes", "cpu_ms_per_push_max_node", "cores_busy")}))
+"""
 CHILD = """
 import json, sys
 from bench import push
@@ -39,10 +46,12 @@ def _stop_nodes_of(run_dir: str) -> None:
 
 
 def run_one(tree: str, size: int, clients: int, seconds: float, port: int) -> dict:
+    raw = tree.startswith("raw:")          # raw:TREE: bench/raw_dataplane.py of TREE, not raftps
+    tree = tree[4:] if raw else tree
     env = dict(os.environ, PYTHONPATH=tree)
     with tempfile.TemporaryDirectory(prefix="raftps-ab-") as d:
         try:
-            out = subprocess.run([sys.executable, "-c", CHILD, d, str(size), str(clients), str(seconds), str(port)],
+            out = subprocess.run([sys.executable, "-c", RAW if raw else CHILD, d, str(size), str(clients), str(seconds), str(port)],
                                  cwd=tree, env=env, capture_output=True, text=True, timeout=seconds + 180)
         finally:
             _stop_nodes_of(d)
@@ -54,7 +63,8 @@ def run_one(tree: str, size: int, clients: int, seconds: float, port: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
-    ap.add_argument("--trees", required=True, help="comma list of source trees")
+    ap.add_argument("--trees", required=True, help="comma list of source trees; raw:TREE is the raw data plane "
+                                                   "baseline (bench/raw_dataplane.py) of TREE")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--size", type=int, default=4 << 20)
     ap.add_argument("--clients", type=int, default=4)
