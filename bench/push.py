@@ -112,11 +112,14 @@ def measure_raw(run_dir: str, size: int, clients: int, duration: float, max_ops:
 
 
 def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
-            base_port: int, pull_clients: list[int] | None = None) -> list[dict[str, Any]]:
-    """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients)."""
+            base_port: int, pull_clients: list[int] | None = None, durability: str = "none",
+            node_args: list[str] | None = None, system: str | None = None,
+            pipelined: list[int] | None = None) -> list[dict[str, Any]]:
+    """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients).
+    ``pipelined``: also one client keeping that many 1 KiB pushes in flight (push_async)."""
     from raftps.localcluster import LocalCluster
-    system = f"raftps-{nodes}"
-    cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port)
+    system = system or f"raftps-{nodes}" + ("-durable" if durability == "fsync" else "")
+    cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port, durability=durability, extra_args=node_args)
     os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -148,6 +151,16 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
                 f"(busiest {rec['cpu_ms_per_push_max_node']:.1f}), clients {rec['cpu_ms_per_push_clients']:.1f} ms, "
                 f"{rec['cores_busy']:.2f} cores busy, kernel {100 * rec['node_sys_share']:.0f}% of node CPU; RSS split "
                 f"{ {k[5:-3]: round(v) for k, v in rec.items() if k.startswith('peak_Rss')} }")
+        for depth in (pipelined or []):
+            if 1024 not in sizes:
+                admin.create("w1024", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.01})
+            res = run_workers([{"kind": "raftps", "op": "push", "addresses": addrs, "name": "w1024", "size": 1024,
+                                "seed": 7, "duration": duration, "max_ops": max_ops, "timeout": 30.0,
+                                "in_flight": depth}])
+            rec = {"system": system, "op": "push-pipelined", "size": 1024, "clients": 1, "in_flight": depth,
+                   **summarize(res, 1024)}
+            out.append(rec)
+            log(f"{system} push 1 KiB, 1 client, {depth} in flight: {rec['ops_per_s']:.1f}/s p50 {rec['p50_ms']:.1f} ms")
         converged = _wait_converged(admin)
         log(f"{system}: replicas converged (same applied index and digest): {converged}")
         out.append({"system": system, "op": "converged", "ok": converged})

@@ -67,6 +67,9 @@ def child(args: dict[str, Any]) -> None:
     cpu0 = time.process_time()
     deadline = time.perf_counter() + args["duration"]
     i = 1
+    if args.get("in_flight", 1) > 1:             # raftps push_async: that many pushes on their way
+        errors = _pipelined(args, lat, deadline)
+        i = args["max_ops"] + 1
     while i <= args["max_ops"] and time.perf_counter() < deadline:
         t0 = time.perf_counter()
         try:
@@ -81,6 +84,28 @@ def child(args: dict[str, Any]) -> None:
     close()
     print(json.dumps({"ok": len(lat), "errors": errors, "t_start": t_start, "t_end": t_end, "cpu": cpu, "lat": lat}),
           flush=True)
+
+
+def _pipelined(args: dict[str, Any], lat: list[float], deadline: float) -> int:
+    """Keep ``in_flight`` raftps pushes on their way (Client.push_async) until the deadline or
+    max_ops; each latency is from its send to its result."""
+    from raftps import Client
+    pool = _grad_pool(args["size"], args["seed"])
+    name = args.get("name") or f"w{args['size']}"
+    errors, sent, in_flight = 0, 0, []
+    with Client(args["addresses"], timeout=args.get("timeout", 30.0), max_in_flight=args["in_flight"]) as c:
+        while in_flight or (sent < args["max_ops"] and time.perf_counter() < deadline):
+            while len(in_flight) < args["in_flight"] and sent < args["max_ops"] and time.perf_counter() < deadline:
+                in_flight.append((time.perf_counter(), c.push_async({name: pool[sent % len(pool)]})))
+                sent += 1
+            t0, future = in_flight.pop(0)
+            try:
+                future.result()
+                lat.append(time.perf_counter() - t0)
+            except Exception as e:              # counted, reported; the run goes on
+                errors += 1
+                print(f"worker error: {e!r}", file=sys.stderr, flush=True)
+    return errors
 
 
 def _readline(proc: subprocess.Popen, deadline: float) -> str:

@@ -88,9 +88,14 @@ def serve(args: argparse.Namespace) -> int:
                         max_connections_per_ip=args.max_connections_per_ip,
                         max_tensors_per_push=args.max_tensors_per_push, frame_timeout=args.frame_timeout,
                         idle_timeout=args.idle_timeout, metrics_port=args.metrics_port,
-                        read_mode=args.read_mode, read_confirm=not args.unsafe_skip_read_confirm)
+                        read_mode=args.read_mode, read_confirm=not args.unsafe_skip_read_confirm,
+                        durability=args.durability, entries_in_flight=args.entries_in_flight)
     layout = Layout(tuple(peers), args.groups)
-    replicas = {g: RaftNode(group_config(config, layout, g)) for g in layout.hosted_by(args.id)}
+    try:
+        replicas = {g: RaftNode(group_config(config, layout, g)) for g in layout.hosted_by(args.id)}
+    except ValueError as exc:                  # e.g. a data dir of the other durability mode
+        print(f"raftps serve: {exc}", file=sys.stderr)
+        return 2
     node = replicas[min(replicas)]             # its metrics and status stand for the node
     server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer, layout=layout,
                           client_offset=config.client_offset)
@@ -120,21 +125,24 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace):
-    """The local cluster of RUN_DIR. Its Raft groups are fixed when it is first started (recorded
-    in RUN_DIR/groups): a later start without --groups keeps them; a different number is refused."""
+    """The local cluster of RUN_DIR. Its Raft groups and durability are fixed when it is first
+    started (recorded in RUN_DIR/cluster.json): a later start without the flags keeps them; other
+    values are refused."""
     from .localcluster import LocalCluster
     run_dir = args.run_dir or os.environ.get("RAFTPS_RUN_DIR") or os.path.join(os.getcwd(), "cluster", "run")
     base = args.base_port or int(os.environ.get("RAFTPS_BASE_PORT", "7100"))
-    recorded_file = os.path.join(run_dir, "groups")
-    recorded = int(open(recorded_file).read()) if os.path.exists(recorded_file) else None
-    groups = args.groups or recorded or 1
-    if recorded is not None and groups != recorded:
-        raise ValueError(f"the cluster in {run_dir} runs {recorded} Raft group(s), not {groups}: "
-                         "wipe it first (raftps cluster wipe: deletes its data) to change the layout")
-    cl = LocalCluster(run_dir, nodes=args.nodes, base_port=base, groups=groups)
-    if args.action == "start" and recorded is None:
+    recorded_file = os.path.join(run_dir, "cluster.json")
+    recorded = json.load(open(recorded_file)) if os.path.exists(recorded_file) else {}
+    chosen = {"groups": args.groups or recorded.get("groups", 1),
+              "durability": args.durability or recorded.get("durability", "none")}
+    for key, value in chosen.items():
+        if key in recorded and recorded[key] != value:
+            raise ValueError(f"the cluster in {run_dir} runs with {key} {recorded[key]}, not {value}: "
+                             "wipe it first (raftps cluster wipe: deletes its data) to change it")
+    cl = LocalCluster(run_dir, nodes=args.nodes, base_port=base, **chosen)
+    if args.action == "start" and not recorded:
         with open(recorded_file, "w") as f:
-            f.write(str(groups))
+            json.dump(chosen, f)
     return cl
 
 
@@ -248,18 +256,26 @@ def snapshot(args: argparse.Namespace) -> int:
         if args.action == "save":
             with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=backup.SAVE_LIMITS) as client:
                 out = backup.save(client, args.file)
-            print(f"saved the store at version {out['version']} (digest {out['digest'][:16]}, {out['tensors']} "
-                  f"tensors, {out['bytes']} bytes) to {out['path']}")
+            print(f"saved the store at version {_versions(out)} ({out['tensors']} tensors, {out['bytes']} bytes) "
+                  f"to {out['path']}")
             return 0
         dirs = list(args.data_dir or [])
         if args.run_dir:
             from .localcluster import LocalCluster
             dirs += [LocalCluster(args.run_dir, nodes=args.nodes).data_dir(n) for n in range(1, args.nodes + 1)]
         out = backup.restore(args.file, dirs, args.peers.split(",") if args.peers else None)
-        print(f"seeded {len(dirs)} data dir(s) with the store at version {out['version']} (digest "
-              f"{out['digest'][:16]}, {out['tensors']} tensors, saved {out['created']}); start the nodes")
+        print(f"seeded {len(dirs)} data dir(s) with the store at version {_versions(out)} ({out['tensors']} "
+              f"tensors, saved {out['created']}); start the nodes"
+              + (f" with --groups {out['groups']}" if out["groups"] > 1 else ""))
         return 0
     return _run(f"snapshot {args.action}", run)
+
+
+def _versions(out: dict) -> str:
+    """'V (digest D...)', or per Raft group 'g0: V (digest D...), g1: ...'."""
+    if isinstance(out["version"], dict):
+        return ", ".join(f"g{g}: {v} (digest {out['digest'][g][:16]})" for g, v in sorted(out["version"].items()))
+    return f"{out['version']} (digest {out['digest'][:16]})"
 
 
 def member(args: argparse.Namespace) -> int:
@@ -355,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="linearizable reads: readindex (the leader confirms its leadership with a round of "
                         "probes to a majority, no log entry) or log (a barrier entry through the Raft log)")
     p.add_argument("--unsafe-skip-read-confirm", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--entries-in-flight", type=int, default=defaults["entries_in_flight"].default,
+                   help="group commit: log entries the leader keeps proposed and not yet applied; writes "
+                        "arriving meanwhile share the next entry (0: every write its own entry)")
+    p.add_argument("--durability", choices=("none", "fsync"), default=defaults["durability"].default,
+                   help="fsync: the Raft journal, term and vote, payloads (in DATA_DIR/payloads) and snapshots "
+                        "are fsynced before they count, so a power loss loses nothing acknowledged; none: "
+                        "they survive a process crash only (see README, Durability)")
     p.add_argument("--request-timeout", type=float, default=defaults["request_timeout"].default,
                    help="how long a node waits for one write to replicate and commit")
     limits = codec.Limits()
@@ -432,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
     p.add_argument("--groups", type=int, default=int(os.environ.get("RAFTPS_GROUPS", "0")) or None,
                    help="Raft groups to shard tensors over (start: fixed for the cluster's life; default 1)")
+    p.add_argument("--durability", choices=("none", "fsync"), default=os.environ.get("RAFTPS_DURABILITY") or None,
+                   help="start: fsync (survives power loss) or none (default; fixed for the cluster's life)")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--base-port", type=int, default=None)
     p.add_argument("--timeout", type=float, default=60.0)

@@ -18,6 +18,7 @@ import ssl
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
 import numpy as np
@@ -46,6 +47,14 @@ def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
     return out
 
 
+def newest(a: Any, b: Any) -> Any:
+    """The later of two store versions: ints, or {group: version} maps (then group by group)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+        return {g: max(a.get(g, 0), b.get(g, 0)) for g in sorted(set(a) | set(b))}
+    return max(a, b)
+
+
 def _refusal(sock: socket.socket, limits: codec.Limits) -> dict | None:
     """The error a node sent before it stopped reading our request (a frame over one of its
     limits, say), if it is there to read."""
@@ -64,7 +73,8 @@ class Client:
 
     def __init__(self, addresses: str | Iterable[str] | None = None, timeout: float = 30.0,
                  attempt_timeout: float = 4.0, limits: codec.Limits = codec.DEFAULT_LIMITS,
-                 token: str | None = None, tls: str | bool | ssl.SSLContext | None = None):
+                 token: str | None = None, tls: str | bool | ssl.SSLContext | None = None,
+                 max_in_flight: int = 16):
         self.addresses = parse_addresses(addresses)
         self.token = auth.client_token(token)
         self.tls = auth.client_tls_context(tls)
@@ -73,6 +83,12 @@ class Client:
         self.limits = limits
         self.client_id = uuid.uuid4().hex
         self._seqs: dict[int, int] = {}           # Raft group -> the last seq this session used in it
+        self._unanswered: dict[int, set[int]] = {}  # Raft group -> seqs sent and not answered yet
+        self._seq_lock = threading.Lock()
+        self.max_in_flight = max_in_flight        # push_async: pushes on their way at once
+        self._pipeline: ThreadPoolExecutor | None = None
+        self._lanes = threading.local()
+        self._lane_clients: list[Client] = []
         self._lock = threading.RLock()
         self._conns: dict[str, socket.socket] = {}
         self._leaders: dict[int, str] = {}        # Raft group -> its leader's client address, as last seen
@@ -212,21 +228,70 @@ class Client:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, MAX_RETRY_PAUSE)
 
-    def _write(self, op: str, raft_group: int = 0, **fields: Any) -> dict:
-        group = raft_group
-        with self._lock:
+    def _next_seq(self, group: int) -> tuple[int, int]:
+        """(seq, ack) of a new write in ``group``: ack is the lowest seq not answered yet (pushes
+        sent by push_async may be in flight), so the store keeps their results for a retry."""
+        with self._seq_lock:
             seq = self._seqs[group] = self._seqs.get(group, 0) + 1
-            # One request at a time per client, so every earlier seq has been answered: ack = seq.
-            try:
-                return self._request({"op": op, "client": self.client_id, "seq": seq, "ack": seq, **fields},
-                                     raft_group=group)
-            except RaftpsError as exc:
-                # Refused by the node before it reached any log (schema, role, limit): the seq was
-                # never used, so the next write takes it. Otherwise the store would see this
-                # client's first write with ack > 1 and no session, and answer SessionExpired.
-                if getattr(exc, "refused", False):
-                    self._seqs[group] -= 1
-                raise
+            unanswered = self._unanswered.setdefault(group, set())
+            unanswered.add(seq)
+            return seq, min(unanswered)
+
+    def _answered(self, group: int, seq: int, refused: bool) -> None:
+        with self._seq_lock:
+            self._unanswered[group].discard(seq)
+            # Refused by the node before it reached any log (schema, role, limit): the seq was
+            # never used, so the next write takes it (if none took a later one). Otherwise the
+            # store would see this client's first write with ack > 1 and no session, and answer
+            # SessionExpired.
+            if refused and self._seqs[group] == seq:
+                self._seqs[group] -= 1
+
+    def _write(self, op: str, raft_group: int = 0, **fields: Any) -> dict:
+        with self._lock:
+            return self._send_write(self, op, raft_group, fields)
+
+    def _send_write(self, via: "Client", op: str, group: int, fields: dict) -> dict:
+        """One write with a new seq, sent (and retried with that seq) over ``via``'s connections."""
+        seq, ack = self._next_seq(group)
+        refused = False
+        try:
+            return via._request({"op": op, "client": self.client_id, "seq": seq, "ack": ack, **fields},
+                                raft_group=group)
+        except RaftpsError as exc:
+            refused = bool(getattr(exc, "refused", False))
+            raise
+        finally:
+            self._answered(group, seq, refused)
+
+    def push_async(self, grads: dict[str, np.ndarray], base_version: Any = None,
+                   encoding: dict | None = None) -> "Future[dict]":
+        """Send a push without waiting for the ones before it: up to ``max_in_flight`` (the
+        constructor's) are on their way at once, each on a connection of its own, each still
+        exactly-once with its own seq; the leader's group commit puts those that arrive together
+        in one log entry. The future gives push_result's reply. Pushes in flight together may be
+        applied in any order. One Raft group only (with several, use push)."""
+        if self.groups() > 1:
+            raise ValueError("push_async works on a cluster of one Raft group; use push")
+        fields: dict[str, Any] = {"tensors": {k: np.asarray(v) for k, v in grads.items()}}
+        if base_version is not None:
+            fields["base_version"] = int(base_version)
+        if encoding is not None:
+            fields["encoding"] = encoding
+        with self._seq_lock:
+            if self._pipeline is None:
+                self._pipeline = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="raftps-push")
+        return self._pipeline.submit(lambda: self._send_write(self._lane(), "push", 0, fields))
+
+    def _lane(self) -> "Client":
+        """This pipeline thread's own connections (a Client sharing our id and seqs)."""
+        lane = getattr(self._lanes, "client", None)
+        if lane is None:
+            lane = self._lanes.client = Client(self.addresses, self.timeout, self.attempt_timeout, self.limits,
+                                               self.token, self.tls)
+            with self._seq_lock:
+                self._lane_clients.append(lane)
+        return lane
 
     # ---- Raft groups -----------------------------------------------------------------------
 
@@ -493,12 +558,11 @@ class Client:
 
     def snapshot(self) -> dict:
         """The whole store at one version: {version, digest, snapshot} (``TensorStore.snapshot()``
-        form). A store beyond this client's ``limits`` (1 GiB, 4096 arrays by default) needs a
+        form); with several Raft groups, {"groups": [that, per group]}. A store beyond this client's ``limits`` (1 GiB, 4096 arrays by default) needs a
         Client with larger ones (``raftps snapshot save`` makes one)."""
         with self._lock:
-            if self.groups() > 1:
-                raise RaftpsError("snapshot save of a cluster of several Raft groups is not supported yet "
-                                  "(export each prefix instead: raftps export)")
+            if self.groups() > 1:             # each group at a version of its own
+                return {"groups": [self._request({"op": "snapshot"}, raft_group=g) for g in range(self.groups())]}
             return self._request({"op": "snapshot"})
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
@@ -533,6 +597,10 @@ class Client:
         return out
 
     def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.shutdown(wait=True)
+        for lane in self._lane_clients:
+            lane.close()
         with self._lock:
             for address in list(self._conns):
                 self._drop(address)

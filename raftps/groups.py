@@ -41,6 +41,11 @@ class Layout:
         n = len(self.nodes)
         return sorted(((group + k) % n) + 1 for k in range(self.replicas))
 
+    def preferred_leader(self, group: int) -> int:
+        """The node that should lead ``group``: node g+1 (mod N), the first of its chain, so that
+        with G = N every node leads one group."""
+        return group % len(self.nodes) + 1
+
     def hosted_by(self, node: int) -> list[int]:
         return [g for g in range(self.groups) if node in self.members(g)]
 
@@ -79,4 +84,5 @@ def group_config(config: Any, layout: Layout, group: int) -> Any:
         payload_dir=data_dir(config.payload_dir, group) if config.payload_dir else None,
         # the client port and /metrics are the node's (group 0's block), whatever group this is
         client_offset=config.client_offset - shift, metrics_offset=config.metrics_offset - shift,
-        metrics_port=config.metrics_port if group == layout.hosted_by(node)[0] else 0)
+        metrics_port=config.metrics_port if group == layout.hosted_by(node)[0] else 0,
+        preferred_leader=layout.raft_address(layout.preferred_leader(group), group))

@@ -1,5 +1,8 @@
 """The names a training job keeps in the store besides its parameters. All of them are under
 the job's prefix, so a role on ``PREFIX/`` (rbac.py) covers everything the job writes."""
+from __future__ import annotations
+
+from .groups import group_of
 
 
 def tensor(prefix: str, name: str) -> str:
@@ -7,9 +10,14 @@ def tensor(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
 
-def step_counter(prefix: str, rank: int) -> str:
-    """Rank ``rank``'s count of applied steps (async modes), pushed with the gradients it counts."""
-    return f"{prefix}/_raftps/steps.rank{rank}"
+def step_counter(prefix: str, rank: int, raft_group: int = 0, groups: int = 1) -> str:
+    """Rank ``rank``'s count of applied steps (async modes), pushed with the gradients it counts.
+    With several Raft groups, one per group, named so that it lives in ``raft_group`` (a push is
+    atomic within a group only, so each group counts the steps it applied)."""
+    if groups == 1:
+        return f"{prefix}/_raftps/steps.rank{rank}"
+    return next(name for name in (f"{prefix}/_raftps/steps.rank{rank}.g{raft_group}.{j}" for j in range(100_000))
+                if group_of(name, groups) == raft_group)
 
 
 def group(prefix: str) -> str:

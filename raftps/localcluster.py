@@ -44,10 +44,11 @@ class NodeExited(RuntimeError):
 class LocalCluster:
     def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7100, hosts: list[str] | None = None,
                  command_prefix: Callable[[int], list[str]] | None = None, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, tls_dir: str | None = None, groups: int = 1):
+                 env: dict[str, str] | None = None, tls_dir: str | None = None, groups: int = 1,
+                 durability: str = "none"):
         """``tls_dir``: a directory made by cluster/make-certs.sh (ca.pem, node.pem, node.key);
         the nodes then serve their client ports over TLS only. ``groups``: Raft groups the
-        tensors are sharded over (serve --groups; groups.py)."""
+        tensors are sharded over (serve --groups; groups.py). ``durability``: serve --durability."""
         self.run_dir = os.path.abspath(run_dir)
         self.nodes = nodes
         self.base_port = base_port
@@ -56,7 +57,9 @@ class LocalCluster:
             raise ValueError(f"{nodes} nodes need {nodes} hosts, got {self.hosts}")
         self.command_prefix = command_prefix
         self.groups = groups
-        self.extra_args = (extra_args or []) + (["--groups", str(groups)] if groups > 1 else [])
+        self.durability = durability
+        self.extra_args = (extra_args or []) + (["--groups", str(groups)] if groups > 1 else []) \
+            + (["--durability", durability] if durability != "none" else [])
         self.env = env or {}
         self.tls_dir = os.path.abspath(tls_dir) if tls_dir else None
         self._procs: dict[int, subprocess.Popen] = {}
@@ -147,7 +150,8 @@ class LocalCluster:
                 "--token-file", self.token_file, *self._tls_args(), *self.extra_args]
         if self.command_prefix is not None:
             argv = self.command_prefix(node) + argv
-        env = {**os.environ, **self.env}
+        # "{node}" in a value is this node's number (e.g. a simulated disk's state dir per node)
+        env = {**os.environ, **{k: v.replace("{node}", str(node)) for k, v in self.env.items()}}
         with open(self.log_file(node), "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

@@ -1,7 +1,8 @@
 """The replicated state machine: a pure object that knows nothing of sockets, threads or Raft.
 
-``TensorStore.apply(index, command)`` is called once per committed log entry, in log order, on
-every replica. It never raises: a rejected command returns an error result and changes no
+``TensorStore.apply(version, command)`` is called once per write, in log order, on every replica,
+with the next store version (the node numbers the writes of each log entry: an entry may carry a
+batch of them, group_commit.py). It never raises: a rejected command returns an error result and changes no
 tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, each tensor's
 recent update indices for staleness, SSP groups' clocks, statistics) is a function of the log
 alone: no clock, no randomness, sorted iteration, copy-on-write arrays. Push staleness comes
@@ -129,7 +130,7 @@ class TensorStore:
     """Named, versioned tensors with their optimizers; see the module docstring."""
 
     def __init__(self, session_limits: SessionLimits = SessionLimits(), staleness_window: int = 4096):
-        self.version = 0                                   # Raft index of the last applied entry
+        self.version = 0                                   # writes applied (the version of the last one)
         self.tensors: dict[str, Tensor] = {}
         self.sessions: OrderedDict[str, Session] = OrderedDict()   # least recently active first
         self.session_limits = session_limits

@@ -57,22 +57,33 @@ class Instruments:
 
 
 class NodeCollector(Collector):
-    """The node's state, read at scrape time."""
+    """The node's state, read at scrape time. With several Raft groups every family of the
+    group's state carries a ``group`` label, a sample per hosted group (one group: no label, as
+    always)."""
 
-    def __init__(self, node: "RaftNode", server: "ClientServer | None" = None):
-        self.node = node
+    def __init__(self, node: "RaftNode | dict[int, RaftNode]", server: "ClientServer | None" = None):
+        self.replicas = node if isinstance(node, dict) else {0: node}
         self.server = server
 
     def collect(self) -> Iterator[Metric]:
-        node = self.node
-        view = node.metrics_view()
-        role = GaugeMetricFamily("raftps_role", "1 for this node's Raft role", labels=["role"])
-        for name in ROLES:
-            role.add_metric([name], 1.0 if view["role"] == name else 0.0)
+        groups = sorted(self.replicas)
+        labelled = len(groups) > 1
+        views = {g: self.replicas[g].metrics_view() for g in groups}
+
+        def family(kind: Any, name: str, help_text: str, extra: list[str] | None = None) -> Any:
+            return kind(name, help_text, labels=(["group"] if labelled else []) + (extra or []))
+
+        def label(g: int) -> list[str]:
+            return [str(g)] if labelled else []
+
+        role = family(GaugeMetricFamily, "raftps_role", "1 for this node's Raft role", ["role"])
+        for g in groups:
+            for name in ROLES:
+                role.add_metric(label(g) + [name], 1.0 if views[g]["role"] == name else 0.0)
         yield role
         for key, help_text in [("term", "Raft term"), ("commit", "Raft commit index"),
                                ("applied", "Raft index of the last applied entry"),
-                               ("version", "Store version (Raft index of the last entry the state machine applied)"),
+                               ("version", "Store version (writes the state machine applied)"),
                                ("log_len", "Entries in the Raft log (since the last snapshot)"),
                                ("snapshot_index", "Raft index the newest snapshot covers"),
                                ("has_quorum", "1 if this node is connected to a majority of the nodes, itself included"),
@@ -81,35 +92,50 @@ class NodeCollector(Collector):
             name = {"commit": "raftps_commit_index", "applied": "raftps_applied_index",
                     "version": "raftps_store_version", "log_len": "raftps_log_entries",
                     "model_bytes": "raftps_model_bytes"}.get(key, f"raftps_{key}")
-            yield GaugeMetricFamily(name, help_text, value=float(view[key]))
-        match = GaugeMetricFamily("raftps_peer_match_index", "Leader only: the highest log index known "
-                                  "replicated on each peer", labels=["peer"])
-        for peer, index in sorted(view["match"].items()):
-            match.add_metric([peer], float(index))
+            gauge = family(GaugeMetricFamily, name, help_text)
+            for g in groups:
+                gauge.add_metric(label(g), float(views[g][key]))
+            yield gauge
+        match = family(GaugeMetricFamily, "raftps_peer_match_index", "Leader only: the highest log index known "
+                       "replicated on each peer", ["peer"])
+        connected = family(GaugeMetricFamily, "raftps_peer_connected",
+                           "1 if this node's Raft connection to the peer is up", ["peer"])
+        for g in groups:
+            for peer, index in sorted(views[g]["match"].items()):
+                match.add_metric(label(g) + [peer], float(index))
+            for peer, up in sorted(views[g]["connected"].items()):
+                connected.add_metric(label(g) + [peer], float(up))
         yield match
-        connected = GaugeMetricFamily("raftps_peer_connected", "1 if this node's Raft connection to the peer is up",
-                                      labels=["peer"])
-        for peer, up in sorted(view["connected"].items()):
-            connected.add_metric([peer], float(up))
         yield connected
         for key, help_text in [("pushes", "Pushes applied by the state machine (a sync step counts once)"),
                                ("rejected", "Writes the state machine refused (changed nothing)"),
                                ("duplicates", "Retried writes answered from a client session, not applied again")]:
-            yield CounterMetricFamily(f"raftps_store_{key}", help_text, value=float(view[key]))
-        yield _staleness(view["staleness"])
-        payloads = node.payloads
-        files, spares = _payload_files(payloads.directory)
-        yield GaugeMetricFamily("raftps_payload_bytes", "Bytes of payload files waiting for a snapshot",
-                                value=float(payloads.disk_bytes))
-        yield GaugeMetricFamily("raftps_payload_files", "Payload files waiting for a snapshot", value=float(files))
-        yield GaugeMetricFamily("raftps_payload_spare_files", "Collected payload files kept for reuse",
-                                value=float(spares))
-        yield GaugeMetricFamily("raftps_payload_spare_bytes", "Bytes of spare payload files",
-                                value=float(payloads.spare_bytes_held))
-        yield CounterMetricFamily("raftps_fetched_payloads", "Payloads fetched from peers (missed puts)",
-                                  value=float(node.fetched[0]))
-        yield CounterMetricFamily("raftps_fetched_bytes", "Bytes of payloads fetched from peers",
-                                  value=float(node.fetched[1]))
+            counter = family(CounterMetricFamily, f"raftps_store_{key}", help_text)
+            for g in groups:
+                counter.add_metric(label(g), float(views[g][key]))
+            yield counter
+        staleness: dict[int, int] = {}
+        for g in groups:                     # one histogram for the node: pushes are pushes
+            for tau, n in views[g]["staleness"].items():
+                staleness[tau] = staleness.get(tau, 0) + n
+        yield _staleness(staleness)
+        files = {g: _payload_files(self.replicas[g].payloads.directory) for g in groups}
+        for kind, name, help_text, value in [
+                (GaugeMetricFamily, "raftps_payload_bytes", "Bytes of payload files waiting for a snapshot",
+                 lambda g: self.replicas[g].payloads.disk_bytes),
+                (GaugeMetricFamily, "raftps_payload_files", "Payload files waiting for a snapshot", lambda g: files[g][0]),
+                (GaugeMetricFamily, "raftps_payload_spare_files", "Collected payload files kept for reuse",
+                 lambda g: files[g][1]),
+                (GaugeMetricFamily, "raftps_payload_spare_bytes", "Bytes of spare payload files",
+                 lambda g: self.replicas[g].payloads.spare_bytes_held),
+                (CounterMetricFamily, "raftps_fetched_payloads", "Payloads fetched from peers (missed puts)",
+                 lambda g: self.replicas[g].fetched[0]),
+                (CounterMetricFamily, "raftps_fetched_bytes", "Bytes of payloads fetched from peers",
+                 lambda g: self.replicas[g].fetched[1])]:
+            metric = family(kind, name, help_text)
+            for g in groups:
+                metric.add_metric(label(g), float(value(g)))
+            yield metric
         if self.server is not None:
             yield GaugeMetricFamily("raftps_client_connections", "Open client connections",
                                     value=float(self.server.open_connections()))
@@ -146,10 +172,12 @@ def _payload_files(directory: str) -> tuple[int, int]:
 def serve(node: "RaftNode", server: "ClientServer", host: str, port: int,
           tls: tuple[str, str] | None = None) -> Any:
     """Serve ``/metrics`` on host:port (HTTPS with ``tls`` = (cert, key)); None if it cannot bind.
+    The state of every Raft group the server hosts; the request and latency instruments of
+    ``node`` (its first group's replica).
 
     A node that cannot bind its metrics port logs why and serves clients without metrics: losing
     monitoring must not take a Raft member out of the cluster."""
-    node.instruments.registry.register(NodeCollector(node, server))
+    node.instruments.registry.register(NodeCollector(server.replicas if server is not None else node, server))
     try:
         http, _ = start_http_server(port, addr=host, registry=node.instruments.registry,
                                     certfile=tls[0] if tls else None, keyfile=tls[1] if tls else None)

@@ -88,6 +88,10 @@ def _value(text: str) -> Any:
 
 # ---- export ------------------------------------------------------------------------------
 
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
 def export_model(client: Client, prefix: str, fmt: str, path: str) -> dict:
     """Write every tensor under ``prefix`` at one store version to ``path``; returns a summary
     (version, digest, tensors, bytes). The file appears whole or not at all."""
@@ -102,8 +106,9 @@ def export_model(client: Client, prefix: str, fmt: str, path: str) -> dict:
     metadata = {
         "format": "pt",                  # what Hugging Face loaders expect of a state_dict file
         "raftps.prefix": root,
-        "raftps.version": str(out["version"]),
-        "raftps.store_digest": out["digest"],
+        # with several Raft groups both are {group: value} maps: kept as JSON
+        "raftps.version": _text(out["version"]),
+        "raftps.store_digest": _text(out["digest"]),
         "raftps.tensor_versions": json.dumps({n: out["tensor_versions"][root + n] for n in sorted(tensors)}),
         "raftps.optimizers": json.dumps({n: out["optimizers"][root + n] for n in sorted(tensors)}),
     }

@@ -27,9 +27,10 @@ import numpy as np
 from . import codec, snapshot_file
 from .dataplane import DataPlaneServer, Peers
 from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
+from .group_commit import BATCH, GroupCommit
 from .machine import TensorStore
 from .metrics import Instruments
-from .payloads import PayloadStore, digest_of
+from .payloads import PayloadStore, digest_of, fsync_dir
 from .raft import NotApplied, NotReady, RaftSettings, ReplicatedLog, SnapshotMeta
 
 log = logging.getLogger("raftps.node")
@@ -60,6 +61,16 @@ class NodeConfig:
     heartbeat: float = 0.1
     leader_fallback: float = 1.875            # a leader without a majority steps down after this (2.5x election)
     request_timeout: float = 3.0              # one write's wait for replication and commit
+    # Group commit (group_commit.py): log entries proposed and not yet applied, at most; writes
+    # arriving meanwhile share the next entry. 0: every write its own entry, at once.
+    entries_in_flight: int = 2
+    # "fsync": nothing acknowledged is lost to a power cut (README, Durability): the Raft journal,
+    # term and vote, payloads (on disk in the data dir, not tmpfs) and snapshots are fsynced before
+    # they count. "none": they survive a process crash, not a power loss (the default, measured).
+    durability: str = "none"
+    # With several Raft groups: the member that should lead this group (groups.py spreads them
+    # over the nodes); a leader hands over to it once it is connected and caught up. None: any.
+    preferred_leader: str | None = None
     limits: codec.Limits = field(default_factory=codec.Limits)   # frame, tensor and array-count limits
     # The client port (see README, Security). No token: any client that reaches the port is served.
     client_token: str | None = None
@@ -154,8 +165,11 @@ class RaftNode:
         self.lock = threading.Lock()              # guards machine against readers in other threads
         self.applied = threading.Condition(self.lock)
         sweep_abandoned_payload_dirs()
-        self.payloads = PayloadStore(config.payload_dir or default_payload_dir(config.data_dir),
-                                     owner=os.path.abspath(config.data_dir))
+        durable = config.durability == "fsync"
+        payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
+                                             else default_payload_dir(config.data_dir))
+        self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), fsync=durable)
+        self._synced_snapshot = 0                 # durable: snapshot index whose rename is fsynced
         others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
         # The other members' Raft addresses. Membership changes move them (raftps member
         # add/remove); tick() keeps the data plane and the majority in step.
@@ -179,16 +193,49 @@ class RaftNode:
             address=config.raft_address, others=sorted(others), data_dir=config.data_dir,
             secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
-            compaction_entries=config.compaction_entries, read_confirm=config.read_confirm), self)
+            compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
+            durability=config.durability), self)
+        self.group_commit = GroupCommit(self.log, in_flight=config.entries_in_flight)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
+        if config.preferred_leader not in (None, config.raft_address):
+            threading.Thread(target=self._hand_over_loop, name="leader-balance", daemon=True).start()
 
     # ---- the Applier: called by the log's thread, one at a time --------------------------------
 
-    def apply(self, entry: bytes, index: int) -> dict:
-        pid = None
+    def apply(self, entry: bytes, index: int) -> Any:
+        """Apply log entry ``index``: one write, or a batch of them (group_commit.py), each with
+        the next store version. A batch's payloads must all be here before any write applies."""
+        batch = False
         try:
             command = msgpack.unpackb(entry, raw=False)
-            pid = command.pop("payload", None)
+            if isinstance(command, dict) and command.get("op") == BATCH:
+                batch = True
+                entries = command["entries"]
+                if not isinstance(entries, list) or not all(isinstance(e, bytes) for e in entries):
+                    raise ValueError("a batch's entries are a list of bytes")
+                commands = [self._decode(msgpack.unpackb(e, raw=False), index) for e in entries]
+            else:
+                commands = [self._decode(command, index)]
+        except NotReady:
+            raise
+        except Exception as exc:    # same bytes on every replica, so the same error everywhere
+            commands, batch = [({"op": "invalid", "reason": f"undecodable entry: {exc}"}, None)], False
+        started = time.perf_counter()
+        with self.lock:
+            results = [self.machine.apply(self.machine.version + 1, c) for c, _ in commands]
+            self.applied.notify_all()
+        self.instruments.apply_seconds.observe(time.perf_counter() - started)
+        for _, pid in commands:
+            if pid is not None:
+                self.payloads.applied(pid, index)
+        return results if batch else results[0]
+
+    def _decode(self, command: Any, index: int) -> tuple[dict, str | None]:
+        """(the command with its tensors, its payload id): raises NotReady if the payload is not here."""
+        if not isinstance(command, dict):
+            return {"op": "invalid", "reason": "an entry is a map"}, None
+        pid = command.pop("payload", None)
+        try:
             if pid is not None:
                 tensors = self.payloads.get(pid)
                 if tensors is None:
@@ -200,19 +247,12 @@ class RaftNode:
         except NotReady:
             raise
         except Exception as exc:    # same bytes on every replica, so the same error everywhere
-            command = {"op": "invalid", "reason": f"undecodable entry: {exc}"}
-        started = time.perf_counter()
-        with self.lock:
-            result = self.machine.apply(index, command)
-            self.applied.notify_all()
-        self.instruments.apply_seconds.observe(time.perf_counter() - started)
-        if pid is not None:
-            self.payloads.applied(pid, index)
-        return result
+            return {"op": "invalid", "reason": f"undecodable entry: {exc}"}, None
+        return command, pid
 
     def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
         # In the log's thread: no apply runs until the frame is written, so nothing is frozen.
-        snapshot_file.write(path, meta, self.machine.snapshot(share=False))
+        snapshot_file.write(path, meta, self.machine.snapshot(share=False), fsync=self.config.durability == "fsync")
         self._snapshot_index = meta.index
         self.instruments.snapshots.labels("write").inc()
 
@@ -237,6 +277,11 @@ class RaftNode:
             log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
             self._members = members
             self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
+        if self.config.durability == "fsync" and self._snapshot_index > self._synced_snapshot:
+            # the log renamed the snapshot into place; its name is durable before (on the next
+            # tick) the log drops the entries it covers and before the payloads below go
+            fsync_dir(self.config.data_dir)
+            self._synced_snapshot = self._snapshot_index
         # The log renamed the snapshot into place right after save_snapshot returned, so the
         # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
         # pysyncobj keeps those two entries in its log and may still send them to a peer.
@@ -249,6 +294,22 @@ class RaftNode:
             if self.payloads.disk_bytes > self.config.payload_budget:
                 self.log.compact()
             self.payloads.collect_orphans(max_age=600.0, keep=[self._missing] if self._missing else [])
+
+    def _hand_over_loop(self, every: float = 5.0) -> None:
+        """Leaders spread over the nodes: pysyncobj elects whoever times out first, so without
+        this one node may lead several groups and carry their traffic. A leader that is not this
+        group's preferred member hands over (TimeoutNow) once that member is connected and has
+        the whole log (pysyncobj refuses otherwise); checked every few seconds, so a flapping
+        node cannot make leadership move often."""
+        preferred = self.config.preferred_leader
+        while not self._stopped:
+            time.sleep(every)
+            if self._stopped or not self.log.is_leader() or not self.log.is_connected(preferred):
+                continue
+            status = self.log.status()
+            if status.match.get(preferred) == status.commit:
+                log.info("handing leadership to the preferred member %s", preferred)
+                self.log.transfer_leadership(timeout=2.0, to=preferred)
 
     # ---- payloads an entry waits for --------------------------------------------------------
 
@@ -377,7 +438,8 @@ class RaftNode:
             done.set()
 
         proposed = time.perf_counter()
-        self.log.propose(msgpack.packb(command, use_bin_type=True), callback)
+        # a barrier's reader runs right after its apply: alone, or later writes would be in its state
+        self.group_commit.propose(msgpack.packb(command, use_bin_type=True), callback, alone=command["op"] == "barrier")
         if not done.wait(max(0.0, deadline - time.monotonic())):
             raise NotApplied("no commit before the request timeout", applied=None)
         result, error = box[0]
@@ -506,6 +568,8 @@ class RaftNode:
             "pid": os.getpid(),
             "read_mode": self.config.read_mode,       # linearizable reads: readindex or log
             "read_rounds": raft.read_rounds,          # ReadIndex confirmation rounds completed
+            "entries_proposed": self.group_commit.entries,   # log entries this node proposed as leader ...
+            "writes_proposed": self.group_commit.writes,     # ... carrying this many writes (group commit)
         }
 
     # ---- membership (raftps member ...) ----------------------------------------------------
@@ -549,6 +613,7 @@ class RaftNode:
             while self._snapshot_index < target - 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
         self._stopped = True
+        self.group_commit.stop()
         self._missing_event.set()
         self.data_server.close()
         self.peers.close()

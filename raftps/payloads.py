@@ -34,6 +34,15 @@ PAYLOAD_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}-[0-9]{1,20}-[0-9a-f]{8}")
 SPARE_SUFFIX = ".spare"
 
 
+def fsync_dir(directory: str) -> None:
+    """Make the names in ``directory`` durable (a rename or create is not until its directory is)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _ordered_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
     """(name, little-endian contiguous array) in sorted name order: the order of a put's blob."""
     return [(name, np.ascontiguousarray(tensors[name], dtype=np.dtype(codec.DTYPES[codec.dtype_name(tensors[name].dtype)])))
@@ -86,9 +95,13 @@ def verify_digest(pid: str, tensors: dict[str, np.ndarray], blob_digest: bytes) 
 
 
 class PayloadStore:
-    def __init__(self, directory: str, owner: str | None = None, spare_bytes: int = 256 << 20):
+    def __init__(self, directory: str, owner: str | None = None, spare_bytes: int = 256 << 20,
+                 fsync: bool = False):
+        """``fsync``: durable mode; a payload's file, then the directory, are fsynced before
+        ``put`` returns (so before the data plane acknowledges it)."""
         self.directory = directory
         self.spare_bytes = spare_bytes
+        self.fsync = fsync
         os.makedirs(directory, exist_ok=True)
         if owner is not None:       # lets a sweep tell an abandoned tmpfs dir from a live one
             with open(os.path.join(directory, "OWNER"), "w") as f:
@@ -120,7 +133,12 @@ class PayloadStore:
             with open(tmp, "r+b" if tmp.endswith(SPARE_SUFFIX) else "wb") as f:
                 size = codec.write_frame(f, {"tensors": tensors})
                 f.truncate()
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
+            if self.fsync:
+                fsync_dir(self.directory)
             with self._cond:
                 self._disk_bytes += size
         with self._cond:

@@ -63,9 +63,13 @@ class ClientServer:
         self.instruments = node.instruments
         self._bytes_in = self.instruments.client_bytes.labels("in")
         self._bytes_out = self.instruments.client_bytes.labels("out")
-        self._handlers: dict[str, Callable[[dict, Identity], dict]] = {
+        # op -> handler(request, identity), for the node as a whole
+        self._node_handlers: dict[str, Callable[[dict, Identity], dict]] = {
             "status": self._status,
             "layout": self._layout,
+        }
+        # op -> handler(replica, request, identity), served by the request's Raft group's replica
+        self._handlers: dict[str, Callable[[RaftNode, dict, Identity], dict]] = {
             "stats": self._stats,
             "pull": self._pull,
             "pull_rows": self._pull_rows,
@@ -80,7 +84,7 @@ class ClientServer:
         }
         # Adding an op means adding its schema (schema.OPS) and its role (rbac.NEEDS; without one
         # it needs admin on every name): a node whose table has an op without a schema won't start.
-        missing = set(self._handlers) - set(schema.OPS)
+        missing = (set(self._handlers) | set(self._node_handlers)) - set(schema.OPS)
         if missing:
             raise RuntimeError(f"ops without a request schema in raftps/schema.py: {sorted(missing)}")
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
@@ -203,7 +207,7 @@ class ClientServer:
         reply = self._handle(request, identity)
         # Labels only from known values: a client must not grow the metrics with op names of its own.
         outcome = "retry" if reply.get("retry") else reply.get("error") or "ok"
-        known = isinstance(op, str) and op in self._handlers      # (a list is unhashable: fuzzed requests)
+        known = isinstance(op, str) and (op in self._handlers or op in self._node_handlers)   # (a list is unhashable)
         self.instruments.requests.labels(op if known else "unknown", outcome).inc()
         if outcome not in ("ok", "retry"):
             self.instruments.errors.labels(outcome).inc()
@@ -216,13 +220,14 @@ class ClientServer:
                 raise LimitExceeded(f"{len(request['tensors'])} tensors in one {request.get('op')!r} exceeds "
                                     f"max_tensors_per_push={self.max_tensors_per_push}")
             schema.check_request(request)         # every field's type, range and length, before anything runs
-            handler = self._handlers.get(request["op"])
-            if handler is None:
-                raise InvalidRequest(f"op {request['op']!r} is not served here (known: {sorted(self._handlers)})")
+            op = request["op"]
+            if op not in self._handlers and op not in self._node_handlers:
+                raise InvalidRequest(f"op {op!r} is not served here "
+                                     f"(known: {sorted(set(self._handlers) | set(self._node_handlers))})")
             rbac.authorize(identity, request)     # every name the request carries, before it runs
-            if handler in (self._status, self._layout):
-                return handler(request, identity)
-            return handler(self._replica(request), request, identity)
+            if op in self._node_handlers:
+                return self._node_handlers[op](request, identity)
+            return self._handlers[op](self._replica(request), request, identity)
         except RaftpsError as exc:
             reply = error_result(type(exc), str(exc))
             if not getattr(exc, "submitted", False):

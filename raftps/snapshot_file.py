@@ -40,9 +40,14 @@ def from_frame(frame: Any) -> tuple[SnapshotMeta, dict]:
     return meta, machine
 
 
-def write(filename: str, meta: SnapshotMeta, machine: dict) -> None:
+def write(filename: str, meta: SnapshotMeta, machine: dict, fsync: bool = False) -> None:
+    """``fsync``: durable mode; the file is on disk before the log renames it into place (and
+    the node fsyncs the directory before the log drops the entries it covers)."""
     with open(filename, "wb") as f:
         codec.write_frame(f, to_frame(meta, machine))
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def read(filename: str, limits: codec.Limits | None = None) -> tuple[SnapshotMeta, dict]:
@@ -57,9 +62,11 @@ def read_frame(filename: str, limits: codec.Limits | None = None) -> dict:
 
 
 def seed(data_dir: str, version: int, machine: dict, members: list[str]) -> None:
-    """A snapshot that starts a new node at ``version`` (its log continues at version + 1): the
-    boundary entries are no-ops at version and version - 1."""
-    meta = SnapshotMeta((NO_OP, version, 0), (NO_OP, version - 1, 0), sorted(members))
+    """A snapshot that starts a new node with ``machine`` (at its store version): the boundary
+    entries are no-ops of term 0 at Raft index I and I - 1, I = max(version, 2), the same on every
+    seeded node, so their logs agree and continue at I + 1."""
+    index = max(version, 2)
+    meta = SnapshotMeta((NO_OP, index, 0), (NO_OP, index - 1, 0), sorted(members))
     tmp = path(data_dir) + ".tmp"
     write(tmp, meta, machine)
     os.replace(tmp, path(data_dir))

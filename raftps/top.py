@@ -27,23 +27,31 @@ def sample(client: Client) -> tuple[float, list[dict]]:
 
 
 def rows(previous: tuple[float, list[dict]] | None, current: tuple[float, list[dict]]) -> list[dict]:
-    """One row per node with rates over the window since ``previous`` (None: the first sample)."""
+    """One row per node (and Raft group, with several) with rates over the window since
+    ``previous`` (None: the first sample); lag is behind the leader of the row's group."""
     now, nodes = current
-    leaders = [n for n in nodes if n.get("role") == "leader"]
-    commits = [n["commit"] for n in nodes if n.get("commit") is not None]
-    head = max(leaders, key=lambda n: n["term"])["commit"] if leaders else max(commits, default=None)
-    before = {} if previous is None else {n["node"]: n for n in previous[1] if n.get("role") != "down"}
+
+    def key(n: dict) -> tuple:
+        return n["node"], n.get("group", 0)
+    heads = {}
+    for g in {n.get("group", 0) for n in nodes}:
+        mine = [n for n in nodes if n.get("group", 0) == g]
+        leaders = [n for n in mine if n.get("role") == "leader"]
+        commits = [n["commit"] for n in mine if n.get("commit") is not None]
+        heads[g] = max(leaders, key=lambda n: n["term"])["commit"] if leaders else max(commits, default=None)
+    before = {} if previous is None else {key(n): n for n in previous[1] if n.get("role") != "down"}
     dt = None if previous is None else max(now - previous[0], 1e-6)
     out = []
     for n in nodes:
         if n.get("role") == "down":
             out.append({"node": n["node"], "role": "down"})
             continue
-        row: dict[str, Any] = {"node": n["node"], "role": n["role"], "term": n["term"], "applied": n["applied"],
-                               "lag": None if head is None else max(0, head - n["applied"]),
+        head = heads[n.get("group", 0)]
+        row: dict[str, Any] = {"node": n["node"], "group": n.get("group", 0), "role": n["role"], "term": n["term"],
+                               "applied": n["applied"], "lag": None if head is None else max(0, head - n["applied"]),
                                "payload MB": n.get("payload_disk_bytes", 0) / 2**20,
                                "model MB": n.get("model_bytes", 0) / 2**20, "conns": n.get("connections")}
-        old = before.get(n["node"])
+        old = before.get(key(n))
         if old is not None and dt is not None:
             row["applied/s"] = (n["applied"] - old["applied"]) / dt
             row["pushes/s"] = (n.get("pushes", 0) - old.get("pushes", 0)) / dt
@@ -63,11 +71,12 @@ def _histogram_delta(old: dict, new: dict) -> dict[int, int]:
 
 def table(nodes: list[dict], title: str) -> Table:
     t = Table(title=title, title_justify="left")
-    for col in COLUMNS:
+    columns = COLUMNS[:1] + ["group"] + COLUMNS[1:] if any(r.get("group") for r in nodes) else COLUMNS
+    for col in columns:
         t.add_column(col, justify="left" if col == "role" else "right")
     for row in nodes:
         style = {"leader": "bold green", "down": "red", "candidate": "yellow"}.get(row["role"])
-        t.add_row(*[_cell(row.get(col)) for col in COLUMNS], style=style)
+        t.add_row(*[_cell(row.get(col)) for col in columns], style=style)
     return t
 
 

@@ -55,7 +55,7 @@ except ImportError:
 
 from . import compress as codecs
 from . import jobs, optim
-from .client import Client
+from .client import Client, newest
 from .errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, StepTimeout, UnknownTensor
 from .ssp import SspMember
 
@@ -143,12 +143,19 @@ class DistributedOptimizer:
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
         self.params = self._slots(model.named_parameters(), "parameter", trainable=True, sparse=sparse)
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
-        self.counter = jobs.step_counter(prefix, self.rank) if mode != "sync" else None
         self.group = jobs.group(prefix)
 
         self._owns_client = not isinstance(cluster, Client)
         self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
+        # Async modes: this rank's step counter in each Raft group holding the job's tensors
+        # (Raft group -> name); the steps a group applied beyond the others before a crash.
+        self.counters: dict[int, str] = {}
+        self._ahead: dict[int, int] = {}
         try:
+            if mode != "sync":
+                groups = self.client.groups()
+                held = sorted({self.client.group_of(s.store_name) for s in self.params + self.buffers})
+                self.counters = {g: jobs.step_counter(prefix, self.rank, g, groups) for g in held}
             try:
                 self._create()
             except PermissionDenied as refused:   # a `write` identity trains tensors an admin created
@@ -188,8 +195,8 @@ class DistributedOptimizer:
         """Create every tensor (a no-op for those that exist: the first creator's values win)."""
         tensors = {s.store_name: (_as_numpy(s.tensor, s.dtype), self.store_spec) for s in self.params}
         tensors.update({s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC) for s in self.buffers})
-        if self.counter:
-            tensors[self.counter] = (np.zeros(1, np.float64), ELASTIC)
+        for counter in self.counters.values():
+            tensors[counter] = (np.zeros(1, np.float64), ELASTIC)
         chunk: dict[str, tuple[np.ndarray, dict]] = {}
         for name, (arr, spec) in tensors.items():
             if chunk and sum(a.nbytes for a, _ in chunk.values()) + arr.nbytes > CREATE_CHUNK_BYTES:
@@ -200,7 +207,7 @@ class DistributedOptimizer:
 
     def _resume(self) -> int:
         """Load the store's parameters; return the step to start at."""
-        names = [s.store_name for s in self.params + self.buffers] + ([self.counter] if self.counter else [])
+        names = [s.store_name for s in self.params + self.buffers] + list(self.counters.values())
         refused = getattr(self, "_create_refused", None)
         try:
             result = self.client.pull_result(names)             # linearizable: the newest state
@@ -214,7 +221,12 @@ class DistributedOptimizer:
         self._install(result["tensors"], result["version"])
         if self.mode == "sync":
             return self.client.sync_applied(self.group) + 1
-        return int(result["tensors"][self.counter][0])
+        # A crash between the groups' parts of one push leaves some groups a push ahead: start
+        # where every group is, and leave the groups ahead out of pushes until the others catch up.
+        applied = {g: int(result["tensors"][name][0]) for g, name in self.counters.items()}
+        start = min(applied.values())
+        self._ahead = {g: n - start for g, n in applied.items() if n > start}
+        return start
 
     def _pulled_names(self) -> list[str]:
         """What a pull brings: all but sparse tables, which async modes pull by rows."""
@@ -321,7 +333,7 @@ class DistributedOptimizer:
             self._push_pending()
         if self._since_fetch >= self.n_fetch:
             if self.ssp is not None:          # the next step waits until it is at most s clocks ahead
-                self.pushed = max(self.pushed, self.ssp.wait_turn())
+                self.pushed = newest(self.pushed, self.ssp.wait_turn())
             self._pull(self.pushed)
 
     def _step_easgd(self) -> None:
@@ -369,8 +381,18 @@ class DistributedOptimizer:
         self._send(grads, encoding or None, steps=self._since_push)
 
     def _send(self, grads: dict[str, np.ndarray], encoding: dict | None, steps: int) -> None:
-        """One atomic push: gradients, buffer drift and the count of the steps they carry."""
-        grads[self.counter] = np.array([float(steps)])
+        """One push, atomic in each Raft group: gradients, buffer drift and, per group, the count
+        of the steps they carry. A group that applied these steps before a crash is left out."""
+        for g, counter in self.counters.items():
+            grads[counter] = np.array([float(steps)])
+        for g in [g for g, n in self._ahead.items() if n >= steps]:
+            self._ahead[g] -= steps
+            grads = {k: v for k, v in grads.items() if self.client.group_of(k) != g}
+            if encoding:
+                encoding = {k: v for k, v in encoding.items() if self.client.group_of(k) != g} or None
+        if not grads:
+            self._since_push = 0
+            return
         t0 = time.perf_counter()
         while True:
             try:

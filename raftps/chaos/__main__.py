@@ -24,18 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-netns", action="store_true", help="process faults only (no root needed)")
     p.add_argument("--base-port", type=int, default=7800)
     p.add_argument("--dump", default=None, help="write the history as JSON here")
+    p.add_argument("--power-cuts", action="store_true",
+                   help="durable nodes on a simulated disk, and power cuts (of the leader, of every node) "
+                        "among the faults")
     p.add_argument("--groups", type=int, default=1,
                    help="shard over this many Raft groups (a workload per group, checked per group; "
                         "leader faults hit group 0's leader)")
     args = p.parse_args(argv)
     network = not args.no_netns and netns.available() is None
-    steps = schedule(args.seed, args.seconds, network)
+    steps = schedule(args.seed, args.seconds, network, power=args.power_cuts)
     print(f"nemesis seed={args.seed} network={network} schedule: "
           + " ".join(f"{s.fault}/{s.duration}s" for s in steps), flush=True)
     run_dir = tempfile.mkdtemp(prefix="raftps-chaos-")
     try:
         with Harness(f"nemesis-seed{args.seed}", run_dir, base_port=args.base_port, netns=network,
-                     subnet="10.77.8", groups=args.groups,
+                     subnet="10.77.8", groups=args.groups, power_cuts=args.power_cuts,
                      n=8000) as h:
             t0 = time.monotonic()
             h.load(args.seconds)

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from raftps.groups import group_of
 from raftps.localcluster import LocalCluster
+from raftps.raft.storage import power_cut
 
 from .checker import Result, check
 from .history import first_ack_after
@@ -40,13 +41,20 @@ def children(pid: int) -> list[int]:
 
 class Harness:
     def __init__(self, case: str, run_dir: str, base_port: int, nodes: int = 3, netns: bool = False,
-                 node_args: Sequence[str] = (), subnet: str = "10.77.0", groups: int = 1, **workload: Any) -> None:
+                 node_args: Sequence[str] = (), subnet: str = "10.77.0", groups: int = 1, durability: str = "none",
+                 env: dict[str, str] | None = None, power_cuts: bool = False, **workload: Any) -> None:
+        """``power_cuts``: durable nodes whose journals are on the simulated disk
+        (raftps/raft/storage.py, a state dir per node), so ``power_cut`` can cut them."""
         self.case, self.nodes, self.groups = case, nodes, groups
+        self.simdisk = os.path.join(run_dir, "simdisk") if power_cuts else None
+        if power_cuts:
+            durability = "fsync"
+            env = {**(env or {}), "RAFTPS_SIMDISK": os.path.join(self.simdisk, "node{node}")}
         self.net = Net(nodes, prefix=f"rps{base_port % 1000:03d}", subnet=subnet) if netns else None
         self.cluster = LocalCluster(run_dir, nodes=nodes, base_port=base_port,
                                     hosts=self.net.hosts() if self.net else None,
                                     command_prefix=self.net.command_prefix if self.net else None,
-                                    extra_args=list(node_args), groups=groups)
+                                    extra_args=list(node_args), groups=groups, durability=durability, env=env)
         self.workload_args = workload
         self.workload: Workload | None = None         # group 0's (the only one with one group)
         self.workloads: list[Workload] = []
@@ -143,6 +151,19 @@ class Harness:
                 os.kill(kid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def power_cut(self, nodes: Sequence[int], mode: str = "torn", seed: int = 0) -> None:
+        """SIGKILL ``nodes`` and cut their simulated disks (Harness(power_cuts=True)); the caller
+        restarts them."""
+        if self.simdisk is None:
+            raise RuntimeError("power_cut needs Harness(power_cuts=True)")
+        if len(nodes) == self.nodes:
+            self.kill_all()
+        else:
+            for node in nodes:
+                self.kill(node)
+        for node in nodes:
+            power_cut(os.path.join(self.simdisk, f"node{node}"), mode, seed)
 
     def kill_all(self) -> None:
         """SIGKILL every running node at once, then wait until all are gone."""

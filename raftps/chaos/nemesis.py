@@ -10,6 +10,9 @@ from .harness import Harness
 
 PROCESS_FAULTS = ["kill-leader", "kill-follower", "pause-leader", "pause-follower"]
 NET_FAULTS = ["isolate-leader", "isolate-follower", "asymmetric-leader", "loss-follower", "flap-leader"]
+# Durable clusters on the simulated disk (Harness(power_cuts=True)): SIGKILL, then every file of
+# the node(s) cut back to what was fsynced plus a random part of the rest ("torn").
+POWER_FAULTS = ["powercut-leader", "powercut-all"]
 
 
 @dataclass
@@ -19,9 +22,9 @@ class Step:
     quiet: float             # seconds of calm after recovery
 
 
-def schedule(seed: int, seconds: float, network: bool) -> list[Step]:
+def schedule(seed: int, seconds: float, network: bool, power: bool = False) -> list[Step]:
     rng = random.Random(seed)
-    faults = PROCESS_FAULTS + (NET_FAULTS if network else [])
+    faults = PROCESS_FAULTS + (NET_FAULTS if network else []) + (POWER_FAULTS if power else [])
     steps, t = [], 2.0
     while True:
         step = Step(rng.choice(faults), round(rng.uniform(1.0, 4.0), 1), round(rng.uniform(1.0, 3.0), 1))
@@ -36,7 +39,14 @@ def apply(h: Harness, step: Step) -> str:
     role, fault = step.fault.rsplit("-", 1)[1], step.fault.rsplit("-", 1)[0]
     node = h.leader() if role == "leader" else h.follower()
     h.event(f"{step.fault} n{node} for {step.duration}s")
-    if fault == "kill":
+    if fault == "powercut":
+        victims = list(range(1, h.nodes + 1)) if role == "all" else [node]
+        h.power_cut(victims, seed=int(step.duration * 10))
+        time.sleep(step.duration)
+        for victim in victims:
+            h.cluster.start_node(victim)
+        node = "all" if role == "all" else node
+    elif fault == "kill":
         h.kill(node)
         time.sleep(step.duration)
         h.cluster.start_node(node)

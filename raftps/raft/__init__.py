@@ -79,6 +79,9 @@ class RaftSettings:
     leader_fallback: float = 1.875             # a leader without a majority steps down after this
     compaction_entries: int = 2000             # a snapshot after this many entries
     read_confirm: bool = True                  # ReadIndex's confirmation round (False: tests only, UNSAFE)
+    # "fsync": the log, term and vote are fsynced before they count (a follower's acknowledgement,
+    # the leader's own vote in the commit count, a granted vote); "none": never fsynced.
+    durability: str = "none"
 
 
 @dataclass
@@ -151,8 +154,9 @@ class ReplicatedLog(ABC):
         """Add ("add") or remove ("remove") one member, one change at a time; ``done(ok, why)``."""
 
     @abstractmethod
-    def transfer_leadership(self, timeout: float) -> None:
-        """Hand leadership to a caught-up member; returns once this one is not leader (or timeout)."""
+    def transfer_leadership(self, timeout: float, to: str | None = None) -> None:
+        """Hand leadership to member ``to`` (None: the most caught-up one) if it is caught up;
+        returns once this one is not leader (or at the timeout, leadership kept)."""
 
     @abstractmethod
     def is_connected(self, address: str) -> bool: ...

@@ -162,7 +162,7 @@ class MemoryLog(ReplicatedLog):
     def change_members(self, action: str, address: str, done: Callable[[bool, str], None]) -> None:
         done(False, "a MemoryLog has exactly one member")
 
-    def transfer_leadership(self, timeout: float) -> None:
+    def transfer_leadership(self, timeout: float, to: str | None = None) -> None:
         return None
 
     def is_connected(self, address: str) -> bool:

@@ -11,6 +11,7 @@ change in pysyncobj lives here and in ``pysyncobj_fixes.py`` beside it:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,10 +21,14 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 
 from . import Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta, stored_zlib
+from .journal import DurableJournal, import_file_journal
+from .journal_hook import install_durable_journal
 from .pysyncobj_fixes import install as install_fixes
+from .storage import storage_from_env
 from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections, send_read_probe
 
 log = logging.getLogger("raftps.raft")
+JOURNAL_DIR = "raft.journal.d"        # the durable journal's directory in the data dir
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 # Outcomes after which the entry certainly was not applied; anything else is "unknown".
 CERTAINLY_NOT = {FAIL_REASON.QUEUE_FULL, FAIL_REASON.MISSING_LEADER, FAIL_REASON.DISCARDED,
@@ -52,7 +57,15 @@ class _Core(SyncObj):
     def __init__(self, applier: Applier, settings: RaftSettings, conf: SyncObjConf):
         self.applier = applier
         self.installing: tuple[int, Callable[[], None]] | None = None
+        # The tick thread starts inside SyncObj.__init__; it waits here until SyncObjLog has put
+        # its pieces in place (the durable journal must be there before the first tick).
+        self.ready = threading.Event()
         super().__init__(settings.address, sorted(settings.others), conf)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        if not self.ready.is_set():
+            self.ready.wait(10.0)
+        super()._onTick(timeToWait)
 
     @replicated
     def _entry(self, entry: bytes) -> Any:
@@ -82,6 +95,29 @@ class _Core(SyncObj):
         return not self._SyncObj__conf.appendEntriesUseBatch
 
 
+def _open_journal(data_dir: str, durable: bool) -> DurableJournal | None:
+    """The durable journal (None: pysyncobj's own file journal). A data dir keeps its mode: one
+    that ran durable refuses to start without it (its log is not in pysyncobj's file); one that
+    did not is carried over into the durable journal, term and vote included."""
+    plain, durable_dir = os.path.join(data_dir, "raft.journal"), os.path.join(data_dir, JOURNAL_DIR)
+    if not durable:
+        if os.path.isdir(durable_dir):
+            raise ValueError(f"{data_dir} was run with --durability fsync: its Raft log is in {durable_dir}; "
+                             "start it with --durability fsync")
+        return None
+    # RAFTPS_UNSAFE_JOURNAL_NO_FSYNC=1 (tests only): the durable journal's format, never fsynced, so
+    # the power-cut test shows what it catches (tests/durability/test_power_cut.py)
+    fsync = os.environ.get("RAFTPS_UNSAFE_JOURNAL_NO_FSYNC") != "1"
+    if not fsync:
+        log.warning("UNSAFE: the durable journal is never fsynced (RAFTPS_UNSAFE_JOURNAL_NO_FSYNC, tests only)")
+    journal = DurableJournal(durable_dir, storage=storage_from_env(), fsync=fsync)
+    if os.path.isfile(plain) and len(journal) == 0:
+        copied = import_file_journal(plain, journal)
+        os.replace(plain, plain + ".imported")
+        log.warning("carried %d entries of %s into the durable journal", copied, plain)
+    return journal
+
+
 class SyncObjLog(ReplicatedLog):
     def __init__(self, settings: RaftSettings, applier: Applier):
         self.address = settings.address
@@ -101,10 +137,14 @@ class SyncObjLog(ReplicatedLog):
         if not settings.read_confirm:
             log.warning("UNSAFE: ReadIndex reads skip the leadership confirmation round (tests only)")
         election = settings.election_timeout
+        if settings.durability not in ("none", "fsync"):
+            raise ValueError(f"durability must be 'none' or 'fsync', not {settings.durability!r}")
+        durable = settings.durability == "fsync"
         conf = SyncObjConf(
             password=settings.secret.hex() if settings.secret else None,   # None: `serve --insecure`, loopback only
             bindAddress=settings.bind or settings.address,
-            journalFile=f"{settings.data_dir}/raft.journal",
+            # durable: our DurableJournal is installed after __init__ (pysyncobj's own is never fsynced)
+            journalFile=None if durable else f"{settings.data_dir}/raft.journal",
             fullDumpFile=f"{settings.data_dir}/raft.snapshot",
             dynamicMembershipChange=True,                  # raftps member add/remove/replace
             serializer=self._save_snapshot,
@@ -125,12 +165,16 @@ class SyncObjLog(ReplicatedLog):
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
         limit_peer_reads()                                 # no 2 GiB buffers for strangers
+        journal = _open_journal(settings.data_dir, durable)
         self._core = core = _Core(applier, settings, conf)
+        if journal is not None:
+            install_durable_journal(core, journal)
         install_fixes(core)
         install_read_probes(core, self._on_read_ack)
         limit_unknown_connections(core)
         for every_tick in (self._commit_alone, self._run_jobs, self._serve_reads, applier.tick):
             core.addOnTickCallback(every_tick)
+        core.ready.set()
 
     # ---- snapshots through the Applier ------------------------------------------------------
 
@@ -219,9 +263,10 @@ class SyncObjLog(ReplicatedLog):
         change = self._core.addNodeToCluster if action == "add" else self._core.removeNodeFromCluster
         self._in_tick(lambda: change(address, callback) or True)
 
-    def transfer_leadership(self, timeout: float) -> None:
-        """pysyncobj hands leadership (in the tick thread) to the most caught-up connected follower;
-        it refuses while that follower's log is behind, so try on every tick."""
+    def transfer_leadership(self, timeout: float, to: str | None = None) -> None:
+        """pysyncobj hands leadership (in the tick thread, Raft's TimeoutNow) to ``to`` or the most
+        caught-up connected follower; it refuses while that follower's log is behind, so try on
+        every tick."""
         deadline = time.monotonic() + timeout
         sent = threading.Event()
 
@@ -229,7 +274,7 @@ class SyncObjLog(ReplicatedLog):
             if sent.is_set() or time.monotonic() > deadline or not self.is_leader():
                 sent.set()
                 return True
-            self._core.transferLeadership(None, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
+            self._core.transferLeadership(to, lambda _r, error: error == FAIL_REASON.SUCCESS and sent.set())
             return sent.is_set()
         self._in_tick(attempt)
         sent.wait(timeout)

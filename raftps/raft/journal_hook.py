@@ -1,0 +1,118 @@
+"""Put a DurableJournal under a pysyncobj 0.3.17 SyncObj, with the fsyncs where Raft needs them.
+
+Why each wrapper exists, and in which order pysyncobj runs them, is in the docstring of
+``raftps/raft/journal.py`` ("Where pysyncobj 0.3.17 must call sync()" and "Integration plan").
+Only pysyncobj's name-mangled attributes (``_SyncObj__...``) and ``_onTick`` are touched.
+
+If an fsync fails, ``journal.sync()`` raises ``JournalFailed`` from then on, so every later tick
+fails at its start (pysyncobj logs it and retries): queued acknowledgements are never sent and the
+node neither votes nor leads again. It has to be restarted; ``journal.failed`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pysyncobj import SyncObj
+from pysyncobj.journal import MemoryJournal
+
+from .journal import DurableJournal
+
+log = logging.getLogger("raftps.raft.journal_hook")
+
+_NO_OP = b"\x01"          # pysyncobj's _COMMAND_TYPE.NO_OP, the first entry of every log
+_ATTRS = ("_onTick", "_SyncObj__sendNextNodeIdx", "_SyncObj__onBecomeLeader", "_raftps_durable")
+
+
+def install_durable_journal(syncobj: SyncObj, journal: DurableJournal) -> None:
+    """Make ``syncobj`` keep its log, term and vote in ``journal``, fsynced before it counts.
+
+    Call it right after ``SyncObj.__init__`` returns, with ``journalFile=None`` in the conf."""
+    s = syncobj
+    if getattr(s, "_raftps_durable", None) is not None:
+        raise RuntimeError("install_durable_journal: already installed")
+    if s._SyncObj__numOneSecondDumps or not s._SyncObj__needLoadDumpFile:
+        raise RuntimeError("install_durable_journal: the SyncObj has ticked already; install it "
+                           "right after SyncObj.__init__ (or before the first doTick)")
+    old = s._SyncObj__raftLog
+    if old is not journal:
+        if not isinstance(old, MemoryJournal):
+            raise RuntimeError("install_durable_journal: build the SyncObj with journalFile=None")
+        # What SyncObj.__init__ did with its own journal.
+        if len(journal) == 0:
+            journal.add(_NO_OP, 1, 0)
+            journal.sync()
+        s._SyncObj__raftLog = journal
+        s._SyncObj__raftCurrentTerm = max(journal.getCurrentTerm(), journal[-1][2])
+        s._SyncObj__votedForNodeId = journal.getVotedForNodeId()
+        s._SyncObj__raftCommitIndex = journal.getRaftCommitIndex()
+
+    acks: list[tuple[Any, bool, int, bool]] = []
+    send_ack = s._SyncObj__sendNextNodeIdx
+    become_leader = s._SyncObj__onBecomeLeader
+    tick = s._onTick
+
+    def queue_ack(node: Any, reset: bool = False, nextNodeIdx: int | None = None,
+                  success: bool = False) -> None:
+        # (a): a follower's acknowledgement waits for the fsync of what it acknowledges.
+        if nextNodeIdx is None:                  # what the original computes, as of now
+            nextNodeIdx = s._SyncObj__getCurrentLogIndex() + 1
+        acks.append((node, reset, nextNodeIdx, success))
+
+    def flush() -> None:
+        journal.sync()
+        if acks:
+            queued = acks[:]
+            del acks[:]
+            for node, reset, next_idx, success in queued:
+                send_ack(node, reset=reset, nextNodeIdx=next_idx, success=success)
+
+    def become_leader_durably() -> None:
+        # (b): the no-op appended here may be counted by this very tick's commit computation.
+        become_leader()
+        journal.sync()
+
+    def durable_tick(timeToWait: float = 0.0) -> None:
+        # (b) and group commit: one sync for the appends of a whole tick, before the next tick's
+        # commit computation counts the leader's log, and before queued acks leave.
+        flush()
+        try:
+            tick(timeToWait)
+        finally:
+            flush()
+
+    deserialize = s._SyncObj__serializer.deserialize
+
+    def deserialize_keeping_log() -> Any:
+        data = deserialize()
+        _drop_below_snapshot(journal, data)
+        return data
+
+    if journal.fsync:                            # with fsync=False there is nothing to wait for
+        s._SyncObj__sendNextNodeIdx = queue_ack
+        s._SyncObj__onBecomeLeader = become_leader_durably
+        s._onTick = durable_tick
+    s._SyncObj__serializer.deserialize = deserialize_keeping_log
+    s._raftps_durable = journal
+    s._SyncObj__properies.update(_ATTRS)         # not state: keep them out of default snapshots
+
+
+def _drop_below_snapshot(journal: DurableJournal, data: Any) -> None:
+    """Start the journal at the snapshot's entries if it holds them further in.
+
+    pysyncobj's __loadDumpFile clears the journal (every entry after the snapshot with it) unless
+    its first two entries are the snapshot's last two; a journal that still holds the log below
+    the snapshot (compaction interrupted before its ``start`` write) must lose only that prefix."""
+    try:
+        last, before = data[1], data[2]
+    except (TypeError, IndexError):
+        return
+    if len(journal) < 3 or journal[0] == before:
+        return
+    first = journal[0][1]
+    pos = before[1] - first
+    if 0 < pos < len(journal) - 1 and journal[pos] == before and journal[pos + 1] == last:
+        log.warning("journal %s: dropping %d entries below the snapshot at index %d",
+                    journal.path, pos, last[1])
+        journal.deleteEntriesTo(pos)
