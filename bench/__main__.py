@@ -1,7 +1,8 @@
 """``python -m bench [--quick|--full] [--out bench/results] [--parts ...]``: run, print, write.
 
-Parts (in this order): loopback (physical limit), naive (pysyncobj carrying the payload),
-raftps3 (pushes, pulls, node RSS), rss60 (full mode: a 60 s 4 MiB run on a fresh cluster
+Parts (in this order): loopback (physical limit), naive (pysyncobj carrying the payload), raw
+(bench/raw_dataplane.py, issue 13's design prototype: the raw data plane without validation,
+sessions, HMAC or persistence, 4 MiB x4, run right before raftps3), raftps3 (pushes, pulls, node RSS), rss60 (full mode: a 60 s 4 MiB run on a fresh cluster
 holding only that model, for the RSS target), raftps1, etcd (etcd 3.4 puts of the same bytes),
 failover (10 leader SIGKILLs, raftps and etcd), catchup (a restarted follower through a compacted
 log, 4 and 64 MiB models), train (time to 0.95: --local, raftps workers, torch.distributed
@@ -18,7 +19,7 @@ node for (N, G) = (3, 1), (3, 3), (6, 6), (9, 9) Raft groups, nodes in network n
 groups.md/.json/.png; the same caveat). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
-Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raftps clusters at
+Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raw data plane B-40..B-18, raftps clusters at
 B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
 +201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499.
 """
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quick", action="store_true", help="a few minutes (default)")
     g.add_argument("--full", action="store_true", help="all sizes on every system, 60 s RSS run")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--parts", default="loopback,naive,raftps3,rss60,raftps1,etcd,failover,catchup,train",
+    ap.add_argument("--parts", default="loopback,naive,raw,raftps3,rss60,raftps1,etcd,failover,catchup,train",
                     help="comma list (default: all); rss60, full mode only: 60 s of 4 MiB x4 on a fresh 3-node cluster")
     ap.add_argument("--base-port", type=int, default=9500, help="every port is derived from it (see above)")
     ap.add_argument("--no-setup", action="store_true", help="never run bench/setup.sh (parts lacking etcd/torch say so)")
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     part("naive", lambda: [r for i, (sizes, clients) in enumerate(m["naive"]) for r in naive_store.measure(
         os.path.join(run_dir, f"naive{i}"), sizes, clients, m["naive_dur"], m["naive_max"], base_port=B - 100,
         burst=m["burst"] if i == 0 else 0)])
+    part("raw", lambda: push.measure_raw(os.path.join(run_dir, "raw"), 4 * MiB, 4, m["dur"], m["max_ops"], B - 40))
     part("raftps3", lambda: push.measure(os.path.join(run_dir, "raftps3"), 3, SIZES, [1, 4], m["dur"], m["max_ops"],
                                          a.base_port, pull_clients=m["pull_clients"]))
     part("rss60", lambda: push.measure(os.path.join(run_dir, "rss60"), 3, [4 * MiB], [4], m["long"], 10**9,

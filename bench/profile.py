@@ -4,7 +4,9 @@
 3-node LocalCluster, runs N push clients for S seconds, and meanwhile records the leader and a
 follower with ``py-spy record --format raw`` (collapsed stacks, non-idle samples only; needs
 ``pip install py-spy``). Prints, per node, the share of samples by thread and the top functions
-by self and by inclusive samples; writes the raw stacks to DIR.
+by self and by inclusive samples; writes the raw stacks to DIR. ``--perf``: instead, ``perf
+record`` of every node's CPU (kernel included: socket copies, page faults, SHA-256 in libcrypto,
+numpy), printed as the share of cycles by shared object and by symbol.
 """
 from __future__ import annotations
 
@@ -53,10 +55,72 @@ def summarize(raw_file: str, top: int = 12) -> dict[str, Any]:
     return {"samples": total, "threads": pct(threads), "self": pct(self_c), "inclusive": pct(incl)}
 
 
+def _py_spy() -> str | None:
+    """py-spy on PATH or next to this interpreter (a venv's bin)."""
+    near = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return shutil.which("py-spy") or (near if os.access(near, os.X_OK) else None)
+
+
+def perf_report(data: str, top: int = 14) -> dict[str, list[tuple[str, float]]]:
+    """Shares of cycles by shared object and by (object, symbol) of one ``perf record`` file."""
+    def rows(sort: str) -> list[tuple[str, float]]:
+        out = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", sort, "--no-children"],
+                             capture_output=True, text=True).stdout
+        got = []
+        for line in out.splitlines():
+            parts = line.split()
+            if parts and parts[0].endswith("%") and not line.startswith("#"):
+                got.append((" ".join(p for p in parts[1:] if p != "[.]" and p != "[k]"), float(parts[0][:-1])))
+        return got[:top]
+    return {"dso": rows("dso"), "symbol": rows("dso,sym")}
+
+
+def run_perf(size: int, clients: int, seconds: float, out: str, base_port: int = 9580) -> dict[str, Any]:
+    """``perf record`` of all three nodes under push load: where their CPU goes, kernel included."""
+    from raftps.localcluster import LocalCluster
+    os.makedirs(out, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
+    cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
+    os.environ.update(cl.client_env)
+    cl.start()
+    rec: list[tuple[str, subprocess.Popen, str]] = []
+    try:
+        with cl.client(timeout=30.0) as c:
+            c.create("w", np.zeros(size // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
+        leader = cl.leader()
+        for node in range(1, 4):
+            role = "leader" if node == leader else f"follower{node}"
+            path = os.path.join(out, f"perf_{role}_{size_label(size).replace(' ', '')}.data")
+            cmd = ["perf", "record", "-F", "499", "-p", str(cl.pid(node)), "-o", path, "--", "sleep", str(int(seconds))]
+            rec.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+        args = [{"kind": "raftps", "op": "push", "addresses": cl.addresses, "name": "w", "size": size, "seed": k,
+                 "duration": seconds, "max_ops": 10**6, "timeout": 30.0} for k in range(clients)]
+        res = run_workers(args)
+        for _, p, _ in rec:
+            p.wait(timeout=seconds + 60)
+        return {"size": size, "clients": clients, "pushes_per_s": res["ops_per_s"],
+                "nodes": {role: perf_report(path) for role, _, path in rec}}
+    finally:
+        for _, p, _ in rec:
+            stop_pid(p)
+        cl.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def print_perf(r: dict[str, Any]) -> None:
+    print(f"## perf (cycles, kernel included), {size_label(r['size'])} x{r['clients']} clients "
+          f"({r['pushes_per_s']:.1f} pushes/s while recorded)")
+    for role, s in r["nodes"].items():
+        print(f"\n### {role}")
+        print("- by object: " + "; ".join(f"{n} {p}%" for n, p in s["dso"][:8]))
+        print("- by symbol: " + "; ".join(f"{n} {p}%" for n, p in s["symbol"]))
+
+
 def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580, rate: int = 100,
         gil: bool = False) -> dict[str, Any]:
     from raftps.localcluster import LocalCluster
-    if not shutil.which("py-spy"):
+    spy = _py_spy()
+    if not spy:
         raise RuntimeError("py-spy not found: pip install py-spy")
     os.makedirs(out, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
@@ -71,7 +135,7 @@ def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580
         follower = next(n for n in range(1, 4) if n != leader)
         for role, node in (("leader", leader), ("follower", follower)):
             path = os.path.join(out, f"profile_{role}_{size_label(size).replace(' ', '')}.txt")
-            cmd = ["py-spy", "record", "--format", "raw", "--threads", "--nonblocking", "--rate", str(rate),
+            cmd = [spy, "record", "--format", "raw", "--threads", "--nonblocking", "--rate", str(rate),
                    "--duration", str(int(seconds)), "--pid", str(cl.pid(node)), "--output", path] + (["--gil"] if gil else [])
             spies.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
         args = [{"kind": "raftps", "op": "push", "addresses": cl.addresses, "name": "w", "size": size, "seed": k,
@@ -106,9 +170,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL")
+    ap.add_argument("--perf", action="store_true", help="perf record of every node instead of py-spy")
+    ap.add_argument("--base-port", type=int, default=9580)
     a = ap.parse_args()
     log(f"profiling {size_label(a.size)} x{a.clients} for {a.seconds:.0f} s")
-    print_report(run(a.size, a.clients, a.seconds, a.out, gil=a.gil))
+    if a.perf:
+        print_perf(run_perf(a.size, a.clients, a.seconds, a.out, a.base_port))
+    else:
+        print_report(run(a.size, a.clients, a.seconds, a.out, a.base_port, gil=a.gil))
 
 
 if __name__ == "__main__":

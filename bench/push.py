@@ -66,6 +66,51 @@ def _cpu_fields(node_times: list[tuple[float, ...]], res: dict[str, Any]) -> dic
             "cores_busy": total / res["seconds"] if res["seconds"] else float("nan")}
 
 
+def measure_raw(run_dir: str, size: int, clients: int, duration: float, max_ops: int,
+                base_port: int) -> list[dict[str, Any]]:
+    """The raw data plane baseline (bench/raw_dataplane.py: the design without validation,
+    sessions, HMAC or persistence): 3 node processes, ``clients`` push processes of ``size``."""
+    import subprocess
+    import sys
+    from .common import stop_pid
+    from .raw_dataplane import RawClient
+    os.makedirs(run_dir, exist_ok=True)
+    procs = []
+    for i in range(3):
+        with open(os.path.join(run_dir, f"raw{i}.log"), "ab") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.raw_dataplane", str(i), str(base_port)],
+                                          stdout=f, stderr=subprocess.STDOUT))
+    try:
+        leader, deadline = None, time.monotonic() + 60
+        while leader is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            for i in range(3):
+                try:
+                    c = RawClient(f"127.0.0.1:{base_port + 20 + i}", timeout=2.0)
+                    if c.is_leader():
+                        leader = f"127.0.0.1:{base_port + 20 + i}"
+                    c.sock.close()
+                except OSError:
+                    pass
+        if leader is None:
+            raise RuntimeError(f"raw data plane: no leader within 60 s (logs in {run_dir})")
+        pids = [p.pid for p in procs]
+        args = [{"kind": "raw", "op": "push", "addresses": leader, "size": size, "seed": 100 + k,
+                 "duration": duration, "max_ops": max_ops, "timeout": 30.0} for k in range(clients)]
+        cpu0 = [cpu_times(p) for p in pids]
+        res = run_workers(args)
+        node_cpu = [tuple(b - a for a, b in zip(c, cpu_times(p))) for p, c in zip(pids, cpu0)]
+        rec = {"system": "raw-dataplane", "op": "push", "size": size, "clients": clients, "duration": duration,
+               **summarize(res, size), **_cpu_fields(node_cpu, res)}
+        log(f"raw data plane push {size_label(size)} x{clients} ({duration:.0f} s): {rec['ops_per_s']:.1f}/s "
+            f"{rec['MB_per_s']:.1f} MB/s p50 {rec['p50_ms']:.1f} ms ({rec['errors']} errors); CPU/push: nodes "
+            f"{rec['cpu_ms_per_push_nodes']:.1f} ms (busiest {rec['cpu_ms_per_push_max_node']:.1f})")
+        return [rec]
+    finally:
+        for p in procs:
+            stop_pid(p)
+
+
 def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
             base_port: int, pull_clients: list[int] | None = None, durability: str = "none",
             node_args: list[str] | None = None, system: str | None = None,

@@ -34,6 +34,11 @@ def _make_op(args: dict[str, Any]) -> tuple[Any, Any]:
         c = NaiveClient(args["addresses"], timeout=args["timeout"])
         pool = _grad_pool(size, args["seed"])
         return (lambda i: c.push(msgpack.packb({"g": pool[i % len(pool)].tobytes(), "lr": 0.01, "step": i}))), c.close
+    if args["kind"] == "raw":
+        from .raw_dataplane import RawClient
+        rc = RawClient(args["addresses"], timeout=args["timeout"])
+        pool = _grad_pool(size, args["seed"])
+        return (lambda i: rc.push(pool[i % len(pool)])), rc.sock.close
     if args["kind"] == "etcd":
         from .etcd import EtcdKV
         kv = EtcdKV(args["addresses"], timeout=args["timeout"])

@@ -7,6 +7,10 @@ After that, frames are codec frames each followed by an HMAC tag (codec.FrameMac
 from both nonces, one per direction, frames counted): a frame injected into or replayed on an
 authenticated connection is refused before it is decoded. ``put`` stores a payload and
 acknowledges once it is on disk; ``get`` returns a payload or ``found: False``.
+
+A put's blob is hashed as it arrives, for the frame's MAC, and that one digest also checks the
+payload id (payloads.verify_digest). The leader hashes a payload once (its id, and the digest
+every peer's frame tag signs) before sending it to every peer at once.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import numpy as np
 
 from . import codec, snapshot_file
 from .errors import ProtocolError
-from .payloads import PAYLOAD_ID, PayloadStore, verify
+from .payloads import PAYLOAD_ID, PayloadStore, verify, verify_digest
 from .raft import SnapshotMeta
 
 log = logging.getLogger("raftps.dataplane")
@@ -79,9 +83,9 @@ class DataPlaneServer:
             if mac is None:
                 return
             while True:
-                msg = codec.recv_frame(conn, self.limits, first_byte_timeout=3600.0,
-                                       frame_timeout=self.frame_timeout, mac=mac)
-                codec.send_frame(conn, self._handle_safely(msg), mac=mac)
+                msg, digest = codec.recv_frame_into(conn, self.limits, first_byte_timeout=3600.0,
+                                                    frame_timeout=self.frame_timeout, mac=mac)
+                codec.send_frame(conn, self._handle_safely(msg, digest), mac=mac)
         except (ConnectionError, OSError, ProtocolError) as exc:
             log.debug("data-plane connection closed: %s", exc)
         finally:
@@ -105,14 +109,15 @@ class DataPlaneServer:
         codec.send_frame(conn, {"ok": True})
         return _session_macs(self.key, hello["nonce"], nonce)[1]
 
-    def _handle_safely(self, msg: object) -> dict:
+    def _handle_safely(self, msg: object, digest: bytes | None = None) -> dict:
         try:
-            return self._handle(msg)
+            return self._handle(msg, digest)
         except Exception as exc:     # a bug must cost one request, not the connection
             log.exception("data-plane request failed")
             return {"ok": False, "message": f"internal error: {exc!r}"}
 
-    def _handle(self, msg: object) -> dict:
+    def _handle(self, msg: object, digest: bytes | None = None) -> dict:
+        """``digest``: the SHA-256 of the frame's blob (its MAC's), which checks a put's id."""
         if not isinstance(msg, dict):
             return {"ok": False, "message": "expected a map"}
         op, pid = msg.get("op"), msg.get("pid")
@@ -141,7 +146,7 @@ class DataPlaneServer:
                 tensors = msg.get("tensors")
                 if not isinstance(tensors, dict) or not tensors \
                         or not all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in tensors.items()) \
-                        or not verify(pid, tensors):
+                        or not (verify(pid, tensors) if digest is None else verify_digest(pid, tensors, digest)):
                     return {"ok": False, "message": f"payload {pid}: content does not match its checksum"}
                 self.store.put(pid, tensors)
                 return {"ok": True}
@@ -246,14 +251,23 @@ class Peers:
             log.debug("put %s to %s failed: %s", pid, address, exc)
             return False
 
-    def replicate(self, pid: str, tensors: dict, needed: int, timeout: float) -> int:
+    def replicate(self, pid: str, tensors: dict, needed: int, timeout: float, digest: bytes | None = None,
+                  meanwhile: Callable[[], Any] | None = None) -> int:
         """Send a payload to every peer; return once ``needed`` peers hold it (or all answered,
-        or ``timeout``). Sends still under way go on in the background."""
-        # Encoded and hashed once for every peer (each connection only signs the digest), and
-        # hashed while the sends are under way: the tag goes after the blob.
+        or ``timeout``). Sends still under way go on in the background. ``digest``: the SHA-256
+        of the tensors' bytes in their order (payloads.digest_of), if known; ``meanwhile`` runs
+        in this thread while the sends are under way (the leader's own copy of the payload)."""
+        # Encoded and hashed once for every peer (each connection only signs the digest); without
+        # a digest, hashed while the sends are under way: the tag goes after the blob.
         frame = codec.encode({"op": "put", "pid": pid, "tensors": tensors})
-        hashed = self._hasher.submit(codec.blob_digest, frame)
-        futures: set[Future] = {self._pool.submit(self._put, a, pid, frame, hashed.result) for a in self.addresses}
+        if digest is not None:
+            known = digest
+            hashed_result: Callable[[], bytes] = lambda: known
+        else:
+            hashed_result = self._hasher.submit(codec.blob_digest, frame).result
+        futures: set[Future] = {self._pool.submit(self._put, a, pid, frame, hashed_result) for a in self.addresses}
+        if meanwhile is not None:
+            meanwhile()
         acks = 0
         pending = futures
         while pending and acks < needed:

@@ -30,7 +30,7 @@ from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
 from .group_commit import BATCH, GroupCommit
 from .machine import TensorStore
 from .metrics import Instruments
-from .payloads import PayloadStore, fsync_dir, payload_id
+from .payloads import PayloadStore, digest_of, fsync_dir
 from .raft import NotApplied, NotReady, RaftSettings, ReplicatedLog, SnapshotMeta
 
 log = logging.getLogger("raftps.node")
@@ -417,10 +417,13 @@ class RaftNode:
             if size <= self.config.inline_bytes:
                 command["inline"] = codec.encode_bytes({"tensors": tensors})
             else:
-                pid = payload_id(command["client"], command["seq"], tensors)
-                self.payloads.put(pid, tensors)
+                # One SHA-256 pass names the payload and is the digest every peer's frame tag
+                # signs; the payload goes to the peers while this thread writes our own copy.
+                ordered, digest, content = digest_of(tensors)
+                pid = f"{command['client']}-{command['seq']}-{content}"
                 needed = self.majority - 1
-                acks = self.peers.replicate(pid, tensors, needed, timeout=self.config.request_timeout)
+                acks = self.peers.replicate(pid, ordered, needed, timeout=self.config.request_timeout, digest=digest,
+                                            meanwhile=lambda: self.payloads.put(pid, ordered))
                 if acks < needed:
                     raise NotApplied(f"payload reached {acks + 1} of {len(self._members) + 1} nodes, "
                                      f"a majority is {self.majority}", applied=False)

@@ -10,16 +10,22 @@ Files of collected payloads are kept as spares (up to ``spare_bytes``) and overw
 payloads: in tmpfs a new file costs page allocation and zeroing, 4.9 ms per 4 MiB against 1.6 ms
 for overwriting a spare (measured here, under load). A spare is never a valid payload id, and a
 payload appears under its id only once completely written (rename), as with a new file.
+
+A payload's id names its content by SHA-256 (``content_hash``), the same hash the data plane's
+frame MAC takes over the blob, so each byte is hashed once per node: the leader hashes a payload
+once for its id and every peer's frame tag, a follower once as it arrives (the MAC check), and the
+id check reuses that digest.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
 import time
-import zlib
 from typing import Iterable
 
+import msgpack
 import numpy as np
 
 from . import codec
@@ -37,22 +43,55 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def checksum(tensors: dict[str, np.ndarray]) -> int:
-    """CRC-32 over the tensors' names and bytes in sorted order (3 GB/s here)."""
-    crc = 0
-    for name in sorted(tensors):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(tensors[name])).cast("B"), crc)
-    return crc
+def _ordered_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """(name, little-endian contiguous array) in sorted name order: the order of a put's blob."""
+    return [(name, np.ascontiguousarray(tensors[name], dtype=np.dtype(codec.DTYPES[codec.dtype_name(tensors[name].dtype)])))
+            for name in sorted(tensors)]
+
+
+def content_hash(layout: list[tuple[str, str, list[int]]], blob_digest: bytes) -> str:
+    """The content part of a payload id: SHA-256 over the tensors' names, dtypes and shapes (in
+    sorted name order) and the SHA-256 of their bytes in that order (``codec.blob_digest``)."""
+    return hashlib.sha256(msgpack.packb(layout) + blob_digest).hexdigest()[:8]
+
+
+def layout_of(ordered: list[tuple[str, np.ndarray]]) -> list[tuple[str, str, list[int]]]:
+    return [(name, codec.dtype_name(a.dtype), list(a.shape)) for name, a in ordered]
+
+
+def digest_of(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], bytes, str]:
+    """(the tensors in sorted order, the SHA-256 of their bytes, the content hash): one pass."""
+    ordered = _ordered_arrays(tensors)
+    h = hashlib.sha256()
+    for _, a in ordered:
+        h.update(memoryview(a.reshape(-1)).cast("B"))
+    digest = h.digest()
+    return dict(ordered), digest, content_hash(layout_of(ordered), digest)
 
 
 def payload_id(client: str, seq: int, tensors: dict[str, np.ndarray]) -> str:
     """Names a payload by who sent it and what it holds, so a retry maps to the same id."""
-    return f"{client}-{seq}-{checksum(tensors):08x}"
+    return f"{client}-{seq}-{digest_of(tensors)[2]}"
 
 
 def verify(pid: str, tensors: dict[str, np.ndarray]) -> bool:
-    return pid.rsplit("-", 1)[1] == f"{checksum(tensors):08x}"
+    try:
+        return pid.rsplit("-", 1)[1] == digest_of(tensors)[2]
+    except Exception:           # an unsupported dtype, say: not this payload
+        return False
+
+
+def verify_digest(pid: str, tensors: dict[str, np.ndarray], blob_digest: bytes) -> bool:
+    """``verify`` given the SHA-256 of the tensors' bytes in their dict order (a received frame's
+    blob, hashed for its MAC): no second pass over the bytes when they arrived in sorted order."""
+    names = list(tensors)
+    if names != sorted(names):
+        return verify(pid, tensors)
+    try:
+        layout = layout_of(list(tensors.items()))
+    except Exception:
+        return False
+    return pid.rsplit("-", 1)[1] == content_hash(layout, blob_digest)
 
 
 class PayloadStore:

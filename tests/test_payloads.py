@@ -75,3 +75,23 @@ def test_sweep_keeps_a_dir_whose_owner_file_is_being_written(tmp_path) -> None:
     (gone / "OWNER").write_text(str(tmp_path / "no-such-data-dir") + "\n")
     sweep_abandoned_payload_dirs(str(tmp_path))
     assert young.is_dir() and not gone.exists()
+
+
+def test_a_payload_id_is_checked_with_the_digest_its_frame_mac_took() -> None:
+    """One SHA-256 pass per node: the put frame's blob digest (what the MAC signs) checks the id."""
+    from raftps import codec
+    from raftps.payloads import digest_of, verify, verify_digest
+    tensors = {"b": np.arange(6, dtype=np.float64).reshape(2, 3), "a": np.ones(5, np.float32)}
+    ordered, digest, content = digest_of(tensors)
+    pid = payload_id("c", 7, tensors)
+    assert pid == f"c-7-{content}" and list(ordered) == ["a", "b"] and verify(pid, tensors)
+    frame = codec.encode({"op": "put", "pid": pid, "tensors": ordered})
+    assert codec.blob_digest(frame) == digest                     # what the leader's frame tags sign
+    decoded = codec.decode(b"".join(frame))["tensors"]
+    assert verify_digest(pid, decoded, digest)
+    assert not verify_digest(pid[:-1] + ("0" if pid[-1] != "0" else "1"), decoded, digest)
+    changed = {"a": ordered["a"], "b": ordered["b"] + 1}
+    assert not verify(pid, changed)                               # other bytes, other id
+    assert not verify_digest(pid, {"a": ordered["a"].reshape(5, 1), "b": ordered["b"]}, digest)   # other shape
+    unsorted = {"b": ordered["b"], "a": ordered["a"]}             # not in sorted order: a full pass
+    assert verify_digest(pid, unsorted, b"not the digest of this order")
