@@ -1,5 +1,5 @@
 """Command line: ``raftps serve`` runs a node; ``status``, ``top``, ``export``, ``import``,
-``member``, ``snapshot`` and ``cluster ...`` operate a cluster (README, Operations)."""
+``member``, ``move``, ``snapshot`` and ``cluster ...`` operate a cluster (README, Operations)."""
 from __future__ import annotations
 
 import argparse
@@ -297,6 +297,24 @@ def member(args: argparse.Namespace) -> int:
     return _run("member", run)
 
 
+def move(args: argparse.Namespace) -> int:
+    """Move a tensor to another Raft group online; run it again to finish an interrupted move."""
+    def run() -> int:
+        from .errors import InvalidRequest
+        with _client(args, timeout=args.timeout, attempt_timeout=30.0) as client:
+            try:
+                client._check_move_request(args.name, args.to, client.groups())
+            except InvalidRequest as exc:          # bad input: nothing was sent
+                print(f"raftps move: {exc}", file=sys.stderr)
+                return 2
+            out = client.move(args.name, args.to)
+        also = [n for n in out["names"] if n != out["tensor"]]
+        print(f"moved {out['tensor']} from Raft group {out['from']} to {out['to']}"
+              + (f" (with {', '.join(also)})" if also else ""))
+        return 0
+    return _run("move", run)
+
+
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=None, help="client addresses (default: $RAFTPS_CLUSTER)")
     p.add_argument("--token-file", default=None, help="client token file (default: $RAFTPS_TOKEN, $RAFTPS_TOKEN_FILE)")
@@ -439,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="save: seconds to wait for the cluster")
     _client_options(p)
     p.set_defaults(func=snapshot)
+
+    p = sub.add_parser("move", help="move a tensor to another Raft group, online (run again to finish an "
+                                    "interrupted move)")
+    p.add_argument("name", help="the tensor (its index tensor NAME:indices, if any, moves with it)")
+    p.add_argument("--to", type=int, required=True, help="the Raft group to move it to (0..G-1)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
+    _client_options(p)
+    p.set_defaults(func=move)
 
     p = sub.add_parser("tensors", help="list the tensors (under --prefix) the token may read")
     p.add_argument("--prefix", default=None, help="only names that start with this (a job's prefix)")

@@ -25,7 +25,9 @@ import numpy as np
 
 from . import auth, codec, groups
 from .compress import INDICES_SUFFIX
-from .errors import AuthenticationFailed, ProtocolError, RaftpsError, StepTimeout, Unavailable, raise_for
+from .errors import (AuthenticationFailed, InvalidRequest, Moved, Moving, ProtocolError, RaftpsError, StepTimeout,
+                     Unavailable, UnknownTensor, raise_for)
+from .schema import NAME_PATTERN
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
 # at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
@@ -94,6 +96,7 @@ class Client:
         self._leaders: dict[int, str] = {}        # Raft group -> its leader's client address, as last seen
         self._groups: int | None = None           # Raft groups in the cluster, once the layout is known
         self._routes: dict[int, list[str]] = {}   # Raft group -> its members' client addresses
+        self._placement: dict[str, int] = {}      # tensors moved off their hash group -> their group, as last seen
         self._synced: dict[str, set[int]] = {}    # sync group -> Raft groups this client contributed to
         self._rotation = random.randrange(len(self.addresses))
 
@@ -304,13 +307,26 @@ class Client:
                     nodes = reply["nodes"]
                     self._routes = {g: [nodes[m - 1] for m in members] for g, members in enumerate(reply["members"])}
                 self._groups = reply["groups"]
+                if self._groups > 1:
+                    self.refresh_placement()
             return self._groups
 
+    def refresh_placement(self) -> dict[str, int]:
+        """Learn again where moved tensors live (group 0's placement table, a linearizable read).
+        Routing uses this cache; a group that no longer holds a tensor answers Moved, which
+        refreshes it, so a stale cache costs a round trip, never a misplaced write."""
+        with self._lock:
+            if self.groups() > 1:
+                self._placement = dict(self._request({"op": "placement"}, raft_group=0)["placement"])
+            return dict(self._placement)
+
     def group_of(self, name: str) -> int:
-        """The Raft group that holds tensor ``name`` (an index tensor goes with its tensor)."""
+        """The Raft group that holds tensor ``name`` (an index tensor goes with its tensor): its
+        placement if it was moved (``move``), else the hash of its name."""
         if name.endswith(INDICES_SUFFIX):
             name = name[:-len(INDICES_SUFFIX)]
-        return groups.group_of(name, self.groups())
+        count = self.groups()
+        return self._placement.get(name, groups.group_of(name, count))
 
     def _split(self, named: dict[str, Any]) -> dict[int, dict[str, Any]]:
         parts: dict[int, dict[str, Any]] = {}
@@ -319,8 +335,49 @@ class Client:
         return dict(sorted(parts.items()))
 
     def _each_group(self, write: Any, parts: dict[int, Any]) -> dict:
-        """``write(group, part)`` for every group's part, in group order; one reply, merged."""
-        return _merge({g: write(g, part) for g, part in parts.items()})
+        """``write(group, part)`` for every group's part, in group order; one reply, merged.
+
+        A part that names a tensor moved to another group (Moved) is split again with the new
+        placement and sent there; one that names a tensor being moved (Moving) is sent again after
+        a pause, until the client's timeout. Either refusal means nothing of that part was applied,
+        so sending it again (with a new seq) applies it once."""
+        replies: dict[int, dict] = {}
+        queue = list(parts.items())
+        deadline = time.monotonic() + self.timeout
+        pause = 0.02
+        for _ in range(10_000):             # bounded: each turn sends one part (or waits, bounded by time)
+            if not queue:
+                return _merge(replies)
+            g, part = queue.pop(0)
+            try:
+                reply = write(g, part)
+            except Moved as exc:
+                queue[:0] = self._reroute(exc, g, part)
+                continue
+            except Moving:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.25)
+                queue.insert(0, (g, part))
+                continue
+            replies[g] = _merge_same_group(replies[g], reply) if g in replies else reply
+        raise Unavailable("a request kept being re-routed between groups: the placement keeps changing")
+
+    def _reroute(self, moved: Moved, group: int, part: Any) -> list[tuple[int, Any]]:
+        """A part refused with Moved, split again by the new placement."""
+        if part is None or moved.group is None or not isinstance(moved.tensor, str):
+            raise moved
+        with self._lock:
+            self._placement[moved.tensor] = moved.group
+            self.refresh_placement()
+            self._placement[moved.tensor] = moved.group     # the refusal is at least this fresh
+        names = dict(part) if isinstance(part, dict) else {n: None for n in part}
+        parts = self._split(names)
+        if group in parts and moved.tensor in {n[:-len(INDICES_SUFFIX)] if n.endswith(INDICES_SUFFIX) else n
+                                               for n in parts[group]}:
+            raise moved                      # cannot happen: the tensor would go where it was refused
+        return [(g, sub if isinstance(part, dict) else list(sub)) for g, sub in parts.items()]
 
     def _min_version(self, min_version: Any, group: int) -> int:
         if isinstance(min_version, dict):
@@ -410,8 +467,12 @@ class Client:
         if self.groups() == 1:
             return self._write("push_sync", tensors=grads, **fields)
         parts = self._split(grads)
-        self._synced.setdefault(group or "", set()).update(parts)
-        return self._each_group(lambda g, part: self._write("push_sync", g, tensors=part, **fields), parts)
+        synced = self._synced.setdefault(group or "", set())
+        synced.update(parts)
+        result = self._each_group(lambda g, part: self._write("push_sync", g, tensors=part, **fields), parts)
+        synced.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
+        synced.update(result["version"])
+        return result
 
     def _sync_groups(self, group: str | None) -> list[int]:
         """The Raft groups a sync group's steps live in: those this client contributed to, else all."""
@@ -525,12 +586,16 @@ class Client:
         rows = np.asarray(rows)
         if rows.size == 0 or rows.dtype.kind in "iu" and rows.dtype not in (np.int32, np.int64):
             rows = rows.astype(np.int64)      # the store takes int32 or int64; others are refused there
-        group = self.group_of(name)
-        request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
-                   "min_version": self._min_version(min_version, group)}
-        with self._lock:
-            reply = self._request(request, to_leader=linearizable, raft_group=group)
-        return reply["rows"], (reply["version"] if self.groups() == 1 else {group: reply["version"]})
+        def read(group: int, _: Any) -> dict:
+            request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
+                       "min_version": self._min_version(min_version, group)}
+            with self._lock:
+                return self._request(request, to_leader=linearizable, raft_group=group)
+        if self.groups() == 1:
+            reply = read(0, None)
+            return reply["rows"], reply["version"]
+        reply = self._each_group(read, {self.group_of(name): [name]})
+        return reply["rows"], reply["version"]
 
     def tensors(self, prefix: str | None = None) -> list[dict]:
         """Name, dtype, shape, version and optimizer of every tensor (from the leader) whose name
@@ -564,6 +629,66 @@ class Client:
             if self.groups() > 1:             # each group at a version of its own
                 return {"groups": [self._request({"op": "snapshot"}, raft_group=g) for g in range(self.groups())]}
             return self._request({"op": "snapshot"})
+
+    # ---- moving a tensor to another Raft group (moves.py has the state machine's side) ----------
+
+    def move(self, name: str, group: int) -> dict:
+        """Move tensor ``name`` (with its index tensor ``name:indices``, if stored) to Raft group
+        ``group``, online: freeze it in its group (writes to it wait), read its whole state there,
+        install that state in ``group``, record the placement in group 0, then leave a tombstone
+        that sends every later request to ``group``. Every step is idempotent: a move interrupted
+        at any point (this process killed, a leader killed) completes when run again.
+        Returns {tensor, from, to, names}."""
+        count = self.groups()
+        self._check_move_request(name, group, count)
+        with self._lock:
+            for _ in range(3):          # at most: finish an interrupted move elsewhere, then this one
+                states = {g: self._request({"op": "move_state", "name": name}, raft_group=g) for g in range(count)}
+                pending = [g for g, st in states.items() if st["moving"]]
+                if pending:             # a move that was interrupted: finish it first
+                    source, frozen = pending[0], states[pending[0]]["moving"]
+                    names = self._finish_move(name, source, frozen["to"], frozen["move"])
+                    if frozen["to"] == group:
+                        return {"tensor": name, "from": source, "to": group, "names": names}
+                    continue
+                holders = [g for g, st in states.items() if st["present"]]
+                if not holders:
+                    raise UnknownTensor(f"move: unknown tensor {name!r} (no Raft group holds it)")
+                source = holders[0]
+                if source == group:
+                    raise InvalidRequest(f"move: tensor {name!r} is already in Raft group {group}")
+                frozen = self._write("move_freeze", source, name=name, to=group)
+                names = self._finish_move(name, source, group, frozen["move"])
+                return {"tensor": name, "from": source, "to": group, "names": names}
+        raise InvalidRequest(f"move: tensor {name!r} kept being moved by someone else meanwhile; run it again")
+
+    @staticmethod
+    def _check_move_request(name: Any, group: Any, count: int) -> None:
+        """Bad input, refused before anything is sent."""
+        if count == 1:
+            raise InvalidRequest("move: this cluster has one Raft group: there is no other group to move a tensor to")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise InvalidRequest(f"move: bad tensor name {name!r}: 1-200 characters from [A-Za-z0-9_.:/-]")
+        if name.endswith(INDICES_SUFFIX):
+            raise InvalidRequest(f"move: {name!r} is an index tensor: it moves with {name[:-len(INDICES_SUFFIX)]!r}")
+        if type(group) is not int or not 0 <= group < count:
+            raise InvalidRequest(f"move: Raft group {group!r} is out of range: this cluster has groups 0..{count - 1}")
+
+    def _finish_move(self, name: str, source: int, target: int, move: str) -> list[str]:
+        """Steps 2-4 of a move whose freeze (move id ``move`` in ``source``) is applied."""
+        state = self._request({"op": "move_state", "name": name, "full": True}, raft_group=source)
+        records, arrays = [], {}
+        for i, record in enumerate(state["records"]):
+            arrays[str(i)] = record["data"]
+            arrays.update({f"{i}.{key}": arr for key, arr in record["arrays"].items()})
+            records.append({k: record[k] for k in ("name", "version", "optimizer", "scalars")})
+        # the move's id names its source and its freeze's version there: unique in the cluster
+        self._write("move_install", target, name=name, move=f"g{source}.{move}", records=records,
+                    tensors=arrays, **{"from": source})
+        self._write("place", 0, name=name, group=target)
+        self._write("move_done", source, name=name, to=target, move=move)
+        self._placement[name] = target
+        return [r["name"] for r in records]
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
         """Cluster membership (Raft addresses): ``list``, or ``add`` / ``remove`` ``node``, or
@@ -622,7 +747,24 @@ _COMBINE: dict[str, Any] = {
     "clock": lambda vs: _highest(vs),
     "applied": all, "late": any, "duplicate_rank": any, "count": min, "step": min,
     "pushes": sum, "rejected": sum, "duplicates": sum, "sessions": sum,
+    "rows": lambda vs: vs[0] if len(vs) == 1 else np.concatenate(vs),
+    "tensor_version": max,
 }
+
+
+def _merge_same_group(first: dict, second: dict) -> dict:
+    """Two replies of one group (a part re-routed there by a move joined another): one reply."""
+    out = dict(first)
+    for key, value in second.items():
+        if key not in first:
+            out[key] = value
+        elif key in _COMBINE:
+            out[key] = _COMBINE[key]([first[key], value])
+        elif key == "version":
+            out[key] = max(first[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _highest(values: list) -> Any:

@@ -93,6 +93,27 @@ class NotInGroup(RaftpsError):
     code = "NotInGroup"
 
 
+class _Placement(RaftpsError):
+    """An error about where a tensor lives: it names the tensor and the group it is going to or in."""
+    fields = ("tensor", "group")
+
+    def __init__(self, message: str, tensor: str | None = None, group: int | None = None):
+        super().__init__(message)
+        self.tensor, self.group = tensor, group
+
+
+class Moving(_Placement):
+    """The tensor is being moved to another Raft group (``raftps move``): its source group refuses
+    writes to it until the move completes. Nothing was applied; the client waits and sends again."""
+    code = "Moving"
+
+
+class Moved(_Placement):
+    """The tensor now lives in Raft group ``group``: this group holds only its tombstone. Nothing
+    was applied; the client refreshes its placement and sends that part to ``group``."""
+    code = "Moved"
+
+
 class Unavailable(RaftpsError):
     """No node could complete the request before the client's timeout.
 
@@ -112,7 +133,7 @@ ERRORS: dict[str, type[RaftpsError]] = {
                 InvalidGradient, InvalidOptimizer, InvalidRequest, ProtocolError,
                 LimitExceeded, AuthenticationFailed, TLSRequired, PermissionDenied, SessionExpired, StepTimeout,
                 Unavailable, Internal,
-                StaleBase, StalenessBound, NotInGroup)
+                StaleBase, StalenessBound, NotInGroup, Moving, Moved)
 }
 
 
@@ -121,12 +142,23 @@ def error_result(cls: type[RaftpsError], message: str) -> dict:
     return {"error": cls.code, "message": message}
 
 
+def exception_result(exc: RaftpsError) -> dict:
+    """``error_result`` of a raised error, with the fields its class carries (Moved's group)."""
+    result = error_result(type(exc), str(exc))
+    for name in getattr(exc, "fields", ()):
+        if getattr(exc, name, None) is not None:
+            result[name] = getattr(exc, name)
+    return result
+
+
 def raise_for(result: dict) -> dict:
     """Raise the exception a wire result carries, or return the result."""
     code = result.get("error")
     if code is None:
         return result
     exc = ERRORS.get(code, RaftpsError)(result.get("message", code))
+    for name in getattr(exc, "fields", ()):
+        setattr(exc, name, result.get(name))
     # The node refused the request before proposing it: it is in no log (see Client._write).
     exc.refused = bool(result.get("refused"))
     raise exc

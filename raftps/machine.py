@@ -37,7 +37,8 @@ import numpy as np
 from . import codec, compress, optim
 from .errors import (DtypeMismatch, Internal, InvalidGradient, InvalidRequest, NotInGroup, RaftpsError,
                      SessionExpired, ShapeMismatch, StalenessBound, TensorExists, UnknownTensor,
-                     error_result)
+                     error_result, exception_result)
+from .moves import Moves
 
 log = logging.getLogger("raftps.machine")
 TENSOR_DTYPES = ("float32", "float64")
@@ -45,8 +46,9 @@ TENSOR_DTYPES = ("float32", "float64")
 # AdaRevision's window of whole-tensor gradient sums has no row-sparse form.
 ROW_OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "elastic")
 NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
-# 2: sync steps per group, with the ranks that contributed; restore() still reads format 1.
-SNAPSHOT_FORMAT = 2
+# 2: sync steps per group, with the ranks that contributed; 3: moves (frozen tensors, tombstones,
+# installs, the placement table: moves.py). restore() still reads formats 1 and 2.
+SNAPSHOT_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def check_finite(name: str, arr: np.ndarray, what: str = "gradient") -> None:
         raise InvalidGradient(f"tensor {name!r}: {what} has {bad} NaN/Inf value(s)")
 
 
-class TensorStore:
+class TensorStore(Moves):
     """Named, versioned tensors with their optimizers; see the module docstring."""
 
     def __init__(self, session_limits: SessionLimits = SessionLimits(), staleness_window: int = 4096):
@@ -146,6 +148,7 @@ class TensorStore:
         self.update_indices: dict[str, deque[int]] = {}
         self.ssp: dict[str, dict] = {}                     # group -> {"staleness": s|None, "clocks": {worker: c}}
         self.stats = {"pushes": 0, "rejected": 0, "duplicates": 0, "staleness": {}}
+        self._init_moves()                                 # moves.py: frozen, tombstoned, placed tensors
         self._digest_cache: tuple[int, str] | None = None
 
     # ---- apply -----------------------------------------------------------------------------
@@ -159,10 +162,12 @@ class TensorStore:
                 raise InvalidRequest(f"unknown operation {op!r}")
             if op == "barrier":
                 return {"version": index}
-            return self._in_session(index, command, lambda: handler(self, index, command))
+            # a write naming a tensor moved away (or being moved) is refused whole (moves.py)
+            return self._in_session(index, command,
+                                    lambda: self.check_placed_here(command) or handler(self, index, command))
         except RaftpsError as exc:
             self.stats["rejected"] += 1
-            return error_result(type(exc), str(exc))
+            return exception_result(exc)
         except Exception as exc:
             # A bug, or an input no check foresaw. Raising here would stop the tick thread on
             # every replica at this entry (and again at every restart, replaying it): instead the
@@ -199,7 +204,7 @@ class TensorStore:
             result = run()
         except RaftpsError as exc:
             self.stats["rejected"] += 1
-            result = error_result(type(exc), str(exc))
+            result = exception_result(exc)
         session.results[seq] = result
         while len(session.results) > self.session_limits.max_outstanding:
             oldest = min(session.results)
@@ -220,6 +225,7 @@ class TensorStore:
     def _existing(self, name: str) -> Tensor:
         tensor = self.tensors.get(name)
         if tensor is None:
+            self.raise_if_moved(name)
             raise UnknownTensor(f"unknown tensor {name!r}")
         return tensor
 
@@ -516,6 +522,8 @@ class TensorStore:
         "barrier": None, "create": _create, "push": _push, "assign": _assign, "delete": _delete,
         "push_sync": _push_sync, "close_step": _close_step,
         "ssp_join": _ssp_join, "ssp_leave": _ssp_leave, "ssp_drop": _ssp_drop,
+        "move_freeze": Moves._move_freeze, "move_install": Moves._move_install, "move_done": Moves._move_done,
+        "place": Moves._place,
     }
 
     # ---- reads (callers hold whatever lock guards apply) ------------------------------------
@@ -577,11 +585,12 @@ class TensorStore:
             "ssp": [[group, g["staleness"], sorted(g["clocks"].items())] for group, g in sorted(self.ssp.items())],
             "stats": [self.stats["pushes"], self.stats["rejected"], self.stats["duplicates"],
                       sorted(self.stats["staleness"].items())],
+            "moves": self.moves_snapshot(),
         }
 
     def restore(self, snap: dict) -> None:
-        if not isinstance(snap, dict) or snap.get("format") not in (1, SNAPSHOT_FORMAT):
-            raise ValueError(f"not a raftps snapshot of format 1 or {SNAPSHOT_FORMAT}")
+        if not isinstance(snap, dict) or snap.get("format") not in (1, 2, SNAPSHOT_FORMAT):
+            raise ValueError(f"not a raftps snapshot of format 1, 2 or {SNAPSHOT_FORMAT}")
         fresh = TensorStore(self.session_limits, self.staleness_window)
         fresh.version = snap["version"]
         for name, data, version, spec, state in snap["tensors"]:
@@ -609,6 +618,7 @@ class TensorStore:
         pushes, rejected, duplicates, staleness = snap["stats"]
         fresh.stats = {"pushes": pushes, "rejected": rejected, "duplicates": duplicates,
                        "staleness": dict(staleness)}
+        fresh.restore_moves(snap.get("moves"))
         self.__dict__.update(fresh.__dict__)
 
     def digest(self) -> str:

@@ -72,6 +72,10 @@ NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "delete": ("admin", ("names",)),
     "export": ("read", ("prefix",)),       # every tensor under the prefix
     "snapshot": ("admin", ("everything",)), "member": ("admin", ("everything",)),   # the whole cluster
+    # raftps move: admin on the tensor; placement, which routing needs, is filtered like tensors
+    "move_freeze": ("admin", ("name",)), "move_install": ("admin", ("name",)), "move_done": ("admin", ("name",)),
+    "place": ("admin", ("name",)), "move_state": ("admin", ("name",)),
+    "placement": ("read", ()),
 }
 
 

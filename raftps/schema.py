@@ -330,6 +330,15 @@ ENCODING = MapOf(NAME, Tagged("kind", {
 SSP = Record({"group": (SSP_GROUP, True), "worker": (WORKER, True)}, "a map {group, worker}", nullable=True)
 
 
+RAFT_GROUP = Int(0, 63)
+MOVE_ID = Str("a move id (1-64 characters from [A-Za-z0-9_.-])", re.compile(r"[A-Za-z0-9_.\-]{1,64}"))
+# move_install's arrays: record i's data is "i", its optimizer state array KEY is "i.KEY"
+MOVE_PART = Str("a part name ('0', '0.m', ...)", re.compile(r"[01](\.[a-z_0-9]{1,32})?"))
+MOVE_RECORD = Record({"name": (NAME, True), "version": (Int(0), True), "optimizer": (OPTIMIZER, True),
+                      "scalars": (MapOf(Str("a state name", re.compile(r"[a-z_0-9]{1,32}")), Number()), True)},
+                     "a tensor record {name, version, optimizer, scalars}")
+
+
 def _op(fields: dict[str, tuple[Spec, bool]]) -> Record:
     # raft_group: which of the node's Raft groups serves the request (groups.py); 0 by default
     return Record({"op": (Str(), True), "raft_group": (Int(0, 63), False), **fields}, "a request map")
@@ -369,6 +378,15 @@ OPS: dict[str, Record] = {
     "member": _op({"action": (Enum(("list", "add", "remove", "replace")), True),
                    "node": (Str("a Raft address HOST:PORT", max_len=255, nullable=True), False),
                    "old": (Str("a Raft address HOST:PORT", max_len=255, nullable=True), False)}),
+    # moving a tensor to another Raft group (moves.py): the steps Client.move sends, and the reads
+    "move_freeze": _op({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True)}),
+    "move_install": _op({**WRITE, "name": (NAME, True), "move": (MOVE_ID, True), "from": (RAFT_GROUP, True),
+                         "records": (ListOf(MOVE_RECORD, min_len=1, max_len=2), True),
+                         "tensors": (MapOf(MOVE_PART, Array(), min_len=1), True)}),
+    "move_done": _op({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True), "move": (MOVE_ID, True)}),
+    "place": _op({**WRITE, "name": (NAME, True), "group": (RAFT_GROUP, True)}),
+    "move_state": _op({"name": (NAME, True), "full": (Bool(), False)}),
+    "placement": _op({}),
 }
 
 

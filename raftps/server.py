@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 from . import auth, codec, rbac, schema
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
-                     TLSRequired, error_result)
+                     TLSRequired, error_result, exception_result)
 from .machine import check_finite, check_group, check_tensors, snapshot_digest
+from .moves import MOVE_OPS
 from .groups import Layout
 from .node import RaftNode, offset_address
 from .raft import NotApplied
@@ -81,6 +82,10 @@ class ClientServer:
             "snapshot": self._snapshot,
             "member": self._member,
             **{op: self._write for op in WRITES},
+            # moving a tensor to another group (moves.py; Client.move drives the steps)
+            **{op: self._move_write for op in MOVE_OPS},
+            "move_state": self._move_state,
+            "placement": self._placement,
         }
         # Adding an op means adding its schema (schema.OPS) and its role (rbac.NEEDS; without one
         # it needs admin on every name): a node whose table has an op without a schema won't start.
@@ -229,7 +234,7 @@ class ClientServer:
                 return self._node_handlers[op](request, identity)
             return self._handlers[op](self._replica(request), request, identity)
         except RaftpsError as exc:
-            reply = error_result(type(exc), str(exc))
+            reply = exception_result(exc)
             if not getattr(exc, "submitted", False):
                 reply["refused"] = True           # never proposed: the client may reuse its seq
             return reply
@@ -287,6 +292,51 @@ class ClientServer:
         except RaftpsError as exc:
             exc.submitted = True
             raise
+
+    def _check_move(self, req: dict) -> None:
+        """What the state machine cannot know: the cluster's groups, and which one this is."""
+        groups = self.layout.groups if self.layout is not None else 1
+        if groups == 1:
+            raise InvalidRequest(f"{req['op']}: this cluster has one Raft group: there is no other group to move "
+                                 "tensors to (serve --groups G, G > 1)")
+        here = req.get("raft_group", 0)
+        if req["op"] == "place" and here != 0:
+            raise InvalidRequest(f"place: the placement table lives in Raft group 0, not {here}")
+        target = req.get("to", req.get("group", 0))
+        if target >= groups:
+            raise InvalidRequest(f"{req['op']}: Raft group {target} is out of range: this cluster has groups "
+                                 f"0..{groups - 1}")
+        if req["op"] in ("move_freeze", "move_done") and target == here:
+            raise InvalidRequest(f"{req['op']}: tensor {req['name']!r} cannot move to the group it is in ({here})")
+
+    def _move_write(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """A step of a move: like _write, but move_install's arrays are a tensor's data and
+        optimizer state, named by part ("0", "0.m", ...), not tensors (the state machine checks them)."""
+        self._check_move(req)
+        redirect = self._not_leader(node)
+        if redirect:
+            return redirect
+        command = {k: v for k, v in req.items() if k != "tensors"}
+        try:
+            return node.submit(command, req.get("tensors"))
+        except NotApplied as outcome:
+            return _retry(str(outcome), unknown=outcome.applied is None)
+        except RaftpsError as exc:
+            exc.submitted = True
+            raise
+
+    def _move_state(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """Where a tensor stands in this group (linearizable); ``full``: its frozen state to install."""
+        self._check_move(req)
+        return self._linearizable(node, lambda m: m.move_state(req["name"], req.get("full", False)))
+
+    def _placement(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """Group 0's table of tensors placed elsewhere than their hash: the names the identity may read."""
+        if req.get("raft_group", 0) != 0:
+            raise InvalidRequest("placement: the placement table lives in Raft group 0")
+        readable = None if identity.unrestricted else (lambda n: identity.allows("read", n))
+        return self._linearizable(node, lambda m: {"version": m.version, "placement": {
+            n: g for n, g in m.placement_table().items() if readable is None or readable(n)}})
 
     def _pull(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         names = req.get("names")

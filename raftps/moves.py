@@ -1,0 +1,256 @@
+"""Moving a tensor to another Raft group online (``raftps move``): the state machine's part.
+
+A tensor lives in the group its placement says (group 0, the metadata group, keeps the table of
+names placed elsewhere than their hash, groups.py), and a move carries it from its source group S
+to a destination D in four replicated steps, each idempotent, driven by ``Client.move``:
+
+1. ``move_freeze`` in S: from this entry on, S refuses every write naming the tensor with
+   ``Moving`` (retryable; nothing refused is applied). Reads go on: the state no longer changes.
+2. ``move_install`` in D: the tensor with exactly the state read from S after the freeze (data,
+   optimizer spec and state, its update count), tagged with the move's id so that a retry is a
+   no-op even after D applied later pushes.
+3. ``place`` in group 0: the placement table says D.
+4. ``move_done`` in S: the freeze becomes a tombstone; the data is dropped, and every request
+   naming the tensor is answered ``Moved`` with D, so a client with a stale placement re-routes.
+
+An index tensor ``NAME:indices`` stored in its own right goes with NAME (routing strips the
+suffix). These methods are mixed into ``TensorStore`` (machine.py) and follow its rules: no clock,
+no randomness, sorted iteration, scalars as Python floats, every bad input a typed error.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import codec, optim
+from .compress import INDICES_SUFFIX
+from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor
+
+# The writes that move tensors: they must reach a frozen or tombstoned name (the others are refused).
+MOVE_OPS = ("move_freeze", "move_install", "move_done", "place")
+MAX_GROUP = 63
+# AdaRevision keeps gradient sums by store version, which means nothing in another group's log.
+UNMOVABLE_OPTIMIZERS = ("adarevision",)
+
+
+def base_name(name: str) -> str:
+    """The tensor an index tensor belongs to (routing and moves treat them as one)."""
+    return name[:-len(INDICES_SUFFIX)] if name.endswith(INDICES_SUFFIX) else name
+
+
+def written_names(command: dict) -> list[str]:
+    """Every tensor name a write carries (a map's keys, a list, or one name)."""
+    tensors, names, name = command.get("tensors"), command.get("names"), command.get("name")
+    out = [n for n in tensors if isinstance(n, str)] if isinstance(tensors, dict) else []
+    out += [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+    return out + ([name] if isinstance(name, str) else [])
+
+
+def _group(value: Any, field: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_GROUP:
+        raise InvalidRequest(f"{field} must be a Raft group number (an int in [0, {MAX_GROUP}]), got {value!r}")
+    return value
+
+
+def _move_id(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise InvalidRequest(f"move must be the move's id (a string of 1-64 characters), got {value!r}")
+    return value
+
+
+class Moves:
+    """TensorStore's move state and ops (mixed in). ``moving``: name -> {"to": D, "move": id},
+    frozen here; ``moved``: name -> D, tombstones; ``installed``: name -> the id of the move that
+    brought it here; ``placement``: name -> group (kept by group 0 only)."""
+
+    tensors: dict
+    update_indices: dict
+    sync: dict
+
+    def _init_moves(self) -> None:
+        self.moving: dict[str, dict] = {}
+        self.moved: dict[str, int] = {}
+        self.installed: dict[str, str] = {}
+        self.placement: dict[str, int] = {}
+
+    # ---- the guard every other write passes ---------------------------------------------------
+
+    def check_placed_here(self, command: dict) -> None:
+        """Refuse a write naming a tensor this group is moving away (Moving) or moved (Moved)."""
+        if command.get("op") in MOVE_OPS:
+            return
+        for name in written_names(command):
+            for n in (name, base_name(name)):
+                self.raise_if_moved(n)
+                if n in self.moving:
+                    to = self.moving[n]["to"]
+                    raise Moving(f"tensor {n!r} is being moved to Raft group {to}: writes to it wait until "
+                                 "the move completes (the client retries)", tensor=n, group=to)
+
+    def raise_if_moved(self, name: str) -> None:
+        if name in self.moved:
+            group = self.moved[name]
+            raise Moved(f"tensor {name!r} was moved to Raft group {group}", tensor=name, group=group)
+
+    # ---- the ops -------------------------------------------------------------------------------
+
+    def _move_freeze(self, index: int, command: dict) -> dict:
+        name, to = self._move_name(command), _group(command.get("to"), "to")
+        current = self.moving.get(name)
+        if current is not None:
+            if current["to"] != to:
+                raise InvalidRequest(f"tensor {name!r} is being moved to Raft group {current['to']}: finish that "
+                                     f"move first (raftps move {name} --to {current['to']})")
+            return {"version": index, "move": current["move"], "names": self._frozen_with(current["move"])}
+        self.raise_if_moved(name)
+        if name not in self.tensors:
+            raise UnknownTensor(f"unknown tensor {name!r}")
+        names = [n for n in (name, name + INDICES_SUFFIX) if n in self.tensors]
+        for n in names:
+            self._check_movable(n)
+        move = str(index)        # the freeze's store version: unique in this group
+        for n in names:
+            self.moving[n] = {"to": to, "move": move}
+            self.installed.pop(n, None)
+        return {"version": index, "move": move, "names": names}
+
+    def _check_movable(self, name: str) -> None:
+        spec = self.tensors[name].optimizer
+        if spec["name"] in UNMOVABLE_OPTIMIZERS:
+            raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} keeps its gradient sums by this "
+                                 "group's store versions, which mean nothing in another group: it cannot be moved")
+        for group, g in sorted(self.sync.items()):
+            for step, buf in sorted(g["buffers"].items()):
+                if name in buf["sum"]:
+                    raise InvalidRequest(f"tensor {name!r} is in sync step {step} of sync group {group!r}, which "
+                                         "is not applied yet: move it after the step is applied (or close_step it)")
+
+    def _move_install(self, index: int, command: dict) -> dict:
+        name, move = self._move_name(command), _move_id(command.get("move"))
+        records, arrays = command.get("records"), command.get("tensors")
+        if not isinstance(records, list) or not 1 <= len(records) <= 2 or not isinstance(arrays, dict):
+            raise InvalidRequest("move_install needs records (a list of 1-2 tensor records) and tensors (a map)")
+        built = [self._installable(i, record, arrays, move) for i, record in enumerate(records)]
+        # the request was authorized for ``name``: it may carry nothing else
+        if sorted(n for n, _ in built) not in ([name], [name, name + INDICES_SUFFIX]):
+            raise InvalidRequest(f"move_install of {name!r} carries {sorted(n for n, _ in built)}: only "
+                                 f"{name!r} and its index tensor {name + INDICES_SUFFIX!r} may move with it")
+        installed = []
+        for name, tensor in built:
+            if tensor is None:
+                continue                  # installed by this move before: a retry changes nothing
+            self.tensors[name] = tensor
+            self.installed[name] = move
+            self.moved.pop(name, None)    # the tensor came back: its old tombstone goes
+            self.update_indices.pop(name, None)
+            installed.append(name)
+        return {"version": index, "installed": installed}
+
+    def _installable(self, i: int, record: Any, arrays: dict, move: str) -> tuple[str, Any]:
+        """(name, the Tensor to install, or None if this move installed it already)."""
+        from .machine import TENSOR_DTYPES, Tensor, _frozen, check_finite, check_name
+        if not isinstance(record, dict):
+            raise InvalidRequest(f"records[{i}] must be a map")
+        name = check_name(record.get("name"))
+        spec = optim.normalize(record.get("optimizer"), name)
+        version, scalars = record.get("version"), record.get("scalars")
+        if type(version) is not int or version < 0 or not isinstance(scalars, dict):
+            raise InvalidRequest(f"records[{i}] ({name!r}) needs version (an int >= 0) and scalars (a map)")
+        if spec["name"] in UNMOVABLE_OPTIMIZERS:
+            raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} cannot be moved")
+        data = arrays.get(str(i))
+        if not isinstance(data, np.ndarray) or codec.dtype_name(data.dtype) not in TENSOR_DTYPES:
+            raise InvalidRequest(f"tensor {name!r}: tensors[{str(i)!r}] must be its data, a {TENSOR_DTYPES} array")
+        check_finite(name, data, "value")
+        state: dict[str, Any] = {}
+        for key, initial in sorted(optim.init_state(spec, data).items()):
+            if isinstance(initial, np.ndarray):
+                arr = arrays.get(f"{i}.{key}")
+                if not isinstance(arr, np.ndarray) or arr.dtype != data.dtype or arr.shape != data.shape:
+                    raise InvalidRequest(f"tensor {name!r}: optimizer state {key!r} must be an array like its data")
+                check_finite(name, arr, f"optimizer state {key!r}")
+                state[key] = _frozen(arr.copy())
+            else:
+                value = scalars.get(key)
+                if type(value) is not float or not np.isfinite(value):
+                    raise InvalidRequest(f"tensor {name!r}: optimizer state {key!r} must be a finite float")
+                state[key] = value
+        extra = sorted(set(scalars) - set(state))
+        if extra:
+            raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} has no state {extra}")
+        if name in self.tensors:
+            if self.installed.get(name) == move:
+                return name, None
+            raise TensorExists(f"tensor {name!r} already exists in this group (not from move {move}): "
+                               "delete it there first, or move to another group")
+        return name, Tensor(_frozen(data.copy()), version, spec, state)
+
+    def _move_done(self, index: int, command: dict) -> dict:
+        """The freeze becomes a tombstone: the data goes, requests naming it get Moved."""
+        name, to, move = self._move_name(command), _group(command.get("to"), "to"), _move_id(command.get("move"))
+        if self.moved.get(name) == to and name not in self.moving:
+            return {"version": index, "names": []}       # done before: a retry
+        current = self.moving.get(name)
+        if current is None or current != {"to": to, "move": move}:
+            raise InvalidRequest(f"no move {move} of tensor {name!r} to Raft group {to} is under way here")
+        names = self._frozen_with(move)
+        for n in names:
+            del self.tensors[n], self.moving[n]
+            self.update_indices.pop(n, None)
+            self.moved[n] = to
+        return {"version": index, "names": names}
+
+    def _place(self, index: int, command: dict) -> dict:
+        name, group = self._move_name(command), _group(command.get("group"), "group")
+        self.placement[name] = group
+        return {"version": index}
+
+    def _move_name(self, command: dict) -> str:
+        from .machine import check_name
+        name = check_name(command.get("name"))
+        if name.endswith(INDICES_SUFFIX):
+            raise InvalidRequest(f"{name!r} is an index tensor: it moves with {base_name(name)!r}; move that")
+        return name
+
+    def _frozen_with(self, move: str) -> list[str]:
+        return [n for n in sorted(self.moving) if self.moving[n]["move"] == move]
+
+    # ---- reads (callers hold the apply lock, or run in the apply thread) -------------------------
+
+    def move_state(self, name: str, full: bool = False) -> dict:
+        """Where ``name`` stands in this group; ``full`` (frozen only): the state to install."""
+        out = {"version": self.version, "present": name in self.tensors, "moving": self.moving.get(name),
+               "moved": self.moved.get(name), "installed": self.installed.get(name)}
+        if full:
+            frozen = self.moving.get(name)
+            if frozen is None:
+                self.raise_if_moved(name)
+                raise InvalidRequest(f"tensor {name!r} is not frozen for a move in this group")
+            out["records"] = [self._record(n) for n in self._frozen_with(frozen["move"])]
+        return out
+
+    def _record(self, name: str) -> dict:
+        from .machine import _share
+        tensor = self.tensors[name]
+        _share(tensor)           # the reply is encoded outside the lock: nothing may write these
+        return {"name": name, "version": tensor.version, "optimizer": tensor.optimizer, "data": tensor.data,
+                "arrays": {k: v for k, v in sorted(tensor.state.items()) if isinstance(v, np.ndarray)},
+                "scalars": {k: v for k, v in sorted(tensor.state.items()) if not isinstance(v, np.ndarray)}}
+
+    def placement_table(self) -> dict[str, int]:
+        return dict(sorted(self.placement.items()))
+
+    # ---- snapshot ---------------------------------------------------------------------------------
+
+    def moves_snapshot(self) -> list:
+        return [[[n, m["to"], m["move"]] for n, m in sorted(self.moving.items())],
+                sorted(self.moved.items()), sorted(self.installed.items()), sorted(self.placement.items())]
+
+    def restore_moves(self, moves: list | None) -> None:
+        self._init_moves()
+        if moves is None:         # a snapshot of format 1 or 2: nothing was ever moved
+            return
+        moving, moved, installed, placement = moves
+        self.moving = {n: {"to": to, "move": move} for n, to, move in moving}
+        self.moved, self.installed, self.placement = dict(moved), dict(installed), dict(placement)
