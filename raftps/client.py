@@ -97,6 +97,7 @@ class Client:
         self._groups: int | None = None           # Raft groups in the cluster, once the layout is known
         self._routes: dict[int, list[str]] = {}   # Raft group -> its members' client addresses
         self._placement: dict[str, int] = {}      # tensors moved off their hash group -> their group, as last seen
+        self.refusals = {"Moving": 0, "Moved": 0}  # parts sent again because of a move (waited / re-routed)
         self._synced: dict[str, set[int]] = {}    # sync group -> Raft groups this client contributed to
         self._rotation = random.randrange(len(self.addresses))
 
@@ -352,9 +353,11 @@ class Client:
             try:
                 reply = write(g, part)
             except Moved as exc:
+                self.refusals["Moved"] += 1
                 queue[:0] = self._reroute(exc, g, part)
                 continue
             except Moving:
+                self.refusals["Moving"] += 1
                 if time.monotonic() + pause > deadline:
                     raise
                 time.sleep(pause)

@@ -32,6 +32,8 @@ MOVE_OPS = ("move_freeze", "move_install", "move_done", "place")
 MAX_GROUP = 63
 # AdaRevision keeps gradient sums by store version, which means nothing in another group's log.
 UNMOVABLE_OPTIMIZERS = ("adarevision",)
+# A training job's step counters (jobs.py) are named to live in one group each: they stay there.
+JOB_COUNTERS = "/_raftps/"
 
 
 def base_name(name: str) -> str:
@@ -116,6 +118,9 @@ class Moves:
         return {"version": index, "move": move, "names": names}
 
     def _check_movable(self, name: str) -> None:
+        if JOB_COUNTERS in name:
+            raise InvalidRequest(f"tensor {name!r} is a training job's bookkeeping (jobs.py), named to live in "
+                                 "this group: it cannot be moved")
         spec = self.tensors[name].optimizer
         if spec["name"] in UNMOVABLE_OPTIMIZERS:
             raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} keeps its gradient sums by this "

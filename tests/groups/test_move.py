@@ -20,7 +20,7 @@ import pytest
 from raftps import optim
 from raftps.client import Client
 from raftps.errors import InvalidRequest, Moved, Moving, RaftpsError, TensorExists, Unavailable, UnknownTensor
-from raftps.localcluster import LocalCluster
+from raftps.localcluster import LocalCluster, NodeExited
 from raftps.machine import TensorStore
 
 SGD = {"name": "sgd", "lr": 1.0}
@@ -151,11 +151,27 @@ def test_bad_move_commands_get_typed_errors_and_change_no_tensor(command) -> Non
 
 # ---- real clusters -----------------------------------------------------------------------------------
 
+def start(run_dir, base_port: int, groups: int) -> LocalCluster:
+    """A started cluster. Our ports are in the kernel's ephemeral range (32768-60999), so another
+    process's outgoing connection may hold one (then in TIME-WAIT for a minute): a node that
+    cannot bind exits, and the cluster is started again 5, then 15 ports up."""
+    for shift in (0, 5, 15):
+        cl = LocalCluster(os.path.join(str(run_dir), f"base{base_port + shift}"), nodes=3,
+                          base_port=base_port + shift, groups=groups)
+        try:
+            cl.start(timeout=60.0)
+            return cl
+        except NodeExited:
+            cl.wipe()
+            if shift == 15:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cl = LocalCluster(str(tmp_path_factory.mktemp("move3")), nodes=3, base_port=37000, groups=3)
+    cl = start(tmp_path_factory.mktemp("move3"), 37000, groups=3)
     try:
-        cl.start(timeout=60.0)
         yield cl
     finally:
         cl.stop()
@@ -251,13 +267,15 @@ class Load:
                 return
             self._push(c, {self.adam: self.grad})
 
-    def finish(self) -> None:
+    def finish(self) -> dict[str, int]:
+        """Stop; the parts the clients sent again because of the moves (waited, re-routed)."""
         self.stop.set()
         for t in self.threads:
             t.join(60.0)
         assert not any(t.is_alive() for t in self.threads)
         for c in self.clients:
             c.close()
+        return {k: sum(c.refusals[k] for c in self.clients) for k in ("Moving", "Moved")}
 
 
 def test_move_under_load_applies_every_acked_push_once(cluster) -> None:
@@ -279,12 +297,13 @@ def test_move_under_load_applies_every_acked_push_once(cluster) -> None:
         moved_adam = c.move(adam, adam_to)
         adam_seconds = time.monotonic() - started
         time.sleep(2.0)
-        load.finish()
+        refusals = load.finish()
         assert not load.errors, load.errors
         tensors, _ = c.pull([hot, *cold, adam])
         print(f"moves: {hot} {hot_from}->{hot_to} in {hot_seconds:.2f} s, {adam} {adam_from}->{adam_to} in "
               f"{adam_seconds:.2f} s; acked {load.acked}, unknown {load.unknown}, "
-              f"applied {({n: float(tensors[n][0]) for n in [hot, *cold]})}")
+              f"applied {({n: float(tensors[n][0]) for n in [hot, *cold]})}; parts sent again: {refusals}")
+        assert refusals["Moved"] >= 4          # every stale client was re-routed by a tombstone
         assert moved_hot == {"tensor": hot, "from": hot_from, "to": hot_to, "names": [hot]}
         assert moved_adam["to"] == adam_to
         for n in [hot, *cold]:
@@ -451,6 +470,9 @@ def test_bad_moves_are_refused_and_change_nothing(cluster) -> None:
             c._write("place", 1, name="bad/x", group=2)
         with pytest.raises(InvalidRequest, match="adarevision"):
             c.move("bad/ada", (c.group_of("bad/ada") + 1) % 3)
+        c.create("bad/_raftps/steps.rank0", np.zeros(1), SGD)
+        with pytest.raises(InvalidRequest, match="bookkeeping"):
+            c.move("bad/_raftps/steps.rank0", (c.group_of("bad/_raftps/steps.rank0") + 1) % 3)
         assert group_state(c, c.group_of("bad/ada"), "bad/ada")["moving"] is None
         c.push({"bad/ada": np.ones(2), "bad/x": np.ones(2)})    # both still writable where they were
     for args, code, message in [(["bad/x", "--to", "7"], 2, "out of range"),
@@ -461,9 +483,8 @@ def test_bad_moves_are_refused_and_change_nothing(cluster) -> None:
 
 
 def test_one_group_refuses_moves(tmp_path) -> None:
-    cl = LocalCluster(str(tmp_path), nodes=3, base_port=37040, groups=1)
+    cl = start(tmp_path, 37040, groups=1)
     try:
-        cl.start(timeout=60.0)
         with cl.client(timeout=30.0) as c:
             c.create("solo", np.zeros(2), SGD)
             digest = {r["node"]: r["digest"] for r in cl.status()}
