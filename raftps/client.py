@@ -175,11 +175,11 @@ class Client:
         return addresses[self._rotation]
 
     def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
-                 raft_group: int = 0) -> dict:
+                 raft_group: int = 0, timeout: float | None = None) -> dict:
         """Send to Raft group ``raft_group``'s members until a definite reply; raise its error, or
-        Unavailable at the deadline."""
+        Unavailable at the deadline (``timeout``, default the client's)."""
         group = raft_group
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (timeout or self.timeout)
         attempt_timeout = attempt_timeout or self.attempt_timeout
         addresses = self._routes.get(group, self.addresses)
         if group:
@@ -309,7 +309,7 @@ class Client:
                     self._routes = {g: [nodes[m - 1] for m in members] for g, members in enumerate(reply["members"])}
                 self._groups = reply["groups"]
                 if self._groups > 1:
-                    self.refresh_placement()
+                    self._learn_placement()
             return self._groups
 
     def refresh_placement(self) -> dict[str, int]:
@@ -320,6 +320,16 @@ class Client:
             if self.groups() > 1:
                 self._placement = dict(self._request({"op": "placement"}, raft_group=0)["placement"])
             return dict(self._placement)
+
+    def _learn_placement(self) -> None:
+        """refresh_placement, but a group 0 that does not answer soon leaves the cache as it is:
+        routing stays correct without it (every group a tensor left answers Moved with where it
+        went), so clients of the other groups need not wait for group 0."""
+        try:
+            self._placement = dict(self._request({"op": "placement"}, raft_group=0,
+                                                 timeout=min(self.timeout, 5.0))["placement"])
+        except Unavailable:
+            pass
 
     def group_of(self, name: str) -> int:
         """The Raft group that holds tensor ``name`` (an index tensor goes with its tensor): its
@@ -372,8 +382,7 @@ class Client:
         if part is None or moved.group is None or not isinstance(moved.tensor, str):
             raise moved
         with self._lock:
-            self._placement[moved.tensor] = moved.group
-            self.refresh_placement()
+            self._learn_placement()
             self._placement[moved.tensor] = moved.group     # the refusal is at least this fresh
         names = dict(part) if isinstance(part, dict) else {n: None for n in part}
         parts = self._split(names)

@@ -136,11 +136,12 @@ class Moves:
         records, arrays = command.get("records"), command.get("tensors")
         if not isinstance(records, list) or not 1 <= len(records) <= 2 or not isinstance(arrays, dict):
             raise InvalidRequest("move_install needs records (a list of 1-2 tensor records) and tensors (a map)")
-        built = [self._installable(i, record, arrays, move) for i, record in enumerate(records)]
         # the request was authorized for ``name``: it may carry nothing else
-        if sorted(n for n, _ in built) not in ([name], [name, name + INDICES_SUFFIX]):
-            raise InvalidRequest(f"move_install of {name!r} carries {sorted(n for n, _ in built)}: only "
-                                 f"{name!r} and its index tensor {name + INDICES_SUFFIX!r} may move with it")
+        carried = sorted(str(r.get("name")) if isinstance(r, dict) else "?" for r in records)
+        if carried not in ([name], [name, name + INDICES_SUFFIX]):
+            raise InvalidRequest(f"move_install of {name!r} carries {carried}: only {name!r} and its index "
+                                 f"tensor {name + INDICES_SUFFIX!r} may move with it")
+        built = [self._installable(i, record, arrays, move) for i, record in enumerate(records)]
         installed = []
         for name, tensor in built:
             if tensor is None:

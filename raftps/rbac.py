@@ -3,9 +3,10 @@ etcd's RBAC, with prefixes for key ranges).
 
 Roles, each including the ones before it:
 
-    read    pull, pull_rows, tensors, sync_applied, wait_step, ssp_wait
+    read    pull, pull_rows, tensors, sync_applied, wait_step, ssp_wait (placement: any token, filtered)
     write   push, push_sync, close_step, ssp_join, ssp_leave, ssp_drop
-    admin   create, assign, delete, and any op without an entry in NEEDS (fail closed)
+    admin   create, assign, delete, a move's steps (moves.py), and any op without an entry in NEEDS
+            (fail closed)
 
 An identity holds grants ``(prefix, role)``; its role on a name is the highest role among grants
 whose prefix starts the name. An op that names tensors is checked for every name it carries (a
