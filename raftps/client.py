@@ -7,7 +7,9 @@ client's timeout passes, so a retry after a lost reply or a leader change is app
 A cluster of several Raft groups (``serve --groups G``, groups.py) is one store to the caller:
 the client learns the layout once, sends each tensor's part of a request to its group's leader
 and numbers its writes per group (a session per group). A write is atomic and exactly-once
-within each group; versions are then ``{group: version}`` maps (an int with one group).
+within each group; versions are then ``{group: version}`` maps (an int with one group). A tensor
+moved to another group (``move``) is found through the cached placement, or re-routed by the
+``Moved`` answer of the group it left.
 """
 from __future__ import annotations
 

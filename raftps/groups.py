@@ -3,8 +3,9 @@
 N nodes (``--peers``, node ids 1..N) host G groups. Group 0 is the cluster of one group, as
 always: with G = 1 every node is a member. With G > 1 each group has R = min(3, N) members, group
 g on nodes g, g+1, ..., g+R-1 (mod N), so every node hosts about G*R/N replicas and adding nodes
-adds capacity. A tensor lives in group ``group_of(name)``: a hash of its name, the same on every
-client and node (no placement table to keep in step).
+adds capacity. A tensor lives in group ``group_of(name)``, a hash of its name, the same on every
+client and node, unless it was moved (``raftps move``, moves.py): group 0 keeps the placement of
+moved tensors, and the group a tensor left answers requests naming it with ``Moved``.
 
 Ports: node i's group g listens for Raft on the node's Raft port + STRIDE*g and for payloads on
 that + 200 (the data-plane offset); the node's client port (+100) and metrics (+300) are group 0's
