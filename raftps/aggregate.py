@@ -47,6 +47,7 @@ class _Step:
     deadline: float                                        # time.monotonic() at which a missing worker is given up
     sums: dict[str, np.ndarray] = field(default_factory=dict)
     contributors: list[list] = field(default_factory=list)  # [client, seq, ack, counted], arrival order
+    pullers: set[int] = field(default_factory=set)            # contributors that want the new values back
     ranks: set[int] = field(default_factory=set)
     count: int = 0
     proposed: bool = False             # its entry is on its way (or it was given up): nothing joins it
@@ -109,6 +110,8 @@ class StepAggregator:
             if mine is None and not s.proposed:
                 s.contributors.append([client, seq, ack, s.add(grads, rank)])
                 mine = len(s.contributors) - 1
+            if mine is not None and request.get("pull"):
+                s.pullers.add(mine)
             propose = not s.proposed and s.count >= s.workers
             s.proposed = s.proposed or propose
         if propose:
@@ -144,7 +147,8 @@ class StepAggregator:
         command = {"op": "step", "group": s.group, "step": s.step, "workers": s.workers, "count": s.count,
                    "contributors": s.contributors}
         try:
-            s.result = self.node.submit(command, s.sums, payload_name=f"step_{secrets.token_hex(8)}-{s.step}")
+            s.result = self.node.submit(command, s.sums, payload_name=f"step_{secrets.token_hex(8)}-{s.step}",
+                                        on_applied=self._reader(s.names) if s.pullers else None)
         except (NotApplied, RaftpsError) as exc:
             s.failure = exc
         except Exception as exc:     # a bug must cost this step's contributors a retry, not hang them
@@ -160,6 +164,18 @@ class StepAggregator:
             for o in older:
                 self._abandon(o, f"a later step ({s.step}) was applied first")
             s.done.set()
+
+    def _reader(self, names: list[str]) -> Any:
+        """Called in the log's thread right after the step's entry applied: the step's tensors as
+        that entry left them (frozen arrays, so the reply can be encoded after later applies)."""
+        def read(result: Any) -> Any:
+            if not isinstance(result, dict) or "error" in result or result.get("late"):
+                return result
+            machine = self.node.machine
+            tensors, _ = machine.read([n for n in names if n in machine.tensors])
+            return {**result, "tensors": {n: t.data for n, t in tensors.items()},
+                    "tensor_versions": {n: t.version for n, t in tensors.items()}}
+        return read
 
     def _abandon(self, s: _Step, why: str) -> None:
         """Give an open step's contributions back to be sent again (a proposed step's proposer
@@ -181,8 +197,10 @@ class StepAggregator:
         result = s.result
         each = result.get("each") if isinstance(result, dict) else None
         if isinstance(each, list) and mine < len(each):
+            if mine in s.pullers and "tensors" in result and "error" not in each[mine]:
+                return {**each[mine], "tensors": result["tensors"], "tensor_versions": result["tensor_versions"]}
             return each[mine]
-        return {k: v for k, v in result.items() if k != "each"}     # an error answers everyone alike
+        return {k: v for k, v in result.items() if k not in ("each", "tensors", "tensor_versions")}   # an error
 
     def _late(self, group: str, step: int, workers: int, contributor: list) -> dict:
         """The answer to a contribution to a step already applied: its session's record if its

@@ -418,14 +418,17 @@ class Client:
         return self._each_group(lambda g, part: self._write("push_sync", g, tensors=part, **fields), parts)
 
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
-                  rank: int | None = None, timeout: float = 10.0) -> dict:
+                  rank: int | None = None, timeout: float = 10.0, pull: bool = False) -> dict:
         """One worker's contribution to synchronous step ``step`` of sync group ``group``, summed on
         the leader with the step's other contributions and replicated once as the step (aggregation
         before replication); returns when the step is applied: version, step, applied, count (the
         contributions in it: fewer than ``workers`` if ``timeout`` seconds after the step's first
         contribution some had not arrived), and late (the step was applied without this one) or
-        duplicate_rank. Exactly-once: a contribution in flight when the leader died is sent again
-        to the new leader with the same seq. With several Raft groups, each group's part in turn."""
+        duplicate_rank. With ``pull``, also ``tensors`` (and ``tensor_versions``): the step's tensors
+        as its entry left them, read on the leader right after the apply, so no pull is needed (a
+        reply without them, e.g. to a contribution sent again, means: pull). Exactly-once: a
+        contribution in flight when the leader died is sent again to the new leader with the same
+        seq. With several Raft groups, each group's part in turn."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), "timeout": float(timeout)}
@@ -433,6 +436,8 @@ class Client:
             fields["group"] = group
         if rank is not None:
             fields["rank"] = int(rank)
+        if pull:
+            fields["pull"] = True
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self.groups() == 1:
             return self._write("push_step", tensors=grads, waits=float(timeout), **fields)

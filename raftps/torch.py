@@ -310,10 +310,14 @@ class DistributedOptimizer:
         t0 = time.perf_counter()
         # answered once the step is applied; a rank that died is left out step_timeout seconds
         # after the step's first contribution
-        version = self.client.push_step(grads, step, self.world_size, group=self.group, rank=self.rank,
-                                        timeout=self.step_timeout)["version"]
+        result = self.client.push_step(grads, step, self.world_size, group=self.group, rank=self.rank,
+                                       timeout=self.step_timeout, pull=True)
         self._timed("push", t0)
-        self._pull(version)
+        tensors = result.get("tensors") or {}
+        if set(self._pulled_names()) <= set(tensors):     # the step's values came with the answer
+            self._install(tensors, result["version"])
+        else:
+            self._pull(result["version"])
 
     def _step_async(self) -> None:
         for s in self.params:

@@ -49,7 +49,7 @@ def run_worker(cfg: Config, rank: int, conn: Connection, start_step: int) -> Non
 
 def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
     """Every step: gradient of my part of the step's batch, push_step (answered once the step is
-    applied), pull.
+    applied, with the new parameters).
 
     Each worker sends the mean over its shard; shards are equal, so the store's mean of the K
     contributions is the full batch's mean gradient: the same step as one process would take.
@@ -68,10 +68,12 @@ def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client,
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
         store_step = cfg.step_offset + step
         result = client.push_step(to_store(names, grads), store_step, cfg.workers, rank=rank,
-                                  timeout=cfg.step_timeout)
+                                  timeout=cfg.step_timeout, pull=True)
         version = result["version"]
         closed += result["count"] < cfg.workers        # applied without a worker that did not arrive in time
-        tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
+        tensors = result.get("tensors") or {}
+        if not set(names.values()) <= set(tensors):    # e.g. the answer to a contribution sent again
+            tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
         params = from_store(names, tensors)
         conn.send(("step", rank, step, loss, version, closed, 1, 0, 0))
 
