@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidRequest, LimitExceeded, RaftpsError
+from .machine import check_fits
 from .raft import NotApplied
 
 log = logging.getLogger("raftps.aggregate")
@@ -88,12 +89,13 @@ class StepAggregator:
         rank = request.get("rank")
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         timeout = min(float(request.get("timeout", 10.0)), MAX_STEP_TIMEOUT)
-        with self.node.lock:
+        with self.node.lock:      # references only: the checks below run outside the apply lock
             machine = self.node.machine
             applied = machine.sync_step_applied(group)
-            if step > applied:
-                for name, grad in grads.items():
-                    machine.check_like(name, grad, "gradient")
+            tensors = {name: machine.tensors.get(name) for name in grads}
+        if step > applied:
+            for name, grad in grads.items():
+                check_fits(name, grad, tensors[name], "gradient")
         if step <= applied:
             return self._late(group, step, workers, [client, seq, ack, False])
         with self._lock:

@@ -119,6 +119,18 @@ def check_tensors(tensors: Any) -> dict[str, np.ndarray]:
     return {name: tensors[name] for name in sorted(tensors)}
 
 
+def check_fits(name: str, arr: np.ndarray, tensor: "Tensor | None", what: str) -> "Tensor":
+    """``tensor`` (the store's ``name``) if ``arr`` fits it: its dtype and shape, all finite."""
+    if tensor is None:
+        raise UnknownTensor(f"unknown tensor {name!r}")
+    if arr.dtype != tensor.data.dtype:
+        raise DtypeMismatch(f"tensor {name!r}: {what} dtype {arr.dtype} does not match the tensor's {tensor.data.dtype}")
+    if arr.shape != tensor.data.shape:
+        raise ShapeMismatch(f"tensor {name!r}: {what} shape {arr.shape} does not match the tensor's {tensor.data.shape}")
+    check_finite(name, arr, what)
+    return tensor
+
+
 def check_finite(name: str, arr: np.ndarray, what: str = "gradient") -> None:
     # min and max propagate NaN and expose +-Inf without allocating a mask; only a failure pays for one.
     if arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
@@ -227,13 +239,7 @@ class TensorStore:
 
     def check_like(self, name: str, arr: np.ndarray, what: str) -> Tensor:
         """The tensor ``name`` if ``arr`` fits it (dtype, shape, finite), else the error to answer."""
-        tensor = self._existing(name)
-        if arr.dtype != tensor.data.dtype:
-            raise DtypeMismatch(f"tensor {name!r}: {what} dtype {arr.dtype} does not match the tensor's {tensor.data.dtype}")
-        if arr.shape != tensor.data.shape:
-            raise ShapeMismatch(f"tensor {name!r}: {what} shape {arr.shape} does not match the tensor's {tensor.data.shape}")
-        check_finite(name, arr, what)
-        return tensor
+        return check_fits(name, arr, self._existing(name), what)
 
     def _create(self, index: int, command: dict) -> dict:
         tensors = check_tensors(command.get("tensors"))

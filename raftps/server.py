@@ -299,9 +299,7 @@ class ClientServer:
         redirect = self._not_leader(node)
         if redirect:
             return redirect
-        grads = check_tensors(req["tensors"])
-        for name, arr in grads.items():
-            check_finite(name, arr, "gradient")
+        grads = check_tensors(req["tensors"])     # each checked against its tensor by the aggregator
         try:
             return self._aggregators[req.get("raft_group", 0)].contribute(req, grads)
         except NotApplied as outcome:

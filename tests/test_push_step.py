@@ -62,6 +62,14 @@ def test_a_step_is_one_entry_with_the_mean_of_its_contributions(store) -> None:
         assert c.sync_applied("job") == 0
         assert c.status()[0]["open_steps"] == 0
 
+        # pull=True: each answer carries the step's values as its entry left them
+        answers = contribute_all(address, grads, 1, 4, pull=True)
+        want = np.full(6, -5.0, np.float32)
+        for a in answers:
+            np.testing.assert_array_equal(a["tensors"]["w"], want)
+            assert a["tensor_versions"]["w"] == 2 and a["version"] == before + 2
+        np.testing.assert_array_equal(c.pull(["w"])[0]["w"], want)
+
 
 def test_a_missing_worker_is_given_up_after_the_timeout_and_a_late_one_is_told(store) -> None:
     node, address = store
