@@ -13,6 +13,7 @@ moved to another group (``move``) is found through the cached placement, or re-r
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -179,9 +180,10 @@ class Client:
     def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
                  raft_group: int = 0, timeout: float | None = None) -> dict:
         """Send to Raft group ``raft_group``'s members until a definite reply; raise its error, or
-        Unavailable at the deadline (``timeout``, default the client's)."""
+        Unavailable at the deadline (``timeout``, by default the client's)."""
         group = raft_group
-        deadline = time.monotonic() + (timeout or self.timeout)
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
         attempt_timeout = attempt_timeout or self.attempt_timeout
         addresses = self._routes.get(group, self.addresses)
         if group:
@@ -195,7 +197,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"{message['op']}: no definite answer from {','.join(addresses)} "
-                                  f"within {self.timeout:.1f} s (last: {last_problem})")
+                                  f"within {timeout:.1f} s (last: {last_problem})")
             try:
                 reply = self._call(target, message, min(left, attempt_timeout))
             except AuthenticationFailed as exc:     # at the hello: this attempt sent nothing
@@ -253,17 +255,19 @@ class Client:
             if refused and self._seqs[group] == seq:
                 self._seqs[group] -= 1
 
-    def _write(self, op: str, raft_group: int = 0, **fields: Any) -> dict:
+    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, **fields: Any) -> dict:
+        """One write; ``waits``: seconds the node may hold it before answering (push_step)."""
         with self._lock:
-            return self._send_write(self, op, raft_group, fields)
+            return self._send_write(self, op, raft_group, fields, waits)
 
-    def _send_write(self, via: "Client", op: str, group: int, fields: dict) -> dict:
+    def _send_write(self, via: "Client", op: str, group: int, fields: dict, waits: float = 0.0) -> dict:
         """One write with a new seq, sent (and retried with that seq) over ``via``'s connections."""
         seq, ack = self._next_seq(group)
         refused = False
         try:
             return via._request({"op": op, "client": self.client_id, "seq": seq, "ack": ack, **fields},
-                                raft_group=group)
+                                raft_group=group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
+                                timeout=waits and 2 * waits + self.timeout)
         except RaftpsError as exc:
             refused = bool(getattr(exc, "refused", False))
             raise
@@ -366,7 +370,7 @@ class Client:
                 reply = write(g, part)
             except Moved as exc:
                 self.refusals["Moved"] += 1
-                queue[:0] = self._reroute(exc, g, part)
+                queue = _requeue(queue, self._reroute(exc, g, part))
                 continue
             except Moving:
                 self.refusals["Moving"] += 1
@@ -480,13 +484,45 @@ class Client:
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self.groups() == 1:
             return self._write("push_sync", tensors=grads, **fields)
-        parts = self._split(grads)
+        return self._each_sync_group(group, self._split(grads),
+                                     lambda g, part: self._write("push_sync", g, tensors=part, **fields))
+
+    def _each_sync_group(self, group: str | None, parts: dict[int, Any], write: Any) -> dict:
+        """_each_group for a step's parts, remembering which Raft groups the step lives in."""
         synced = self._synced.setdefault(group or "", set())
         synced.update(parts)
-        result = self._each_group(lambda g, part: self._write("push_sync", g, tensors=part, **fields), parts)
+        result = self._each_group(write, parts)
         synced.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         synced.update(result["version"])
         return result
+
+    def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
+                  rank: int | None = None, timeout: float = 10.0, pull: bool = False) -> dict:
+        """One worker's contribution to synchronous step ``step`` of sync group ``group``, summed on
+        the leader with the step's other contributions and replicated once as the step (aggregation
+        before replication); returns when the step is applied: version, step, applied, count (the
+        contributions in it: fewer than ``workers`` if ``timeout`` seconds after the step's first
+        contribution some had not arrived), and late (the step was applied without this one) or
+        duplicate_rank. With ``pull``, also ``tensors`` (and ``tensor_versions``): the step's tensors
+        as its entry left them, read on the leader right after the apply, so no pull is needed (a
+        reply without them, e.g. to a contribution sent again, means: pull). Exactly-once: a
+        contribution in flight when the leader died is sent again to the new leader with the same
+        seq. With several Raft groups, each group's part in turn."""
+        if not (math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
+        fields: dict[str, Any] = {"step": int(step), "workers": int(workers), "timeout": float(timeout)}
+        if group is not None:
+            fields["group"] = group
+        if rank is not None:
+            fields["rank"] = int(rank)
+        if pull:
+            fields["pull"] = True
+        grads = {k: np.asarray(v) for k, v in grads.items()}
+        if self.groups() == 1:
+            return self._write("push_step", tensors=grads, waits=float(timeout), **fields)
+        parts = self._split(grads)
+        return self._each_sync_group(group, parts, lambda g, part: self._write(
+            "push_step", g, waits=float(timeout), tensors=part, **fields))
 
     def _sync_groups(self, group: str | None) -> list[int]:
         """The Raft groups a sync group's steps live in: those this client contributed to, else all."""
@@ -764,6 +800,23 @@ _COMBINE: dict[str, Any] = {
     "rows": lambda vs: vs[0] if len(vs) == 1 else np.concatenate(vs),
     "tensor_version": max,
 }
+
+
+def _requeue(queue: list[tuple[int, Any]], rerouted: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """Parts re-routed by a move, joined to the part still to be sent to the same group (so a
+    push stays one write per group, and a sync step's contribution keeps one set of names), or
+    sent first."""
+    queue = list(queue)
+    first = []
+    for group, part in rerouted:
+        waiting = next((i for i, (g, _) in enumerate(queue) if g == group), None)
+        if waiting is None:
+            first.append((group, part))
+        elif isinstance(part, dict):
+            queue[waiting] = (group, {**queue[waiting][1], **part})
+        else:
+            queue[waiting] = (group, list(queue[waiting][1]) + list(part))
+    return first + queue
 
 
 def _merge_same_group(first: dict, second: dict) -> dict:

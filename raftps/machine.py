@@ -121,6 +121,18 @@ def check_tensors(tensors: Any) -> dict[str, np.ndarray]:
     return {name: tensors[name] for name in sorted(tensors)}
 
 
+def check_fits(name: str, arr: np.ndarray, tensor: "Tensor | None", what: str) -> "Tensor":
+    """``tensor`` (the store's ``name``) if ``arr`` fits it: its dtype and shape, all finite."""
+    if tensor is None:
+        raise UnknownTensor(f"unknown tensor {name!r}")
+    if arr.dtype != tensor.data.dtype:
+        raise DtypeMismatch(f"tensor {name!r}: {what} dtype {arr.dtype} does not match the tensor's {tensor.data.dtype}")
+    if arr.shape != tensor.data.shape:
+        raise ShapeMismatch(f"tensor {name!r}: {what} shape {arr.shape} does not match the tensor's {tensor.data.shape}")
+    check_finite(name, arr, what)
+    return tensor
+
+
 def check_finite(name: str, arr: np.ndarray, what: str = "gradient") -> None:
     # min and max propagate NaN and expose +-Inf without allocating a mask; only a failure pays for one.
     if arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
@@ -162,6 +174,8 @@ class TensorStore(Moves):
                 raise InvalidRequest(f"unknown operation {op!r}")
             if op == "barrier":
                 return {"version": index}
+            if op == "step":                 # its contributors' sessions are kept one by one
+                return handler(self, index, command)
             # a write naming a tensor moved away (or being moved) is refused whole (moves.py)
             return self._in_session(index, command,
                                     lambda: self.check_placed_here(command) or handler(self, index, command))
@@ -229,14 +243,9 @@ class TensorStore(Moves):
             raise UnknownTensor(f"unknown tensor {name!r}")
         return tensor
 
-    def _check_like(self, name: str, arr: np.ndarray, what: str) -> Tensor:
-        tensor = self._existing(name)
-        if arr.dtype != tensor.data.dtype:
-            raise DtypeMismatch(f"tensor {name!r}: {what} dtype {arr.dtype} does not match the tensor's {tensor.data.dtype}")
-        if arr.shape != tensor.data.shape:
-            raise ShapeMismatch(f"tensor {name!r}: {what} shape {arr.shape} does not match the tensor's {tensor.data.shape}")
-        check_finite(name, arr, what)
-        return tensor
+    def check_like(self, name: str, arr: np.ndarray, what: str) -> Tensor:
+        """The tensor ``name`` if ``arr`` fits it (dtype, shape, finite), else the error to answer."""
+        return check_fits(name, arr, self._existing(name), what)
 
     def _create(self, index: int, command: dict) -> dict:
         tensors = check_tensors(command.get("tensors"))
@@ -329,7 +338,7 @@ class TensorStore(Moves):
             if isinstance(grad, compress.Rows):
                 self._check_rows(name, grad)
             else:
-                self._check_like(name, grad, "gradient")
+                self.check_like(name, grad, "gradient")
         member = self._ssp_check(command.get("ssp"))
         taus = {name: self.tensor_staleness(name, base) if base is not None else 0 for name in grads}
         contexts = {name: optim.Context(index, base, taus[name]) for name in grads}
@@ -419,7 +428,7 @@ class TensorStore(Moves):
     def _assign(self, index: int, command: dict) -> dict:
         values = check_tensors(command.get("tensors"))
         for name, value in values.items():
-            self._check_like(name, value, "value")
+            self.check_like(name, value, "value")
         for name, value in values.items():
             old = self.tensors[name]
             self.tensors[name] = Tensor(_frozen(value.copy()), old.version + 1, old.optimizer, old.state)
@@ -466,7 +475,7 @@ class TensorStore(Moves):
             raise InvalidRequest(f"push_sync rank must be an int in [0, workers={workers}), got {rank!r}")
         group = check_group(command.get("group"))
         for name, grad in grads.items():
-            self._check_like(name, grad, "gradient")
+            self.check_like(name, grad, "gradient")
         if step <= self.sync_step_applied(group):
             return {"version": index, "step": step, "applied": True, "late": True}
         buf = self.sync.get(group, {}).get("buffers", {}).get(step)
@@ -495,17 +504,59 @@ class TensorStore(Moves):
         return {"version": index, "step": step, "applied": applied, "count": buf["count"]}
 
     def _apply_step(self, group: str, step: int) -> None:
+        buf = self._sync_group(group)["buffers"].get(step)
+        self._apply_mean(group, step, buf["sum"] if buf else {}, buf["count"] if buf else 0)
+
+    def _apply_mean(self, group: str, step: int, sums: dict[str, np.ndarray], count: int) -> None:
+        """Apply step ``step`` of ``group``: the mean of ``count`` contributions summed in ``sums``
+        (nothing if none arrived); the step and every earlier one are then done."""
         g = self._sync_group(group)
-        buf = g["buffers"].pop(step, None)
-        if buf is not None and buf["count"]:
-            for name in sorted(buf["sum"]):
+        if count:
+            for name in sorted(sums):
                 if name in self.tensors:     # deleted meanwhile: nothing to update
-                    total = buf["sum"][name]
-                    self._update(name, total / total.dtype.type(buf["count"]))
+                    total = sums[name]
+                    self._update(name, total / total.dtype.type(count))
             self.stats["pushes"] += 1
         g["applied"] = step
-        for old in [s for s in sorted(g["buffers"]) if s < step]:
+        for old in [s for s in sorted(g["buffers"]) if s <= step]:
             del g["buffers"][old]
+
+    def _step(self, index: int, command: dict) -> dict:
+        """A sync step aggregated by the leader (aggregate.py): the sum of ``count`` contributions
+        and each contributor's [client, seq, ack, counted]. The step's mean is applied once (an
+        entry for a step already applied changes nothing), and each contributor's session records
+        its answer, so a contributor that sends again after this entry finds it instead of
+        counting twice."""
+        group = check_group(command.get("group"))
+        step, workers, count = command.get("step"), command.get("workers"), command.get("count")
+        contributors = command.get("contributors")
+        if type(step) is not int or step < 0 or type(workers) is not int or workers < 1 \
+                or type(count) is not int or not 0 <= count <= workers or not isinstance(contributors, list) \
+                or not all(_is_contributor(c) for c in contributors):
+            raise InvalidRequest("a step entry needs group, step (int >= 0), workers (int >= 1), count "
+                                 "(0..workers) and contributors ([client, seq, ack, counted] each)")
+        sums = check_tensors(command.get("tensors")) if count else {}
+        late = step <= self.sync_step_applied(group)
+        # a tensor frozen or moved away since the leader checked it (moves.py): the step is not
+        # applied here, and every contributor is told so (Moving / Moved) and sends its part again
+        moved = self.placement_refusal(sums) if not late and count else None
+        if moved is not None:
+            done = moved
+        elif not late and count:
+            for name, total in sums.items():
+                if name in self.tensors:     # deleted since the leader checked it: nothing to update
+                    self.check_like(name, total, "gradient sum")
+            self._apply_mean(group, step, sums, count)
+        if moved is None:
+            done = {"version": index, "step": step, "applied": True, "count": count, **({"late": True} if late else {})}
+        each = []
+        for client, seq, ack, counted in contributors:
+            answer = dict(done) if late or counted or moved else dict(done, duplicate_rank=True)
+            try:
+                each.append(self._in_session(index, {"client": client, "seq": seq, "ack": ack}, lambda: answer))
+            except RaftpsError as exc:     # e.g. its session expired: this contributor alone is told
+                each.append(error_result(type(exc), str(exc)))
+        return {**done, "each": each}
 
     def _close_step(self, index: int, command: dict) -> dict:
         step = command.get("step")
@@ -520,7 +571,7 @@ class TensorStore(Moves):
 
     _OPS: dict[str, Callable[["TensorStore", int, dict], dict]] = {
         "barrier": None, "create": _create, "push": _push, "assign": _assign, "delete": _delete,
-        "push_sync": _push_sync, "close_step": _close_step,
+        "push_sync": _push_sync, "close_step": _close_step, "step": _step,
         "ssp_join": _ssp_join, "ssp_leave": _ssp_leave, "ssp_drop": _ssp_drop,
         "move_freeze": Moves._move_freeze, "move_install": Moves._move_install, "move_done": Moves._move_done,
         "place": Moves._place,
@@ -643,6 +694,11 @@ def snapshot_digest(snap: dict) -> str:
     for buf in codec.encode(snap):
         h.update(buf)
     return h.hexdigest()
+
+
+def _is_contributor(c: Any) -> bool:
+    return isinstance(c, list) and len(c) == 4 and isinstance(c[0], str) and type(c[1]) is int \
+        and type(c[2]) is int and type(c[3]) is bool
 
 
 def ssp_ahead(group: dict, worker: str) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import codec, optim
 from .compress import INDICES_SUFFIX
-from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor
+from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor, exception_result
 
 # The writes that move tensors: they must reach a frozen or tombstoned name (the others are refused).
 MOVE_OPS = ("move_freeze", "move_install", "move_done", "place")
@@ -89,6 +89,14 @@ class Moves:
                     to = self.moving[n]["to"]
                     raise Moving(f"tensor {n!r} is being moved to Raft group {to}: writes to it wait until "
                                  "the move completes (the client retries)", tensor=n, group=to)
+
+    def placement_refusal(self, tensors: dict) -> dict | None:
+        """check_placed_here for a sync step's sums (aggregate.py): the error to answer, or None."""
+        try:
+            self.check_placed_here({"tensors": tensors})
+        except (Moving, Moved) as exc:
+            return exception_result(exc)
+        return None
 
     def raise_if_moved(self, name: str) -> None:
         if name in self.moved:

@@ -407,9 +407,10 @@ class RaftNode:
         return None if leader is None else offset_address(leader, self.config.client_offset)
 
     def submit(self, command: dict, tensors: dict[str, np.ndarray] | None = None,
-               on_applied: Callable[[dict], Any] | None = None) -> Any:
+               on_applied: Callable[[dict], Any] | None = None, payload_name: str | None = None) -> Any:
         """Replicate one command and return the state machine's result (or ``on_applied``'s value,
-        computed in the log's thread right after the entry is applied). Raises NotApplied."""
+        computed in the log's thread right after the entry is applied). Raises NotApplied.
+        A payload is named ``payload_name`` (NAME-NUMBER), by default the write's client and seq."""
         started = time.perf_counter()
         deadline = time.monotonic() + self.config.request_timeout
         if tensors:
@@ -420,7 +421,7 @@ class RaftNode:
                 # One SHA-256 pass names the payload and is the digest every peer's frame tag
                 # signs; the payload goes to the peers while this thread writes our own copy.
                 ordered, digest, content = digest_of(tensors)
-                pid = f"{command['client']}-{command['seq']}-{content}"
+                pid = f"{payload_name or command['client'] + '-' + str(command['seq'])}-{content}"
                 needed = self.majority - 1
                 acks = self.peers.replicate(pid, ordered, needed, timeout=self.config.request_timeout, digest=digest,
                                             meanwhile=lambda: self.payloads.put(pid, ordered))

@@ -4,7 +4,7 @@ etcd's RBAC, with prefixes for key ranges).
 Roles, each including the ones before it:
 
     read    pull, pull_rows, tensors, sync_applied, wait_step, ssp_wait (placement: any token, filtered)
-    write   push, push_sync, close_step, ssp_join, ssp_leave, ssp_drop
+    write   push, push_sync, push_step, close_step, ssp_join, ssp_leave, ssp_drop
     admin   create, assign, delete, a move's steps (moves.py), and any op without an entry in NEEDS
             (fail closed)
 
@@ -64,6 +64,7 @@ NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "ssp_wait": ("read", ("group",)),
     "push": ("write", ("tensors", "ssp")),
     "push_sync": ("write", ("tensors", "group")),
+    "push_step": ("write", ("tensors", "group")),
     "close_step": ("write", ("group",)),
     "ssp_join": ("write", ("group",)),
     "ssp_leave": ("write", ("group",)),

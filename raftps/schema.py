@@ -365,6 +365,9 @@ OPS: dict[str, Record] = {
                  "encoding": (ENCODING, False), "ssp": (SSP, False)}),
     "push_sync": _op({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
                       "rank": (Int(0, nullable=True), False), "group": (GROUP, False)}),
+    "push_step": _op({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
+                      "rank": (Int(0, nullable=True), False), "group": (GROUP, False), "timeout": (Seconds(), False),
+                      "pull": (Bool(), False)}),
     "assign": _op({**WRITE, "tensors": (TENSORS, True)}),
     "delete": _op({**WRITE, "names": (ListOf(NAME, min_len=1), True)}),
     "close_step": _op({**WRITE, "step": (Int(0), True), "group": (GROUP, False)}),
@@ -394,7 +397,7 @@ def _cross_checks(op: str, request: dict) -> None:
     """The few constraints between fields that a field's own spec cannot state."""
     if "ack" in request and "seq" in request and request["ack"] > request["seq"]:
         raise SchemaError("ack", f"an int in [1, seq={request['seq']}]", request["ack"])
-    if op == "push_sync" and request.get("rank") is not None and request["rank"] >= request["workers"]:
+    if op in ("push_sync", "push_step") and request.get("rank") is not None and request["rank"] >= request["workers"]:
         raise SchemaError("rank", f"an int in [0, workers={request['workers']})", request["rank"])
     if op == "push" and request.get("encoding"):
         tensors = request["tensors"]

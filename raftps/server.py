@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from . import auth, codec, rbac, schema
+from .aggregate import StepAggregator
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result, exception_result)
 from .machine import check_finite, check_group, check_tensors, snapshot_digest
@@ -81,12 +82,15 @@ class ClientServer:
             "export": self._export,
             "snapshot": self._snapshot,
             "member": self._member,
+            "push_step": self._push_step,
             **{op: self._write for op in WRITES},
             # moving a tensor to another group (moves.py; Client.move drives the steps)
             **{op: self._move_write for op in MOVE_OPS},
             "move_state": self._move_state,
             "placement": self._placement,
         }
+        # each replica's open sync steps while it leads (aggregate.py)
+        self._aggregators = {g: StepAggregator(node) for g, node in self.replicas.items()}
         # Adding an op means adding its schema (schema.OPS) and its role (rbac.NEEDS; without one
         # it needs admin on every name): a node whose table has an op without a schema won't start.
         missing = (set(self._handlers) | set(self._node_handlers)) - set(schema.OPS)
@@ -255,7 +259,8 @@ class ClientServer:
         """This node's row for its first group; with several groups, ``groups`` has a row per
         hosted group (each with its ``group``)."""
         digest = req.get("digest", True) is not False
-        rows = [{**node.status(digest=digest), "group": g} for g, node in sorted(self.replicas.items())]
+        rows = [{**node.status(digest=digest), "group": g, "open_steps": self._aggregators[g].open_steps()}
+                for g, node in sorted(self.replicas.items())]
         return {**rows[0], "connections": self.open_connections(), **({"groups": rows} if len(rows) > 1 else {})}
 
     def _layout(self, req: dict, identity: Identity) -> dict:
@@ -292,6 +297,18 @@ class ClientServer:
         except RaftpsError as exc:
             exc.submitted = True
             raise
+
+    def _push_step(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """A sync step contribution, summed on the leader with the step's others and answered
+        when the step's one entry is applied (aggregate.py)."""
+        redirect = self._not_leader(node)
+        if redirect:
+            return redirect
+        grads = check_tensors(req["tensors"])     # each checked against its tensor by the aggregator
+        try:
+            return self._aggregators[req.get("raft_group", 0)].contribute(req, grads)
+        except NotApplied as outcome:
+            return _retry(str(outcome), unknown=outcome.applied is None)
 
     def _check_move(self, req: dict) -> None:
         """What the state machine cannot know: the cluster's groups, and which one this is."""

@@ -16,8 +16,9 @@ node), so a worker, a node or every worker can die and training goes on from the
 - ``sync``: each rank sends the mean gradient of its shard of the global batch with its rank;
   the store applies the mean of the ranks' contributions once (K equal shards: the full batch's
   mean gradient), in the job's own step sequence (the group ``PREFIX/_raftps/group``, under the prefix, so a role on the prefix covers it). A rank's second
-  contribution to a step (a restarted worker) is ignored. A step not applied within
-  ``step_timeout`` (a dead worker) is closed with the contributions that arrived.
+  contribution to a step (a restarted worker) is ignored. The leader sums a step's
+  contributions and replicates the step once (``push_step``); a step whose last rank has not
+  arrived ``step_timeout`` seconds after its first (a dead worker) applies with those that did.
 - ``async``: DownpourSGD. Push the gradient summed over ``n_push`` steps with the version pulled,
   pull every ``n_fetch`` steps (from any node that has applied our last push); in between the
   replica takes its own SGD steps (Algorithm 7.1 of Dean et al.). ``ssp``: async with n = 1 and
@@ -56,7 +57,7 @@ except ImportError:
 from . import compress as codecs
 from . import jobs, optim
 from .client import Client, newest
-from .errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, StepTimeout, UnknownTensor
+from .errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, UnknownTensor
 from .ssp import SspMember
 
 MODES = ("sync", "async", "ssp", "easgd")
@@ -307,13 +308,16 @@ class DistributedOptimizer:
         grads.update(self._buffer_drift(1))
         step = self.step_count
         t0 = time.perf_counter()
-        self.client.push_sync(grads, step, self.world_size, group=self.group, rank=self.rank)
-        try:
-            version = self.client.wait_step(step, self.step_timeout, group=self.group)
-        except StepTimeout:       # a rank died: apply what arrived (a no-op if someone already did)
-            version = self.client.close_step(step, group=self.group)
+        # answered once the step is applied; a rank that died is left out step_timeout seconds
+        # after the step's first contribution
+        result = self.client.push_step(grads, step, self.world_size, group=self.group, rank=self.rank,
+                                       timeout=self.step_timeout, pull=True)
         self._timed("push", t0)
-        self._pull(version)
+        tensors = result.get("tensors") or {}
+        if set(self._pulled_names()) <= set(tensors):     # the step's values came with the answer
+            self._install(tensors, result["version"])
+        else:
+            self._pull(result["version"])
 
     def _step_async(self) -> None:
         for s in self.params:

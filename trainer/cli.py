@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=0,
                    help="async: workers 1.. start after rank 0 alone has made this many updates (Downpour warm start)")
     t.add_argument("--step-timeout", type=float, default=10.0,
-                   help="sync: seconds to wait for the other workers before close_step")
+                   help="sync: seconds a step waits for its last worker after its first arrived; then it applies without it")
     t.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead worker")
     t.add_argument("--max-time", type=float, default=1800.0, help="abort the run after this many seconds")
     t.add_argument("--evals-per-epoch", type=int, default=2)

@@ -36,7 +36,7 @@ class Config:
     fresh_pull: bool = False            # async: linearizable pulls (leader) instead of any up-to-date node
     warmup: int = 0                     # async: other workers start once rank 0 has pushed this many updates
     n_push: int = 1                     # async: push the summed gradient every n_push local steps
-    step_timeout: float = 10.0          # sync: wait this long for the other workers, then close_step
+    step_timeout: float = 10.0          # sync: a step waits this long for its last worker (aggregate.py)
     client_timeout: float = 30.0
     max_restarts: int = 3               # per worker
     max_time: float = 1800.0            # the whole run, in seconds

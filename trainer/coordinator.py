@@ -243,7 +243,7 @@ class Coordinator:
         staleness = {int(k): v - self.stale0.get(int(k), 0) for k, v in st.get("staleness", {}).items()}
         return self.rec.finish(params, {
             "worker_restarts": sum(self.workers.restarts.values()), "failed_workers": sorted(self.failed),
-            "sync_close_step_calls": sum(self.closed.values()),
+            "sync_short_steps": sum(self.closed.values()),
             "acked_pushes": [self.acked[r] for r in range(cfg.workers)],
             "bytes_pushed": self.bytes_pushed, "stale_base_drops": self.dropped,
             "staleness": {k: v for k, v in sorted(staleness.items()) if v},

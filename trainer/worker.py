@@ -48,13 +48,14 @@ def run_worker(cfg: Config, rank: int, conn: Connection, start_step: int) -> Non
 
 
 def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
-    """Every step: gradient of my part of the step's batch, push_sync, wait for the step, pull.
+    """Every step: gradient of my part of the step's batch, push_step (answered once the step is
+    applied, with the new parameters).
 
     Each worker sends the mean over its shard; shards are equal, so the store's mean of the K
     contributions is the full batch's mean gradient: the same step as one process would take.
-    If the step is not applied within step_timeout (a worker died), close_step applies the mean
-    of the contributions that arrived and everyone moves on."""
-    from raftps import StepTimeout
+    The leader sums the K contributions and replicates the step once (aggregation before
+    replication). If a worker died, the leader applies the step step_timeout seconds after its
+    first contribution with the contributions that arrived, and everyone moves on."""
     names = store_names(cfg, model)
     total = cfg.total_updates(len(data.x_train))
     # A restarted worker rejoins at the first step the store has not applied yet.
@@ -66,13 +67,13 @@ def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client,
         idx = sync_shard(len(data.x_train), cfg.batch, step, cfg.seed, rank, cfg.workers)
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
         store_step = cfg.step_offset + step
-        client.push_sync(to_store(names, grads), store_step, cfg.workers)
-        try:
-            version = client.wait_step(store_step, cfg.step_timeout)
-        except StepTimeout:
-            version = client.close_step(store_step)    # no-op if another worker closed it first
-            closed += 1
-        tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
+        result = client.push_step(to_store(names, grads), store_step, cfg.workers, rank=rank,
+                                  timeout=cfg.step_timeout, pull=True)
+        version = result["version"]
+        closed += result["count"] < cfg.workers        # applied without a worker that did not arrive in time
+        tensors = result.get("tensors") or {}
+        if not set(names.values()) <= set(tensors):    # e.g. the answer to a contribution sent again
+            tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
         params = from_store(names, tensors)
         conn.send(("step", rank, step, loss, version, closed, 1, 0, 0))
 

@@ -111,6 +111,22 @@ def test_snapshots_carry_moves_and_old_formats_still_restore() -> None:
     assert d.moving == {} and d.moved == {} and d.placement == {} and set(d.tensors) == {"y"}
 
 
+def test_a_sync_step_entry_after_the_freeze_applies_nothing_and_tells_every_contributor() -> None:
+    """push_step's entry (aggregate.py) may reach the log after a freeze: it is not applied there,
+    and each contributor's session records Moving, so each sends its part again after the move."""
+    w = Writer()
+    store = TensorStore()
+    w(store, "create", tensors={"x": np.zeros(2), "y": np.zeros(2)}, optimizer={"x": SGD, "y": SGD})
+    w(store, "move_freeze", name="x", to=1)
+    before = dict(store.tensors)
+    result = store.apply(store.version + 1, {
+        "op": "step", "group": "job", "step": 0, "workers": 2, "count": 2,
+        "contributors": [["a", 1, 1, True], ["b", 1, 1, True]],
+        "tensors": {"x": np.full(2, -2.0), "y": np.full(2, -2.0)}})
+    assert result["error"] == "Moving" and [e["error"] for e in result["each"]] == ["Moving", "Moving"]
+    assert store.tensors == before and store.sync_step_applied("job") == -1
+
+
 @pytest.mark.parametrize("command", [
     {"op": "move_freeze", "name": "nope", "to": 1},
     {"op": "move_freeze", "name": "y", "to": 99},
@@ -417,6 +433,72 @@ def test_an_interrupted_move_completes_when_run_again(cluster, stop_after, kill_
             if victim is not None:
                 cluster.start_node(victim)
                 cluster.wait_ready(60.0)
+    assert_replicas_identical(cluster)
+
+
+def names_in_two_groups(prefix: str) -> tuple[str, str]:
+    """Two tensor names, the first in a higher group of three than the second (a client sends a
+    request's parts in group order: the second's part goes first, so the first's, re-routed into
+    the second's group, comes after that group applied the step)."""
+    from raftps.groups import group_of
+    a = next(f"{prefix}/a{i}" for i in range(100) if group_of(f"{prefix}/a{i}", 3) > 0)
+    b = next(f"{prefix}/b{i}" for i in range(100) if group_of(f"{prefix}/b{i}", 3) < group_of(a, 3))
+    return a, b
+
+
+@pytest.mark.parametrize("layout", ["together", "apart"])
+def test_aggregated_sync_steps_go_on_through_a_move(cluster, layout) -> None:
+    """Two workers push_step every step of a job while one of its tensors moves. ``together``: the
+    job's tensors move together (a tensor and its index tensor): every step is applied once with
+    both contributions. ``apart``: the job spans two groups and the tensor moves into the other
+    one, which may have applied a step already: the moved tensor's part of that step is answered
+    late (not applied, and the worker is told), never applied twice; the other tensor gets every step."""
+    if layout == "together":
+        hot, stay = "steps/hot", "steps/hot:indices"
+    else:
+        hot, stay = names_in_two_groups("apart")
+    steps, job = 40, f"steps/{layout}"
+    with cluster.client(timeout=30.0) as c:
+        c.create_many({hot: np.zeros(2), stay: np.zeros(2)}, {hot: SGD, stay: SGD})
+        target = c.group_of(stay) if layout == "apart" else other_group(c, hot)
+        workers = [cluster.client(timeout=60.0) for _ in range(2)]
+        for w in workers:
+            w.groups()                                   # placement learned now: stale after the move
+        done, late, errors = [0, 0], [set(), set()], []
+
+        def work(rank: int) -> None:
+            try:
+                for step in range(steps):
+                    out = workers[rank].push_step({hot: np.full(2, -1.0), stay: np.full(2, -1.0)}, step, workers=2,
+                                                  group=job, rank=rank, timeout=10.0)
+                    assert out["applied"] and not out.get("duplicate_rank"), out
+                    if out.get("late"):
+                        late[rank].add(step)
+                    done[rank] += 1
+            except BaseException as exc:                 # reported below
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30.0
+        while min(done) < steps // 3 and time.monotonic() < deadline and not errors:
+            time.sleep(0.05)
+        moved = c.move(hot, target)
+        for t in threads:
+            t.join(120.0)
+        refusals = {k: sum(w.refusals[k] for w in workers) for k in ("Moving", "Moved")}
+        for w in workers:
+            w.close()
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        tensors, version = c.pull([hot, stay])
+        print(f"push_step ({layout}) through a move of {hot} {moved['from']}->{moved['to']}: {done} steps done, "
+              f"late {sorted(late[0])} / {sorted(late[1])}, values {float(tensors[hot][0])} / "
+              f"{float(tensors[stay][0])}; parts sent again: {refusals}")
+        assert done == [steps, steps] and late[0] == late[1]
+        assert float(tensors[stay][0]) == steps
+        assert float(tensors[hot][0]) == steps - len(late[0])
+        if layout == "together":
+            assert not late[0] and moved["names"] == [hot, stay] and sorted(version) == [moved["to"]]
     assert_replicas_identical(cluster)
 
 

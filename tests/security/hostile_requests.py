@@ -67,7 +67,7 @@ def _grad(rng: random.Random, shape=(8,), dtype=np.float32) -> np.ndarray:
 def valid_request(rng: random.Random) -> dict:
     """A request of a random op that the store would serve as it is (or refuse on state alone)."""
     op = rng.choice(["status", "stats", "tensors", "pull", "pull", "pull_rows", "wait_step", "sync_applied",
-                     "ssp_wait", "create", "push", "push", "push", "push_sync", "assign", "delete", "close_step",
+                     "ssp_wait", "create", "push", "push", "push", "push_sync", "push_step", "assign", "delete", "close_step",
                      "ssp_join", "ssp_leave", "ssp_drop", "hello", "export", "snapshot", "member"])
     req: dict[str, Any] = {"op": op}
     if op == "hello":
@@ -112,6 +112,9 @@ def valid_request(rng: random.Random) -> dict:
     elif op == "push_sync":
         req.update(tensors={TENSOR: _grad(rng)}, step=rng.randrange(3), workers=2, rank=rng.randrange(2),
                    group=rng.choice(GROUPS[:2]))
+    elif op == "push_step":     # held by the leader until its step applies: short timeouts
+        req.update(tensors={TENSOR: _grad(rng)}, step=rng.randrange(3), workers=2, rank=rng.randrange(2),
+                   group=rng.choice(GROUPS[2:] or GROUPS), timeout=rng.choice([0.0, 0.05]))
     elif op == "assign":
         req["tensors"] = {ELASTIC: np.zeros(3)}
     elif op == "delete":

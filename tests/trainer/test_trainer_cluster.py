@@ -43,7 +43,7 @@ def test_sync_four_workers_equals_local_full_batch_sgd(cluster, tmp_path):
     summary = run_trainer(["--cluster", cluster.addresses, "--mode", "sync", "--workers", "4", *SMALL,
                            "--steps", "50", "--seed", "5", "--prefix", "parity"], out, env=cluster.client_env)
     assert summary["updates"] == 50 and summary["worker_restarts"] == 0
-    assert summary["sync_close_step_calls"] == 0         # every step had all 4 contributions
+    assert summary["sync_short_steps"] == 0         # every step had all 4 contributions
     diff = max_abs_diff(out, local_baseline(tmp_path, 50))
     assert diff < 1e-5, diff
 

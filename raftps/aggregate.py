@@ -1,0 +1,249 @@
+"""Aggregation before replication for synchronous steps (Li et al., OSDI'14, section 4.3).
+
+``push_sync`` replicates every contribution: K workers' gradients are K log entries and K
+payloads sent to every follower before the step applies. ``push_step`` instead holds each
+contribution in the leader's memory, adds it to its step's sum, and replicates one entry per
+step (the sum, its count and every contributor's client id and seq: machine.py's ``step`` op)
+once the K-th contribution is in, or once the step's timeout has passed since the first (a
+worker died). So a step costs one entry and one payload, whatever K.
+
+Every contributor's request is answered when that entry is applied: an acknowledged
+contribution is in the log. A contribution the leader holds when it loses leadership or dies is
+never acknowledged: its request is answered Retry (or its connection breaks), and its worker
+sends it again, same client id and seq, to the new leader, which aggregates the step afresh. The
+entry records each contributor's answer in its session, so a contribution sent again after its
+entry committed finds that answer instead of counting twice; one that arrives after its step was
+applied without it is answered ``late`` through a small entry of its own.
+
+The sum is taken on the leader, in arrival order, and replicated as bits: every replica applies
+the same mean (summation order may differ from a single process's, nothing else).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError
+from .machine import check_fits
+from .raft import NotApplied
+
+log = logging.getLogger("raftps.aggregate")
+MAX_STEP_TIMEOUT = 600.0      # seconds a step may wait for its last contribution
+POLL = 0.1                    # how often a waiting contributor checks leadership and the deadline
+
+
+@dataclass
+class _Step:
+    group: str
+    step: int
+    workers: int
+    names: list[str]
+    ranked: bool
+    deadline: float                                        # time.monotonic() at which a missing worker is given up
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    contributors: list[list] = field(default_factory=list)  # [client, seq, ack, counted], arrival order
+    pullers: set[int] = field(default_factory=set)            # contributors that want the new values back
+    ranks: set[int] = field(default_factory=set)
+    count: int = 0
+    proposed: bool = False             # its entry is on its way (or it was given up): nothing joins it
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict | None = None
+    failure: Exception | None = None
+
+    def add(self, grads: dict[str, np.ndarray], rank: int | None) -> bool:
+        """Count a contribution (False: its rank had contributed, so it changes nothing)."""
+        if rank is not None and rank in self.ranks:
+            return False
+        for name, grad in grads.items():
+            total = self.sums.get(name)
+            if total is None:
+                self.sums[name] = grad.copy() if not grad.flags.writeable or not grad.flags.c_contiguous else grad
+            else:
+                np.add(total, grad, out=total)        # the same bits as total + grad
+        self.count += 1
+        if rank is not None:
+            self.ranks.add(rank)
+        return True
+
+
+class StepAggregator:
+    """One Raft group replica's open sync steps, while it leads; see the module docstring."""
+
+    def __init__(self, node: Any, max_open_steps: int = 64):
+        self.node = node
+        self.max_open_steps = max_open_steps     # each holds one copy of its step's gradients
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, int], _Step] = {}
+
+    def contribute(self, request: dict, grads: dict[str, np.ndarray]) -> dict:
+        """Add one worker's contribution (a checked push_step request) and return its answer once
+        its step's entry is applied. Raises RaftpsError (refused: nothing was proposed) or
+        NotApplied (retry, same seq)."""
+        group, step, workers = request.get("group") or "", request["step"], request["workers"]
+        rank = request.get("rank")
+        client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
+        timeout = min(float(request.get("timeout", 10.0)), MAX_STEP_TIMEOUT)
+        self._drop_moved_steps()
+        with self.node.lock:      # references only: the checks below run outside the apply lock
+            machine = self.node.machine
+            applied = machine.sync_step_applied(group)
+            tensors = {name: machine.tensors.get(name) for name in grads}
+            machine.check_placed_here({"tensors": grads})   # Moving / Moved: the client sends it again (moves.py)
+        if step > applied:
+            for name, grad in grads.items():
+                check_fits(name, grad, tensors[name], "gradient")
+        if step <= applied:
+            return self._late(group, step, workers, [client, seq, ack, False])
+        with self._lock:
+            s = self._open.get((group, step))
+            if s is None:
+                if len(self._open) >= self.max_open_steps:
+                    raise LimitExceeded(f"{len(self._open)} sync steps are open on this leader (the limit); "
+                                        "finish or close some first")
+                s = self._open[(group, step)] = _Step(group, step, workers, sorted(grads), rank is not None,
+                                                      time.monotonic() + timeout)
+            else:
+                _check_matches(s, grads, workers, rank)
+            mine = next((i for i, c in enumerate(s.contributors) if c[0] == client and c[1] == seq), None)
+            if mine is None and not s.proposed:
+                s.contributors.append([client, seq, ack, s.add(grads, rank)])
+                mine = len(s.contributors) - 1
+            if mine is not None and request.get("pull"):
+                s.pullers.add(mine)
+            propose = not s.proposed and s.count >= s.workers
+            s.proposed = s.proposed or propose
+        if propose:
+            self._propose(s)
+        else:
+            self._wait(s)
+        if mine is None:          # the step's entry left without this contribution
+            if s.failure is None:
+                return self._late(group, step, workers, [client, seq, ack, False])
+            raise NotApplied(f"sync step {step}: its entry did not commit; send again", applied=False)
+        return self._answer(s, mine)
+
+    def _wait(self, s: _Step) -> None:
+        """Until ``s`` is settled: its entry applied or failed, or this node no longer leads (then
+        its contributions are given back to be sent again), or its deadline passed (then the
+        contributions that arrived go out as the step)."""
+        give_up = s.deadline + 2 * self.node.config.request_timeout + 5.0
+        while not s.done.wait(POLL):
+            now = time.monotonic()
+            if now > give_up:        # its proposer is stuck: the contributor may retry, outcome unknown
+                raise NotApplied(f"sync step {s.step}: its entry was not settled in time", applied=None)
+            self._drop_moved_steps()
+            if s.done.is_set():
+                break
+            if not self.node.is_leader():
+                self._abandon(s, "this node stopped leading while the step was open")
+            elif now >= s.deadline:
+                with self._lock:
+                    go, s.proposed = not s.proposed, True
+                if go:
+                    log.info("sync step %d of %r: %d of %d contributions after its timeout; applying those",
+                             s.step, s.group, s.count, s.workers)
+                    self._propose(s)
+
+    def _propose(self, s: _Step) -> None:
+        command = {"op": "step", "group": s.group, "step": s.step, "workers": s.workers, "count": s.count,
+                   "contributors": s.contributors}
+        try:
+            s.result = self.node.submit(command, s.sums, payload_name=f"step_{secrets.token_hex(8)}-{s.step}",
+                                        on_applied=self._reader(s.names) if s.pullers else None)
+        except (NotApplied, RaftpsError) as exc:
+            s.failure = exc
+        except Exception as exc:     # a bug must cost this step's contributors a retry, not hang them
+            log.exception("sync step %d of %r failed", s.step, s.group)
+            s.failure = NotApplied(f"sync step {s.step}: {exc!r}", applied=None)
+        finally:
+            with self._lock:
+                if self._open.get((s.group, s.step)) is s:
+                    del self._open[(s.group, s.step)]
+                # Older open steps of the group can no longer apply (a step applies every earlier one).
+                older = [o for (g, n), o in self._open.items() if g == s.group and n < s.step] \
+                    if s.failure is None else []
+            for o in older:
+                self._abandon(o, f"a later step ({s.step}) was applied first")
+            s.done.set()
+
+    def _reader(self, names: list[str]) -> Any:
+        """Called in the log's thread right after the step's entry applied: the step's tensors as
+        that entry left them (frozen arrays, so the reply can be encoded after later applies)."""
+        def read(result: Any) -> Any:
+            if not isinstance(result, dict) or "error" in result or result.get("late"):
+                return result
+            machine = self.node.machine
+            tensors, _ = machine.read([n for n in names if n in machine.tensors])
+            return {**result, "tensors": {n: t.data for n, t in tensors.items()},
+                    "tensor_versions": {n: t.version for n, t in tensors.items()}}
+        return read
+
+    def _abandon(self, s: _Step, why: str, failure: Exception | None = None) -> None:
+        """Give an open step's contributions back to be sent again (a proposed step's proposer
+        settles it instead)."""
+        with self._lock:
+            if s.proposed:
+                return
+            s.proposed = True
+            if self._open.get((s.group, s.step)) is s:
+                del self._open[(s.group, s.step)]
+        s.failure = failure or NotApplied(f"sync step {s.step}: {why}; send the contribution again", applied=False)
+        s.done.set()
+
+    def _drop_moved_steps(self) -> None:
+        """Give back the open steps that name a tensor frozen or moved away since they opened
+        (moves.py): their contributors are told Moving (or Moved) and send their parts again by
+        the new placement, so no step mixes the old placement with the new."""
+        with self._lock:
+            steps = [s for s in self._open.values() if not s.proposed]
+        for s in steps:
+            with self.node.lock:
+                refusal = self.node.machine.placement_refusal(dict.fromkeys(s.names))
+            if refusal is not None:
+                failure = ERRORS[refusal["error"]](refusal["message"], refusal.get("tensor"), refusal.get("group"))
+                self._abandon(s, refusal["message"], failure)
+
+    def _answer(self, s: _Step, mine: int) -> dict:
+        if s.failure is not None:
+            if isinstance(s.failure, RaftpsError) and not isinstance(s.failure, NotApplied):
+                s.failure.submitted = True
+            raise s.failure
+        result = s.result
+        each = result.get("each") if isinstance(result, dict) else None
+        if isinstance(each, list) and mine < len(each):
+            if mine in s.pullers and "tensors" in result and "error" not in each[mine]:
+                return {**each[mine], "tensors": result["tensors"], "tensor_versions": result["tensor_versions"]}
+            return each[mine]
+        return {k: v for k, v in result.items() if k not in ("each", "tensors", "tensor_versions")}   # an error
+
+    def _late(self, group: str, step: int, workers: int, contributor: list) -> dict:
+        """The answer to a contribution to a step already applied: its session's record if its
+        entry had it, else ``late``; through a small entry, so the answer is in the log."""
+        command = {"op": "step", "group": group, "step": step, "workers": workers, "count": 0,
+                   "contributors": [contributor]}
+        result = self.node.submit(command)
+        each = result.get("each") if isinstance(result, dict) else None
+        return each[0] if isinstance(each, list) and each else result
+
+    def open_steps(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: int | None) -> None:
+    if sorted(grads) != s.names or workers != s.workers:
+        raise InvalidRequest(f"sync step {s.step}: contribution for {sorted(grads)} with workers={workers} does "
+                             f"not match {s.names} with workers={s.workers}")
+    if s.ranked != (rank is not None):
+        raise InvalidRequest(f"sync step {s.step}: contributions with and without rank cannot be mixed")
+    for name, grad in grads.items():
+        total = s.sums.get(name)
+        if total is not None and (grad.shape != total.shape or grad.dtype != total.dtype):
+            raise InvalidRequest(f"sync step {s.step}: {name!r} is {grad.dtype}{list(grad.shape)}, the step's "
+                                 f"other contributions are {total.dtype}{list(total.shape)}")
