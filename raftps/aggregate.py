@@ -200,6 +200,9 @@ class StepAggregator:
         """Give back the open steps that name a tensor frozen or moved away since they opened
         (moves.py): their contributors are told Moving (or Moved) and send their parts again by
         the new placement, so no step mixes the old placement with the new."""
+        machine = self.node.machine
+        if not (machine.moving or machine.moved):      # nothing was ever moved here: nothing to check
+            return
         with self._lock:
             steps = [s for s in self._open.values() if not s.proposed]
         for s in steps:
