@@ -300,8 +300,10 @@ def member(args: argparse.Namespace) -> int:
 def move(args: argparse.Namespace) -> int:
     """Move a tensor to another Raft group online; run it again to finish an interrupted move."""
     def run() -> int:
+        from .backup import SAVE_LIMITS
         from .errors import InvalidRequest
-        with _client(args, timeout=args.timeout, attempt_timeout=30.0) as client:
+        # a tensor's data and optimizer state come through us in one frame: read as much as a backup
+        with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=SAVE_LIMITS) as client:
             try:
                 client._check_move_request(args.name, args.to, client.groups())
             except InvalidRequest as exc:          # bad input: nothing was sent

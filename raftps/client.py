@@ -28,8 +28,8 @@ import numpy as np
 
 from . import auth, codec, groups
 from .compress import INDICES_SUFFIX
-from .errors import (AuthenticationFailed, InvalidRequest, Moved, Moving, ProtocolError, RaftpsError, StepTimeout,
-                     Unavailable, UnknownTensor, raise_for)
+from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, Moved, Moving, ProtocolError, RaftpsError,
+                     StepTimeout, Unavailable, UnknownTensor, raise_for)
 from .schema import NAME_PATTERN
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
@@ -707,6 +707,7 @@ class Client:
                 source = holders[0]
                 if source == group:
                     raise InvalidRequest(f"move: tensor {name!r} is already in Raft group {group}")
+                self._check_move_fits(name, states[source]["bytes"], states[group].get("max_frame_bytes"))
                 frozen = self._write("move_freeze", source, name=name, to=group)
                 names = self._finish_move(name, source, group, frozen["move"])
                 return {"tensor": name, "from": source, "to": group, "names": names}
@@ -723,6 +724,15 @@ class Client:
             raise InvalidRequest(f"move: {name!r} is an index tensor: it moves with {name[:-len(INDICES_SUFFIX)]!r}")
         if type(group) is not int or not 0 <= group < count:
             raise InvalidRequest(f"move: Raft group {group!r} is out of range: this cluster has groups 0..{count - 1}")
+
+    def _check_move_fits(self, name: str, size: int, node_limit: int | None) -> None:
+        """The state a move carries must fit one reply to us and one write to the destination:
+        refused before the freeze (a frozen tensor can only be finished, not given back)."""
+        limit = min(self.limits.max_blob_bytes, node_limit or self.limits.max_blob_bytes)
+        if size > limit:
+            raise LimitExceeded(f"move: tensor {name!r} carries {size} bytes (data and optimizer state), more than "
+                                f"one frame may hold ({limit} bytes: the nodes' --max-frame-mb and this client's "
+                                "limits); nothing was changed")
 
     def _finish_move(self, name: str, source: int, target: int, move: str) -> list[str]:
         """Steps 2-4 of a move whose freeze (move id ``move`` in ``source``) is applied."""

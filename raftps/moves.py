@@ -150,8 +150,11 @@ class Moves:
             raise InvalidRequest(f"move_install of {name!r} carries {carried}: only {name!r} and its index "
                                  f"tensor {name + INDICES_SUFFIX!r} may move with it")
         built = [self._installable(i, record, arrays, move) for i, record in enumerate(records)]
+        unknown = sorted(set(arrays) - {part for _, _, parts in built for part in parts})
+        if unknown:
+            raise InvalidRequest(f"move_install of {name!r}: parts {unknown} belong to no tensor it installs")
         installed = []
-        for name, tensor in built:
+        for name, tensor, _ in built:
             if tensor is None:
                 continue                  # installed by this move before: a retry changes nothing
             self.tensors[name] = tensor
@@ -161,8 +164,8 @@ class Moves:
             installed.append(name)
         return {"version": index, "installed": installed}
 
-    def _installable(self, i: int, record: Any, arrays: dict, move: str) -> tuple[str, Any]:
-        """(name, the Tensor to install, or None if this move installed it already)."""
+    def _installable(self, i: int, record: Any, arrays: dict, move: str) -> tuple[str, Any, list[str]]:
+        """(name, the Tensor to install or None if this move installed it already, the parts used)."""
         from .machine import TENSOR_DTYPES, Tensor, _frozen, check_finite, check_name
         if not isinstance(record, dict):
             raise InvalidRequest(f"records[{i}] must be a map")
@@ -173,6 +176,7 @@ class Moves:
             raise InvalidRequest(f"records[{i}] ({name!r}) needs version (an int >= 0) and scalars (a map)")
         if spec["name"] in UNMOVABLE_OPTIMIZERS:
             raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} cannot be moved")
+        parts = [str(i)]
         data = arrays.get(str(i))
         if not isinstance(data, np.ndarray) or codec.dtype_name(data.dtype) not in TENSOR_DTYPES:
             raise InvalidRequest(f"tensor {name!r}: tensors[{str(i)!r}] must be its data, a {TENSOR_DTYPES} array")
@@ -180,7 +184,8 @@ class Moves:
         state: dict[str, Any] = {}
         for key, initial in sorted(optim.init_state(spec, data).items()):
             if isinstance(initial, np.ndarray):
-                arr = arrays.get(f"{i}.{key}")
+                parts.append(f"{i}.{key}")
+                arr = arrays.get(parts[-1])
                 if not isinstance(arr, np.ndarray) or arr.dtype != data.dtype or arr.shape != data.shape:
                     raise InvalidRequest(f"tensor {name!r}: optimizer state {key!r} must be an array like its data")
                 check_finite(name, arr, f"optimizer state {key!r}")
@@ -195,10 +200,10 @@ class Moves:
             raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} has no state {extra}")
         if name in self.tensors:
             if self.installed.get(name) == move:
-                return name, None
+                return name, None, parts
             raise TensorExists(f"tensor {name!r} already exists in this group (not from move {move}): "
                                "delete it there first, or move to another group")
-        return name, Tensor(_frozen(data.copy()), version, spec, state)
+        return name, Tensor(_frozen(data.copy()), version, spec, state), parts
 
     def _move_done(self, index: int, command: dict) -> dict:
         """The freeze becomes a tombstone: the data goes, requests naming it get Moved."""
@@ -235,7 +240,9 @@ class Moves:
     def move_state(self, name: str, full: bool = False) -> dict:
         """Where ``name`` stands in this group; ``full`` (frozen only): the state to install."""
         out = {"version": self.version, "present": name in self.tensors, "moving": self.moving.get(name),
-               "moved": self.moved.get(name), "installed": self.installed.get(name)}
+               "moved": self.moved.get(name), "installed": self.installed.get(name),
+               # what a move carries: the tensor and its index tensor, data and optimizer state
+               "bytes": sum(self.tensors[n].nbytes for n in (name, name + INDICES_SUFFIX) if n in self.tensors)}
         if full:
             frozen = self.moving.get(name)
             if frozen is None:

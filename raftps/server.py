@@ -345,7 +345,8 @@ class ClientServer:
     def _move_state(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """Where a tensor stands in this group (linearizable); ``full``: its frozen state to install."""
         self._check_move(req)
-        return self._linearizable(node, lambda m: m.move_state(req["name"], req.get("full", False)))
+        reply = self._linearizable(node, lambda m: m.move_state(req["name"], req.get("full", False)))
+        return {**reply, "max_frame_bytes": self.limits.max_blob_bytes}    # what this node accepts in a frame
 
     def _placement(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """Group 0's table of tensors placed elsewhere than their hash: the names the identity may read."""

@@ -8,7 +8,6 @@ source leader and run again, bad input, and a cluster of one group. Base ports 3
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +18,8 @@ import pytest
 
 from raftps import optim
 from raftps.client import Client
-from raftps.errors import InvalidRequest, Moved, Moving, RaftpsError, TensorExists, Unavailable, UnknownTensor
+from raftps.codec import Limits
+from raftps.errors import InvalidRequest, LimitExceeded, Moved, RaftpsError, Unavailable, UnknownTensor
 from raftps.localcluster import LocalCluster, NodeExited
 from raftps.machine import TensorStore
 
@@ -151,6 +151,8 @@ def test_a_sync_step_entry_after_the_freeze_applies_nothing_and_tells_every_cont
         {"name": "q", "version": 0, "optimizer": SGD, "scalars": {}}], "tensors": {"0": np.array([np.nan])}},
     {"op": "move_install", "name": "q", "move": "g1.2", "records": [
         {"name": "q", "version": 0, "optimizer": SGD, "scalars": {}}], "tensors": {"0": np.arange(3)}},
+    {"op": "move_install", "name": "q", "move": "g1.2", "records": [
+        {"name": "q", "version": 0, "optimizer": SGD, "scalars": {}}], "tensors": {"0": np.ones(2), "0.m": np.ones(2)}},
     {"op": "place", "name": "y", "group": -1},
 ])
 def test_bad_move_commands_get_typed_errors_and_change_no_tensor(command) -> None:
@@ -556,6 +558,11 @@ def test_bad_moves_are_refused_and_change_nothing(cluster) -> None:
         with pytest.raises(InvalidRequest, match="bookkeeping"):
             c.move("bad/_raftps/steps.rank0", (c.group_of("bad/_raftps/steps.rank0") + 1) % 3)
         assert group_state(c, c.group_of("bad/ada"), "bad/ada")["moving"] is None
+        c.create("bad/big", np.zeros(300), ADAM)                 # 2,400 bytes of data, 7,200 with its moments
+        with cluster.client(timeout=30.0, limits=Limits(max_blob_bytes=4096)) as small:
+            with pytest.raises(LimitExceeded, match="7200 bytes"):
+                small.move("bad/big", other_group(c, "bad/big"))
+        assert group_state(c, c.group_of("bad/big"), "bad/big")["moving"] is None   # refused before the freeze
         c.push({"bad/ada": np.ones(2), "bad/x": np.ones(2)})    # both still writable where they were
     for args, code, message in [(["bad/x", "--to", "7"], 2, "out of range"),
                                 (["bad/none", "--to", "1"], 1, "UnknownTensor"),
