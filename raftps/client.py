@@ -819,7 +819,7 @@ def _requeue(queue: list[tuple[int, Any]], rerouted: list[tuple[int, Any]]) -> l
     queue = list(queue)
     first = []
     for group, part in rerouted:
-        waiting = next((i for i, (g, _) in enumerate(queue) if g == group), None)
+        waiting = next((i for i, (g, p) in enumerate(queue) if g == group and p is not None), None)
         if waiting is None:
             first.append((group, part))
         elif isinstance(part, dict):
