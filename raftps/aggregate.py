@@ -86,7 +86,6 @@ class StepAggregator:
         its step's entry is applied. Raises RaftpsError (refused: nothing was proposed) or
         NotApplied (retry, same seq)."""
         group, step, workers = request.get("group") or "", request["step"], request["workers"]
-        rank = request.get("rank")
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         timeout = min(float(request.get("timeout", 10.0)), MAX_STEP_TIMEOUT)
         self._drop_moved_steps()
@@ -94,30 +93,21 @@ class StepAggregator:
             machine = self.node.machine
             applied = machine.sync_step_applied(group)
             tensors = {name: machine.tensors.get(name) for name in grads}
-            machine.check_placed_here({"tensors": grads})   # Moving / Moved: the client sends it again (moves.py)
-        if step > applied:
-            for name, grad in grads.items():
-                check_fits(name, grad, tensors[name], "gradient")
+            misplaced = machine.placement_refusal(grads)     # a tensor frozen or moved away (moves.py)
         if step <= applied:
             return self._late(group, step, workers, [client, seq, ack, False])
+        if misplaced is not None:        # Moving / Moved: the client sends it again, by the new placement
+            raise _refusal_error(misplaced)
+        for name, grad in grads.items():
+            check_fits(name, grad, tensors[name], "gradient")
         with self._lock:
             s = self._open.get((group, step))
-            if s is None:
-                if len(self._open) >= self.max_open_steps:
-                    raise LimitExceeded(f"{len(self._open)} sync steps are open on this leader (the limit); "
-                                        "finish or close some first")
-                s = self._open[(group, step)] = _Step(group, step, workers, sorted(grads), rank is not None,
-                                                      time.monotonic() + timeout)
-            else:
-                _check_matches(s, grads, workers, rank)
-            mine = next((i for i, c in enumerate(s.contributors) if c[0] == client and c[1] == seq), None)
-            if mine is None and not s.proposed:
-                s.contributors.append([client, seq, ack, s.add(grads, rank)])
-                mine = len(s.contributors) - 1
-            if mine is not None and request.get("pull"):
-                s.pullers.add(mine)
-            propose = not s.proposed and s.count >= s.workers
-            s.proposed = s.proposed or propose
+            # applied meanwhile: its entry has left, and a new step would only wait out its timeout
+            applied_meanwhile = s is None and step <= self.node.machine.sync_step_applied(group)
+            if not applied_meanwhile:
+                s, mine, propose = self._join(s, request, grads, time.monotonic() + timeout)
+        if applied_meanwhile:
+            return self._late(group, step, workers, [client, seq, ack, False])
         if propose:
             self._propose(s)
         else:
@@ -127,6 +117,29 @@ class StepAggregator:
                 return self._late(group, step, workers, [client, seq, ack, False])
             raise NotApplied(f"sync step {step}: its entry did not commit; send again", applied=False)
         return self._answer(s, mine)
+
+    def _join(self, s: _Step | None, request: dict, grads: dict[str, np.ndarray],
+              deadline: float) -> tuple[_Step, int | None, bool]:
+        """(caller holds the lock) Add a contribution to its step, opening it if needed: (the step,
+        the contribution's place in it or None if the step's entry already left, propose now)."""
+        group, step, workers, rank = request.get("group") or "", request["step"], request["workers"], request.get("rank")
+        client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
+        if s is None:
+            if len(self._open) >= self.max_open_steps:
+                raise LimitExceeded(f"{len(self._open)} sync steps are open on this leader (the limit); "
+                                    "finish or close some first")
+            s = self._open[(group, step)] = _Step(group, step, workers, sorted(grads), rank is not None, deadline)
+        else:
+            _check_matches(s, grads, workers, rank)
+        mine = next((i for i, c in enumerate(s.contributors) if c[0] == client and c[1] == seq), None)
+        if mine is None and not s.proposed:
+            s.contributors.append([client, seq, ack, s.add(grads, rank)])
+            mine = len(s.contributors) - 1
+        if mine is not None and request.get("pull"):
+            s.pullers.add(mine)
+        propose = not s.proposed and s.count >= s.workers
+        s.proposed = s.proposed or propose
+        return s, mine, propose
 
     def _wait(self, s: _Step) -> None:
         """Until ``s`` is settled: its entry applied or failed, or this node no longer leads (then
@@ -209,8 +222,7 @@ class StepAggregator:
             with self.node.lock:
                 refusal = self.node.machine.placement_refusal(dict.fromkeys(s.names))
             if refusal is not None:
-                failure = ERRORS[refusal["error"]](refusal["message"], refusal.get("tensor"), refusal.get("group"))
-                self._abandon(s, refusal["message"], failure)
+                self._abandon(s, refusal["message"], _refusal_error(refusal))
 
     def _answer(self, s: _Step, mine: int) -> dict:
         if s.failure is not None:
@@ -237,6 +249,11 @@ class StepAggregator:
     def open_steps(self) -> int:
         with self._lock:
             return len(self._open)
+
+
+def _refusal_error(refusal: dict) -> RaftpsError:
+    """The Moving or Moved exception of a placement refusal (moves.py)."""
+    return ERRORS[refusal["error"]](refusal["message"], refusal.get("tensor"), refusal.get("group"))
 
 
 def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: int | None) -> None:

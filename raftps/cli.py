@@ -38,11 +38,6 @@ def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str |
         print("raftps serve: --insecure: no peer secret, peer traffic unauthenticated (loopback only)", file=sys.stderr)
     elif len(secret) < auth.MIN_SECRET_BYTES:
         raise ValueError(f"the secret in {args.secret_file} is shorter than {auth.MIN_SECRET_BYTES} bytes")
-    else:
-        from pysyncobj.encryptor import HAS_CRYPTO
-        if not HAS_CRYPTO:
-            raise ValueError("the peer secret needs the 'cryptography' package (pysyncobj encrypts and "
-                             "authenticates peer traffic with it); run cluster/setup.sh or pip install cryptography")
     token = auth.read_secret_file(args.token_file) if args.token_file else None
     if args.token_file and not token:
         raise ValueError(f"the token file {args.token_file} is empty")

@@ -1,7 +1,7 @@
 """Group commit: writes that reach the leader while earlier entries are being committed share one
 log entry.
 
-Every log entry costs the same fixed work whatever it carries: pickling, framing and encryption
+Every log entry costs the same fixed work whatever it carries: pickling, framing and signing
 per follower in pysyncobj's one tick thread, an append, an acknowledgement, and with
 ``--durability fsync`` a place in an fsync. So the leader keeps at most ``in_flight`` entries
 proposed and not yet applied; writes that arrive meanwhile wait in a queue and go out together

@@ -52,8 +52,8 @@ class NodeConfig:
     bind_host: str | None = None              # default: the host of this node's Raft address
     payload_dir: str | None = None            # default: default_payload_dir(data_dir)
     # Payloads up to this size travel inside the entry. Above a few KiB pysyncobj's per-follower
-    # pickle + zlib + Fernet in the tick thread costs more than a data-plane round trip
-    # (64 KiB inline: 41 pushes/s with 4 clients, the leader's tick 66% in TcpConnection.send).
+    # pickle + framing + signing in the tick thread cost more than a data-plane round trip
+    # (64 KiB inline, measured with Fernet: 41 pushes/s with 4 clients, the leader's tick 66% in TcpConnection.send).
     inline_bytes: int = 8 << 10
     payload_budget: int = 512 << 20           # payload bytes on disk that force a snapshot
     compaction_entries: int = 2000

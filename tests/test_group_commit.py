@@ -83,7 +83,7 @@ def test_pack_batch_round_trips() -> None:
 
 
 def test_concurrent_pushes_share_entries_exactly_once(tmp_path) -> None:
-    cl = LocalCluster(str(tmp_path), nodes=3, base_port=36500)
+    cl = LocalCluster(str(tmp_path), nodes=3, base_port=31600)
     try:
         cl.start(timeout=60.0)
         with cl.client(timeout=30.0) as c:
@@ -122,7 +122,7 @@ def test_concurrent_pushes_share_entries_exactly_once(tmp_path) -> None:
 def test_one_client_keeps_sixteen_pushes_in_flight(tmp_path) -> None:
     """push_async: 16 pushes on their way at once from one Client (each exactly-once with its own
     seq), mixed with plain pushes; the counts come out exact and versions unique."""
-    cl = LocalCluster(str(tmp_path), nodes=3, base_port=36550)
+    cl = LocalCluster(str(tmp_path), nodes=3, base_port=31650)
     try:
         cl.start(timeout=60.0)
         with cl.client(timeout=30.0) as c:

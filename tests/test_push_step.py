@@ -17,7 +17,7 @@ from raftps.raft.memory import MemoryLog
 from raftps.server import ClientServer
 from tests.conftest import wait_converged
 
-BASE = 39000
+BASE = 31000
 
 
 @pytest.fixture

@@ -209,7 +209,7 @@ def commit_guard(message: dict, commit_index: int) -> dict:
 # ---- the Raft port's reads before authentication ---------------------------------------------
 # pysyncobj (tcp_connection.py, __processRead / __processParseMessage) appends whatever arrives to
 # the connection's read buffer until the 4-byte length prefix is satisfied, for any length up to
-# 2 GiB, and only then checks the message's Fernet token. So anyone who can reach the Raft port
+# 2 GiB, and only then checks the message's signature (peer_mac.py; stock: its Fernet token). So anyone who can reach the Raft port
 # could make a node hold 2 GiB per connection and spend its tick thread re-copying the growing
 # buffer (`readBuffer += incoming` is quadratic), stalling heartbeats. A message that declares
 # more than the limit is refused at its prefix: the first message of a connection (before it

@@ -6,7 +6,8 @@ change in pysyncobj lives here and in ``pysyncobj_fixes.py`` beside it:
   retry it from inside the tick, never reading the socket that brings the heartbeats);
 * snapshots go through the Applier (pysyncobj's serializer hooks; no pickle, no fork);
 * ReadIndex reads (Raft dissertation 6.4) with a confirmation round of our own probes;
-* a one-member leader commits without waiting for its 50 ms tick.
+* a one-member leader commits without waiting for its 50 ms tick;
+* peer messages are signed with HMAC-SHA256 (peer_mac.py), not Fernet-encrypted.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pysyncobj.node import TCPNode
 from . import Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta, stored_zlib
 from .journal import DurableJournal, import_file_journal
 from .journal_hook import install_durable_journal
+from .peer_mac import PeerMac
 from .pysyncobj_fixes import install as install_fixes
 from .storage import storage_from_env
 from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections, send_read_probe
@@ -60,7 +62,14 @@ class _Core(SyncObj):
         # The tick thread starts inside SyncObj.__init__; it waits here until SyncObjLog has put
         # its pieces in place (the durable journal must be there before the first tick).
         self.ready = threading.Event()
+        # Peer messages signed, not encrypted (peer_mac.py); no secret: `serve --insecure`, loopback only.
+        self.peer_mac = PeerMac(settings.secret) if settings.secret else None
         super().__init__(settings.address, sorted(settings.others), conf)
+
+    @property
+    def encryptor(self) -> PeerMac | None:
+        """What pysyncobj's transport wraps peer messages with (its password's Fernet otherwise)."""
+        return self.peer_mac
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
         if not self.ready.is_set():
@@ -141,7 +150,7 @@ class SyncObjLog(ReplicatedLog):
             raise ValueError(f"durability must be 'none' or 'fsync', not {settings.durability!r}")
         durable = settings.durability == "fsync"
         conf = SyncObjConf(
-            password=settings.secret.hex() if settings.secret else None,   # None: `serve --insecure`, loopback only
+            password=None,          # peer messages are signed by PeerMac (below), not Fernet-encrypted
             bindAddress=settings.bind or settings.address,
             # durable: our DurableJournal is installed after __init__ (pysyncobj's own is never fsynced)
             journalFile=None if durable else f"{settings.data_dir}/raft.journal",

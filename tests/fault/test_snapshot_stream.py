@@ -28,7 +28,7 @@ from tests.conftest import wait_converged
 
 N = 8 << 20                       # float32: a 32 MiB model, 32 snapshot chunks of 1 MiB
 CHUNK_FRAME = 512 << 10           # a peer message this large is a snapshot chunk (entries are small)
-LINK_RATE = 4 << 20               # bytes/s: ~43 MB of Fernet frames take ~10 s, past the 4 s timeout
+LINK_RATE = 4 << 20               # bytes/s: ~33 MB of chunk frames take ~8 s, past the 4 s timeout
 
 
 class Forwarder:

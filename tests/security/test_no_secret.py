@@ -1,6 +1,6 @@
 """A process without the peer secret talks to the Raft port and the data-plane port of a real
-3-node cluster with well-formed messages: pysyncobj-shaped pickles (plain, zlib'd, and Fernet-
-encrypted under a wrong password) and data-plane frames. The nodes apply nothing and never
+3-node cluster with well-formed messages: pysyncobj-shaped pickles (plain, zlib'd, signed with a
+wrong secret, and Fernet-encrypted as pysyncobj's own password would) and data-plane frames. The nodes apply nothing and never
 unpickle those bytes: each pickle carries a canary that would create a directory if unpickled.
 The same canary against an `--insecure` node does run, which shows that the check can fail."""
 import os
@@ -16,12 +16,17 @@ import zlib
 
 import numpy as np
 import pytest
-from pysyncobj.encryptor import getEncryptor
+from pysyncobj.encryptor import HAS_CRYPTO, getEncryptor
 
 from raftps import codec
+from raftps.localcluster import LocalCluster
+from raftps.raft.peer_mac import PeerMac
 from raftps.node import default_payload_dir
 from raftps.payloads import payload_id
 from security_helpers import assert_nothing_applied, raft_state, rss_kib, state
+from tests.conftest import wait_converged
+
+fernet = getEncryptor if HAS_CRYPTO else None      # pysyncobj's own password framing, when installed
 
 BASE = 10070
 LONE = 10080
@@ -46,9 +51,12 @@ def pysyncobj_messages(canary: str, peer: str) -> list[bytes]:
         pickle.dumps(Canary(canary), 2),                                  # a bare pickle
         zlib.compress(pickle.dumps(peer, 2)),                             # "I am node 1", unencrypted
         zlib.compress(pickle.dumps(entry, 2)),                            # an append_entries, unencrypted
-        getEncryptor("not the cluster secret").encrypt_at_time(          # Fernet under a wrong key
+        PeerMac(b"not the cluster secret").encrypt_at_time(               # signed with a wrong secret
             zlib.compress(pickle.dumps(entry, 2)), int(time.monotonic())),
     ]
+    if fernet is not None:                                                # as pysyncobj's password framed it
+        bodies.append(fernet("not the cluster secret").encrypt_at_time(zlib.compress(pickle.dumps(entry, 2)),
+                                                                        int(time.monotonic())))
     return [struct.pack("i", len(b)) + b for b in bodies]
 
 
@@ -145,17 +153,21 @@ def test_the_canary_does_run_on_an_insecure_node(tmp_path):
         shutil.rmtree(default_payload_dir(str(tmp_path / "node")), ignore_errors=True)   # its tmpfs payloads
 
 
-def test_serve_refuses_to_start_without_cryptography(tmp_path):
+def test_peers_authenticate_without_the_cryptography_package(tmp_path):
+    """Peer messages are signed with hashlib's HMAC (peer_mac.py): a cluster whose nodes cannot
+    import ``cryptography`` elects, replicates and agrees."""
     shim = tmp_path / "shim" / "cryptography"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    (tmp_path / "secret").write_text("ab" * 32)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'shim'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, "-m", "raftps", "serve", "--id", "1", "--peers", f"127.0.0.1:{LONE + 2}",
-                          "--data-dir", str(tmp_path / "node"), "--secret-file", str(tmp_path / "secret")],
-                         env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "needs the 'cryptography' package" in out.stderr
-    pytest.importorskip("cryptography")
+    pythonpath = f"{tmp_path / 'shim'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    with LocalCluster(str(tmp_path / "run"), nodes=3, base_port=LONE + 200, env={"PYTHONPATH": pythonpath}) as cluster:
+        cluster.start(timeout=60)
+        with cluster.client(timeout=20) as c:
+            c.create("nc.w", np.zeros(4, np.float32), optimizer={"name": "sgd", "lr": 1.0})
+            c.push({"nc.w": np.ones(4, np.float32)})
+            rows = wait_converged(c, 3)
+        assert len({row["digest"] for row in rows}) == 1
+        assert "hidden by the test" not in open(cluster.log_file(1)).read()
 
 
 def test_silent_strangers_on_the_raft_port_are_closed(module_cluster):
