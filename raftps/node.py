@@ -168,7 +168,10 @@ class RaftNode:
         durable = config.durability == "fsync"
         payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
                                              else default_payload_dir(config.data_dir))
-        self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), fsync=durable)
+        # durable: payloads on disk; every collected file is kept as a spare (up to the budget that
+        # forces a snapshot) so that new payloads overwrite allocated blocks (payloads.py)
+        self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), fsync=durable,
+                                     **({"spare_bytes": config.payload_budget} if durable else {}))
         self._synced_snapshot = 0                 # durable: snapshot index whose rename is fsynced
         others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
         # The other members' Raft addresses. Membership changes move them (raftps member
