@@ -26,6 +26,7 @@ id check reuses that digest.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import re
@@ -120,7 +121,7 @@ class PayloadStore:
         self._memory: dict[str, dict[str, np.ndarray]] = {}
         self._applied: dict[str, int] = {}          # payload id -> log index it was applied at
         self._disk_bytes = 0
-        self._spares: list[tuple[str, int]] = []    # (path, size) of files free for reuse
+        self._spares: list[tuple[int, str]] = []    # (size, path) of files free for reuse, by size
         self._spare_total = 0
         self._spare_serial = 0
         self._cond = threading.Condition()
@@ -246,7 +247,7 @@ class PayloadStore:
                     self._spare_serial += 1
                     spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
                     os.replace(path, spare)
-                    self._spares.append((spare, size))
+                    bisect.insort(self._spares, (size, spare))
                     self._spare_total += size
                 else:
                     os.unlink(path)
@@ -261,12 +262,9 @@ class PayloadStore:
         with self._cond:
             if not self._spares:
                 return None
-            fits = [i for i, (_, held) in enumerate(self._spares) if held >= size]
-            if fits:
-                best = min(fits, key=lambda i: self._spares[i][1])
-            else:
-                best = max(range(len(self._spares)), key=lambda i: self._spares[i][1])
-            spare, held = self._spares.pop(best)
+            # thousands of small spares after a run of 64 KiB pushes: a search, not a scan
+            best = min(bisect.bisect_left(self._spares, (size, "")), len(self._spares) - 1)
+            held, spare = self._spares.pop(best)
             self._spare_total -= held
             return spare
 
