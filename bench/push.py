@@ -123,8 +123,8 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
     os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    cl.start()
     try:
+        cl.start()                     # inside: a node that fails to start must not leave the others running
         addrs = _addresses(cl)
         pids = _node_pids(cl, nodes)
         log(f"{system}: cluster up in {time.monotonic() - t0:.1f} s, clients at {addrs}, pids {pids}")

@@ -11,6 +11,14 @@ payloads: in tmpfs a new file costs page allocation and zeroing, 4.9 ms per 4 Mi
 for overwriting a spare (measured here, under load). A spare is never a valid payload id, and a
 payload appears under its id only once completely written (rename), as with a new file.
 
+Durable mode (``fsync``, payloads on the data dir's disk): a payload is fdatasynced, renamed into
+place and its directory fsynced before ``put`` returns; puts that rename while a directory fsync
+runs share the next one. On this ext4 disk 4 MiB written into a new file and synced ran 450 MB/s
+with three writers, into a spare (allocated blocks, fdatasync) 750 MB/s: a new file allocates
+blocks, and with the ``discard`` mount option an unlinked one is trimmed in a journal commit that
+every fsync on the file system waits for. So the node keeps every collected file as a spare (up
+to the payload budget) and picks the spare whose size fits best.
+
 A payload's id names its content by SHA-256 (``content_hash``), the same hash the data plane's
 frame MAC takes over the blob, so each byte is hashed once per node: the leader hashes a payload
 once for its id and every peer's frame tag, a follower once as it arrives (the MAC check), and the
@@ -18,6 +26,7 @@ id check reuses that digest.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import re
@@ -112,10 +121,13 @@ class PayloadStore:
         self._memory: dict[str, dict[str, np.ndarray]] = {}
         self._applied: dict[str, int] = {}          # payload id -> log index it was applied at
         self._disk_bytes = 0
-        self._spares: list[tuple[str, int]] = []    # (path, size) of files free for reuse
+        self._spares: list[tuple[int, str]] = []    # (size, path) of files free for reuse, by size
         self._spare_total = 0
         self._spare_serial = 0
         self._cond = threading.Condition()
+        self._dir_sync = threading.Lock()           # one directory fsync at a time (_sync_names)
+        self._renames = 0                           # puts renamed into place so far ...
+        self._names_synced = 0                      # ... of which a directory fsync covers this many
         for name in os.listdir(directory):
             if name == "OWNER":
                 continue
@@ -132,16 +144,21 @@ class PayloadStore:
     def put(self, pid: str, tensors: dict[str, np.ndarray]) -> None:
         path = self._path(pid)
         if not os.path.exists(path):
-            tmp = self._take_spare() or f"{path}.{threading.get_ident()}.tmp"
+            frame = codec.encode({"tensors": tensors})
+            size = sum(len(b) for b in frame)
+            tmp = self._take_spare(size) or f"{path}.{threading.get_ident()}.tmp"
             with open(tmp, "r+b" if tmp.endswith(SPARE_SUFFIX) else "wb") as f:
-                size = codec.write_frame(f, {"tensors": tensors})
+                for buf in frame:
+                    f.write(buf)
                 f.truncate()
                 if self.fsync:
                     f.flush()
-                    os.fsync(f.fileno())
+                    # data and size, not the timestamps: an overwritten spare then needs no
+                    # journal commit of its own, only its blocks written
+                    os.fdatasync(f.fileno())
             os.replace(tmp, path)
             if self.fsync:
-                fsync_dir(self.directory)
+                self._sync_names()
             with self._cond:
                 self._disk_bytes += size
         with self._cond:
@@ -230,7 +247,7 @@ class PayloadStore:
                     self._spare_serial += 1
                     spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
                     os.replace(path, spare)
-                    self._spares.append((spare, size))
+                    bisect.insort(self._spares, (size, spare))
                     self._spare_total += size
                 else:
                     os.unlink(path)
@@ -239,13 +256,31 @@ class PayloadStore:
             return 0
         return size
 
-    def _take_spare(self) -> str | None:
+    def _take_spare(self, size: int = 0) -> str | None:
+        """A spare file to overwrite: the smallest that holds ``size`` bytes, else the largest (a
+        spare of the right size is written in place, with no blocks to allocate or free)."""
         with self._cond:
             if not self._spares:
                 return None
-            spare, size = self._spares.pop()
-            self._spare_total -= size
+            # thousands of small spares after a run of 64 KiB pushes: a search, not a scan
+            best = min(bisect.bisect_left(self._spares, (size, "")), len(self._spares) - 1)
+            held, spare = self._spares.pop(best)
+            self._spare_total -= held
             return spare
+
+    def _sync_names(self) -> None:
+        """Make every rename done in the directory so far durable: one directory fsync for all
+        the puts that finished their rename while the previous one ran (group commit)."""
+        with self._cond:
+            self._renames += 1
+            mine = self._renames
+        with self._dir_sync:
+            if self._names_synced >= mine:
+                return                    # an fsync that began after our rename covered it
+            with self._cond:
+                target = self._renames
+            fsync_dir(self.directory)
+            self._names_synced = target
 
     def drop_spares(self) -> None:
         """Free the spares' memory (tmpfs) when the node stops."""

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 
@@ -95,3 +97,53 @@ def test_a_payload_id_is_checked_with_the_digest_its_frame_mac_took() -> None:
     assert not verify_digest(pid, {"a": ordered["a"].reshape(5, 1), "b": ordered["b"]}, digest)   # other shape
     unsorted = {"b": ordered["b"], "a": ordered["a"]}             # not in sorted order: a full pass
     assert verify_digest(pid, unsorted, b"not the digest of this order")
+
+
+def test_a_spare_of_the_right_size_is_chosen(tmp_path) -> None:
+    """Of several spares, the smallest that holds the payload (written in place, no new blocks);
+    with none big enough, the largest."""
+    store = PayloadStore(str(tmp_path))
+    sizes = {1: 1 << 10, 2: 1 << 16, 3: 1 << 14}
+    for seq, n in sizes.items():
+        pid, t = payload(seq, n)
+        store.put(pid, t)
+        store.applied(pid, index=seq)
+    inodes = {seq: os.stat(tmp_path / payload(seq, n)[0]).st_ino for seq, n in sizes.items()}
+    store.collect(through_index=3)
+    pid, t = payload(4, 1 << 13)                     # fits the 1 << 14 spare, not the 1 << 10 one
+    store.put(pid, t)
+    assert os.stat(tmp_path / pid).st_ino == inodes[3]
+    pid, t = payload(5, 1 << 17)                     # fits none: the largest is extended
+    store.put(pid, t)
+    assert os.stat(tmp_path / pid).st_ino == inodes[2]
+    store.applied(pid, index=5)
+    assert np.array_equal(store.get(pid)["w"], t["w"])
+
+
+def test_durable_puts_share_directory_fsyncs(tmp_path, monkeypatch) -> None:
+    """A put returns only after a directory fsync that began after its rename; puts that renamed
+    while one ran share the next."""
+    import raftps.payloads as payloads
+    store = PayloadStore(str(tmp_path), fsync=True)
+    started, release, synced = threading.Event(), threading.Event(), []
+
+    def slow_fsync_dir(directory: str) -> None:
+        synced.append(sorted(n for n in os.listdir(directory) if not n.endswith(".tmp")))
+        if len(synced) == 1:
+            started.set()
+            release.wait(10)
+    monkeypatch.setattr(payloads, "fsync_dir", slow_fsync_dir)
+    first = threading.Thread(target=store.put, args=payload(1))
+    first.start()
+    assert started.wait(10)                          # the first put's directory fsync is running
+    others = [threading.Thread(target=store.put, args=payload(seq)) for seq in (2, 3, 4)]
+    for t in others:
+        t.start()
+    deadline = time.monotonic() + 10
+    while store._renames < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in [first, *others]:
+        t.join(10)
+    assert len(synced) == 2                          # one for the first put, one for the other three
+    assert synced[1] == sorted(payload(seq)[0] for seq in (1, 2, 3, 4))

@@ -72,7 +72,11 @@ before the next tick's computation; the latter may run in the same tick *before*
 (a one-node cluster elects itself in the election block), so ``__onBecomeLeader`` is followed by
 ``sync()``. A ``sync()`` at the start of each tick is a free guard (it does nothing when nothing
 was written). Sending entries to followers before the leader's own fsync is allowed by Raft (the
-leader's copy only counts once durable), and keeps the two fsyncs in parallel.
+leader's copy only counts once durable, dissertation 10.2.1): with ``appendEntriesUseBatch=False``
+``_checkCommandsToApply`` sends each entry as it appends it, and a ``sync()`` right before
+``poll()`` (which waits for the replies) runs the leader's fsync beside the followers'. Without
+it the leader's fsync waited in the sync after the tick, until ``poll()`` returned with the first
+reply: the two fsyncs ran one after the other.
 
 Lines of pysyncobj 0.3.17's syncobj.py: ``_onTick`` L611-706 (new term L640, commit computation
 L655-677 with ``count = 1`` at L660, ``_checkCommandsToApply()`` L699, ``poll`` L706); leader
@@ -101,7 +105,9 @@ Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syn
 4. replaces ``_SyncObj__onBecomeLeader`` by the original followed by ``journal.sync()``;
 5. replaces ``_onTick`` by: ``sync()`` + send queued acks; the original tick; then (in a
    ``finally``) ``sync()`` + send queued acks: one fsync per tick for all appends (leader and
-   follower) of that tick (steps 3-5 only with ``fsync=True``: without, pysyncobj runs as before);
+   follower) of that tick; and the poller's ``poll`` by ``sync()`` + send queued acks, then the
+   original (the leader's fsync while its entries travel) (steps 3-5 only with ``fsync=True``:
+   without, pysyncobj runs as before);
 6. wraps the serializer's ``deserialize`` so that on start, if the journal still holds entries
    below a snapshot (compaction's ``start`` write lost, or an old journal), the prefix is dropped
    before pysyncobj compares the journal's first two entries with the snapshot's: pysyncobj

@@ -82,6 +82,16 @@ def install_durable_journal(syncobj: SyncObj, journal: DurableJournal) -> None:
         finally:
             flush()
 
+    poll = s._poller.poll
+
+    def sync_then_poll(timeout: float) -> None:
+        # The leader's appends of this tick went out to the followers as they were made
+        # (appendEntriesUseBatch=False); syncing them here, before poll() waits for the replies,
+        # puts the leader's fsync beside the followers' instead of after the first reply (the
+        # sync after the tick would wait for poll() to return). Dissertation 10.2.1.
+        flush()
+        poll(timeout)
+
     deserialize = s._SyncObj__serializer.deserialize
 
     def deserialize_keeping_log() -> Any:
@@ -93,6 +103,7 @@ def install_durable_journal(syncobj: SyncObj, journal: DurableJournal) -> None:
         s._SyncObj__sendNextNodeIdx = queue_ack
         s._SyncObj__onBecomeLeader = become_leader_durably
         s._onTick = durable_tick
+        s._poller.poll = sync_then_poll
     s._SyncObj__serializer.deserialize = deserialize_keeping_log
     s._raftps_durable = journal
     s._SyncObj__properies.update(_ATTRS)         # not state: keep them out of default snapshots

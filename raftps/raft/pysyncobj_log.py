@@ -32,6 +32,7 @@ from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknow
 log = logging.getLogger("raftps.raft")
 JOURNAL_DIR = "raft.journal.d"        # the durable journal's directory in the data dir
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+LEADER_LOG = "raft leader:"           # prefix of the line logged when a member becomes leader
 # Outcomes after which the entry certainly was not applied; anything else is "unknown".
 CERTAINLY_NOT = {FAIL_REASON.QUEUE_FULL, FAIL_REASON.MISSING_LEADER, FAIL_REASON.DISCARDED,
                  FAIL_REASON.NOT_LEADER, FAIL_REASON.REQUEST_DENIED}
@@ -58,6 +59,7 @@ class _Core(SyncObj):
 
     def __init__(self, applier: Applier, settings: RaftSettings, conf: SyncObjConf):
         self.applier = applier
+        self.raft_address = settings.address
         self.installing: tuple[int, Callable[[], None]] | None = None
         # The tick thread starts inside SyncObj.__init__; it waits here until SyncObjLog has put
         # its pieces in place (the durable journal must be there before the first tick).
@@ -75,6 +77,12 @@ class _Core(SyncObj):
         if not self.ready.is_set():
             self.ready.wait(10.0)
         super()._onTick(timeToWait)
+
+    def _SyncObj__onBecomeLeader(self) -> None:
+        SyncObj._SyncObj__onBecomeLeader(self)
+        # One line per leadership, in this exact form: the power-cut tests read the nodes' logs
+        # and check that no term ever had two leaders (Raft's election safety).
+        log.warning("%s %s became leader of term %d", LEADER_LOG, self.raft_address, self.raftCurrentTerm)
 
     @replicated
     def _entry(self, entry: bytes) -> Any:

@@ -242,6 +242,55 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, fixes, port
             box.destroy()
 
 
+def test_leader_syncs_its_appends_before_it_waits_for_replies(tmp_path):
+    """The leader sends entries as it appends them (appendEntriesUseBatch=False); its fsync must
+    run before poll() waits for the followers' replies, not after the first one arrives (the two
+    fsyncs side by side, Raft dissertation 10.2.1): whenever a leader enters poll(), its journal
+    has nothing left to sync."""
+    addrs = [f"127.0.0.1:{38000 + i}" for i in range(3)]
+    late: list[int] = []
+    polls = [0]
+    boxes = []
+    for i, addr in enumerate(addrs):
+        journal = DurableJournal(str(tmp_path / f"j{i}"), storage=SimulatedDisk(str(tmp_path / f"s{i}")))
+        conf = SyncObjConf(journalFile=None, appendEntriesUseBatch=False, raftMinTimeout=0.5,
+                           raftMaxTimeout=1.0, connectionRetryTime=0.2)
+        box = Box(addr, [a for a in addrs if a != addr], conf)
+        poll = box._poller.poll
+
+        def observed_poll(timeout, box=box, journal=journal, poll=poll):
+            if box._isLeader():
+                polls[0] += 1
+                if journal.pending:
+                    late.append(len(journal))
+            poll(timeout)
+
+        box._poller.poll = observed_poll             # the hook's sync runs before this
+        install_durable_journal(box, journal)
+        boxes.append(box)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(b._isLeader() for b in boxes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lead = next(b for b in boxes if b._isLeader())
+        done = threading.Event()
+        results = []
+
+        def callback(result, error):
+            results.append(error)
+            if len(results) == 200:
+                done.set()
+
+        for _ in range(200):
+            lead.inc(callback=callback)
+        assert done.wait(60), f"{len(results)} of 200 committed"
+        assert polls[0] > 0
+        assert not late, f"the leader waited for replies with {len(late)} unsynced logs (lengths {late[:5]})"
+    finally:
+        for box in boxes:
+            box.destroy()
+
+
 def test_hook_one_node_commits_only_durable_entries(tmp_path):
     """(b) where it is tightest: a node alone elects itself and counts its own log at once,
     in the same tick as its term's no-op is appended."""

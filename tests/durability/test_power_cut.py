@@ -9,13 +9,41 @@ reads and identical replicas. The workload's tensor is 1000 float64 (8000 bytes)
 travel inside the log entries, and compaction is off, so the journal holds the whole state.
 
 The same test with the journal never fsynced (a test-only switch) must lose acknowledged pushes:
-it shows the cut is real and the check can fail."""
+it shows the cut is real and the check can fail.
+
+Election safety too: every node logs the term in which it becomes leader, and across the power
+cuts no term may have had two leaders (a node that forgot its vote could elect a second one)."""
 from __future__ import annotations
 
 import os
+import re
+
+import pytest
 
 from raftps.chaos.harness import Harness, assert_clean
+from raftps.raft.pysyncobj_log import LEADER_LOG
 from raftps.raft.storage import power_cut
+
+LEADER_LINE = re.compile(re.escape(LEADER_LOG) + r" (?P<address>\S+) became leader of term (?P<term>\d+)")
+
+
+def leaders_by_term(log_files: list[str]) -> dict[int, set[str]]:
+    """Term -> the Raft addresses that logged becoming its leader, from the nodes' logs."""
+    leaders: dict[int, set[str]] = {}
+    for path in log_files:
+        with open(path, errors="replace") as f:
+            for line in f:
+                found = LEADER_LINE.search(line)
+                if found:
+                    leaders.setdefault(int(found["term"]), set()).add(found["address"])
+    return leaders
+
+
+def assert_one_leader_per_term(log_files: list[str]) -> None:
+    leaders = leaders_by_term(log_files)
+    assert leaders, f"no node logged becoming leader in {log_files}"
+    two = {term: sorted(who) for term, who in leaders.items() if len(who) > 1}
+    assert not two, f"terms with two leaders: {two}"
 
 
 def run(tmp_path, base_port: int, mode: str, fsync: bool = True):
@@ -34,7 +62,23 @@ def run(tmp_path, base_port: int, mode: str, fsync: bool = True):
                 power_cut(os.path.join(simdisk, f"node{node}"), mode, seed=round_)
             for node in range(1, 4):
                 h.cluster.start_node(node)
-        return h.finish()
+        result, line = h.finish()
+        logs = [h.cluster.log_file(node) for node in range(1, 4)]
+    if fsync:
+        assert_one_leader_per_term(logs)
+    return result, line
+
+
+def test_the_leader_check_finds_two_leaders_in_a_term(tmp_path) -> None:
+    a, b = tmp_path / "node1.log", tmp_path / "node2.log"
+    a.write_text(f"x WARNING {LEADER_LOG} 127.0.0.1:1 became leader of term 2\n"
+                 f"x WARNING {LEADER_LOG} 127.0.0.1:1 became leader of term 4\n")
+    b.write_text(f"x WARNING {LEADER_LOG} 127.0.0.1:2 became leader of term 3\n")
+    assert leaders_by_term([str(a), str(b)]) == {2: {"127.0.0.1:1"}, 3: {"127.0.0.1:2"}, 4: {"127.0.0.1:1"}}
+    assert_one_leader_per_term([str(a), str(b)])
+    b.write_text(f"x WARNING {LEADER_LOG} 127.0.0.1:2 became leader of term 4\n")
+    with pytest.raises(AssertionError, match="terms with two leaders"):
+        assert_one_leader_per_term([str(a), str(b)])
 
 
 def test_power_cut_of_every_node_loses_nothing_acknowledged(tmp_path) -> None:
