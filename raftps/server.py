@@ -40,6 +40,17 @@ def _retry(message: str, **extra: Any) -> dict:
     return {"error": "Retry", "retry": True, "message": message, **extra}
 
 
+def _submit(node: RaftNode, command: dict, tensors: dict | None) -> dict:
+    """Replicate a checked write: the state machine's answer, or Retry if it did not commit."""
+    try:
+        return node.submit(command, tensors)
+    except NotApplied as outcome:
+        return _retry(str(outcome), unknown=outcome.applied is None)
+    except RaftpsError as exc:
+        exc.submitted = True          # proposed: the client must not reuse its seq
+        raise
+
+
 class ClientServer:
     def __init__(self, replicas: RaftNode | dict[int, RaftNode], host: str, port: int,
                  authorizer: rbac.Authorizer | None = None, layout: Layout | None = None, client_offset: int = 100):
@@ -290,13 +301,7 @@ class ClientServer:
                 # Refused here so a NaN gradient costs no replication; the state machine checks again.
                 check_finite(name, arr, "initial value" if req["op"] == "create" else
                              "value" if req["op"] == "assign" else "gradient")
-        try:
-            return node.submit(command, tensors)
-        except NotApplied as outcome:
-            return _retry(str(outcome), unknown=outcome.applied is None)
-        except RaftpsError as exc:
-            exc.submitted = True
-            raise
+        return _submit(node, command, tensors)
 
     def _push_step(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """A sync step contribution, summed on the leader with the step's others and answered
@@ -333,14 +338,7 @@ class ClientServer:
         redirect = self._not_leader(node)
         if redirect:
             return redirect
-        command = {k: v for k, v in req.items() if k != "tensors"}
-        try:
-            return node.submit(command, req.get("tensors"))
-        except NotApplied as outcome:
-            return _retry(str(outcome), unknown=outcome.applied is None)
-        except RaftpsError as exc:
-            exc.submitted = True
-            raise
+        return _submit(node, {k: v for k, v in req.items() if k != "tensors"}, req.get("tensors"))
 
     def _move_state(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """Where a tensor stands in this group (linearizable); ``full``: its frozen state to install."""

@@ -218,21 +218,7 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, fixes, port
         boxes.append(box)
         journals.append(journal)
     try:
-        deadline = time.monotonic() + 30
-        while not any(b._isLeader() for b in boxes) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        lead = next(b for b in boxes if b._isLeader())
-        done = threading.Event()
-        results = []
-
-        def callback(result, error):
-            results.append(error)
-            if len(results) == 500:
-                done.set()
-
-        for _ in range(500):
-            lead.inc(callback=callback)
-        assert done.wait(60), f"{len(results)} of 500 committed"
+        commit_on_leader(boxes, 500)
         assert checks[0] >= 2 and checks[1] >= 3, checks           # acks sent, leader ticks checked
         assert not violations, violations[:5]
         fsyncs = sum(j.fsync_count for j in journals)
@@ -269,21 +255,7 @@ def test_leader_syncs_its_appends_before_it_waits_for_replies(tmp_path):
         install_durable_journal(box, journal)
         boxes.append(box)
     try:
-        deadline = time.monotonic() + 30
-        while not any(b._isLeader() for b in boxes) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        lead = next(b for b in boxes if b._isLeader())
-        done = threading.Event()
-        results = []
-
-        def callback(result, error):
-            results.append(error)
-            if len(results) == 200:
-                done.set()
-
-        for _ in range(200):
-            lead.inc(callback=callback)
-        assert done.wait(60), f"{len(results)} of 200 committed"
+        commit_on_leader(boxes, 200)
         assert polls[0] > 0
         assert not late, f"the leader waited for replies with {len(late)} unsynced logs (lengths {late[:5]})"
     finally:
@@ -385,3 +357,22 @@ def test_install_refuses_a_file_journal_and_a_late_call(tmp_path):
             install_durable_journal(box, DurableJournal(str(tmp_path / "b")))
     finally:
         box.destroy()
+
+
+def commit_on_leader(boxes: list, n: int) -> None:
+    """Once one of ``boxes`` leads (bounded wait), propose ``n`` increments there; all must commit."""
+    deadline = time.monotonic() + 30
+    while not any(b._isLeader() for b in boxes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lead = next(b for b in boxes if b._isLeader())
+    done = threading.Event()
+    results = []
+
+    def callback(result, error):
+        results.append(error)
+        if len(results) == n:
+            done.set()
+
+    for _ in range(n):
+        lead.inc(callback=callback)
+    assert done.wait(60), f"{len(results)} of {n} committed"
