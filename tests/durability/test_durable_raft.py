@@ -233,7 +233,7 @@ def test_leader_syncs_its_appends_before_it_waits_for_replies(tmp_path):
     run before poll() waits for the followers' replies, not after the first one arrives (the two
     fsyncs side by side, Raft dissertation 10.2.1): whenever a leader enters poll(), its journal
     has nothing left to sync."""
-    addrs = [f"127.0.0.1:{38000 + i}" for i in range(3)]
+    addrs = [f"127.0.0.1:{16000 + i}" for i in range(3)]
     late: list[int] = []
     polls = [0]
     boxes = []

@@ -110,7 +110,7 @@ def test_nemesis_with_power_cuts() -> None:
     from raftps.chaos.nemesis import schedule
     assert {"powercut-leader", "powercut-all"} <= {s.fault for s in schedule(3, 30, False, power=True)}
     p = subprocess.run([sys.executable, "-m", "raftps.chaos", "--seconds", "30", "--seed", "3", "--no-netns",
-                        "--power-cuts", "--base-port", "36700"], capture_output=True, text=True, timeout=240)
+                        "--power-cuts", "--base-port", "16700"], capture_output=True, text=True, timeout=240)
     print(p.stdout[-3000:], p.stderr[-3000:])
     line = next((l for l in p.stdout.splitlines() if l.startswith("case=nemesis")), "")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

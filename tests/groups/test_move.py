@@ -3,7 +3,7 @@
 The state machine alone first (idempotent steps, typed errors, snapshots old and new), then real
 node processes on 127.0.0.1: a move under push load (every acknowledged push applied exactly
 once, Adam's state carried bit for bit), moves interrupted by a SIGKILLed mover and a SIGKILLed
-source leader and run again, bad input, and a cluster of one group. Base ports 37000-37040
+source leader and run again, bad input, and a cluster of one group. Base ports 15000-15040
 (a cluster at base B with G groups uses B+1.. B+303 + 400 g: bases 10 apart never collide)."""
 from __future__ import annotations
 
@@ -170,9 +170,9 @@ def test_bad_move_commands_get_typed_errors_and_change_no_tensor(command) -> Non
 # ---- real clusters -----------------------------------------------------------------------------------
 
 def start(run_dir, base_port: int, groups: int) -> LocalCluster:
-    """A started cluster. Our ports are in the kernel's ephemeral range (32768-60999), so another
-    process's outgoing connection may hold one (then in TIME-WAIT for a minute): a node that
-    cannot bind exits, and the cluster is started again 5, then 15 ports up."""
+    """A started cluster. Should another process hold one of its ports (this machine runs other
+    suites, benchmarks and clusters), a node that cannot bind exits, and the cluster is started
+    again 5, then 15 ports up."""
     for shift in (0, 5, 15):
         cl = LocalCluster(os.path.join(str(run_dir), f"base{base_port + shift}"), nodes=3,
                           base_port=base_port + shift, groups=groups)
@@ -188,7 +188,7 @@ def start(run_dir, base_port: int, groups: int) -> LocalCluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cl = start(tmp_path_factory.mktemp("move3"), 37000, groups=3)
+    cl = start(tmp_path_factory.mktemp("move3"), 15000, groups=3)
     try:
         yield cl
     finally:
@@ -572,7 +572,7 @@ def test_bad_moves_are_refused_and_change_nothing(cluster) -> None:
 
 
 def test_one_group_refuses_moves(tmp_path) -> None:
-    cl = start(tmp_path, 37040, groups=1)
+    cl = start(tmp_path, 15040, groups=1)
     try:
         with cl.client(timeout=30.0) as c:
             c.create("solo", np.zeros(2), SGD)
