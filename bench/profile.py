@@ -75,36 +75,49 @@ def perf_report(data: str, top: int = 14) -> dict[str, list[tuple[str, float]]]:
     return {"dso": rows("dso"), "symbol": rows("dso,sym")}
 
 
-def run_perf(size: int, clients: int, seconds: float, out: str, base_port: int = 9580) -> dict[str, Any]:
-    """``perf record`` of all three nodes under push load: where their CPU goes, kernel included."""
+def _under_load(size: int, clients: int, seconds: float, base_port: int,
+                record: Any) -> tuple[float, list[tuple[str, str]]]:
+    """A fresh 3-node cluster under ``clients`` pushes of ``size`` bytes for ``seconds``, while the
+    processes ``record(cluster, leader)`` started ([(role, process, output path)]) record its
+    nodes: (pushes/s, [(role, output path)])."""
     from raftps.localcluster import LocalCluster
-    os.makedirs(out, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
     cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
-    os.environ.update(cl.client_env)
+    os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     cl.start()
-    rec: list[tuple[str, subprocess.Popen, str]] = []
+    recorders: list[tuple[str, subprocess.Popen, str]] = []
     try:
         with cl.client(timeout=30.0) as c:
             c.create("w", np.zeros(size // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
-        leader = cl.leader()
+        recorders = record(cl, cl.leader())
+        args = [{"kind": "raftps", "op": "push", "addresses": cl.addresses, "name": "w", "size": size, "seed": k,
+                 "duration": seconds, "max_ops": 10**6, "timeout": 30.0} for k in range(clients)]
+        res = run_workers(args)
+        for _, p, _ in recorders:
+            p.wait(timeout=seconds + 60)
+        return res["ops_per_s"], [(role, path) for role, _, path in recorders]
+    finally:
+        for _, p, _ in recorders:
+            stop_pid(p)
+        cl.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_perf(size: int, clients: int, seconds: float, out: str, base_port: int = 9580) -> dict[str, Any]:
+    """``perf record`` of all three nodes under push load: where their CPU goes, kernel included."""
+    os.makedirs(out, exist_ok=True)
+
+    def record(cl: Any, leader: int) -> list[tuple[str, subprocess.Popen, str]]:
+        recorders = []
         for node in range(1, 4):
             role = "leader" if node == leader else f"follower{node}"
             path = os.path.join(out, f"perf_{role}_{size_label(size).replace(' ', '')}.data")
             cmd = ["perf", "record", "-F", "499", "-p", str(cl.pid(node)), "-o", path, "--", "sleep", str(int(seconds))]
-            rec.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
-        args = [{"kind": "raftps", "op": "push", "addresses": cl.addresses, "name": "w", "size": size, "seed": k,
-                 "duration": seconds, "max_ops": 10**6, "timeout": 30.0} for k in range(clients)]
-        res = run_workers(args)
-        for _, p, _ in rec:
-            p.wait(timeout=seconds + 60)
-        return {"size": size, "clients": clients, "pushes_per_s": res["ops_per_s"],
-                "nodes": {role: perf_report(path) for role, _, path in rec}}
-    finally:
-        for _, p, _ in rec:
-            stop_pid(p)
-        cl.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+            recorders.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+        return recorders
+    rate, paths = _under_load(size, clients, seconds, base_port, record)
+    return {"size": size, "clients": clients, "pushes_per_s": rate,
+            "nodes": {role: perf_report(path) for role, path in paths}}
 
 
 def print_perf(r: dict[str, Any]) -> None:
@@ -118,39 +131,23 @@ def print_perf(r: dict[str, Any]) -> None:
 
 def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580, rate: int = 100,
         gil: bool = False) -> dict[str, Any]:
-    from raftps.localcluster import LocalCluster
     spy = _py_spy()
     if not spy:
         raise RuntimeError("py-spy not found: pip install py-spy")
     os.makedirs(out, exist_ok=True)
-    run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
-    cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
-    os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
-    cl.start()
-    spies: list[tuple[str, subprocess.Popen, str]] = []
-    try:
-        with cl.client(timeout=30.0) as c:
-            c.create("w", np.zeros(size // 4, np.float32), optimizer={"name": "sgd", "lr": 0.01})
-        leader = cl.leader()
+
+    def record(cl: Any, leader: int) -> list[tuple[str, subprocess.Popen, str]]:
         follower = next(n for n in range(1, 4) if n != leader)
+        recorders = []
         for role, node in (("leader", leader), ("follower", follower)):
             path = os.path.join(out, f"profile_{role}_{size_label(size).replace(' ', '')}.txt")
             cmd = [spy, "record", "--format", "raw", "--threads", "--nonblocking", "--rate", str(rate),
                    "--duration", str(int(seconds)), "--pid", str(cl.pid(node)), "--output", path] + (["--gil"] if gil else [])
-            spies.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
-        args = [{"kind": "raftps", "op": "push", "addresses": cl.addresses, "name": "w", "size": size, "seed": k,
-                 "duration": seconds, "max_ops": 10**6, "timeout": 30.0} for k in range(clients)]
-        res = run_workers(args)
-        for _, p, _ in spies:
-            p.wait(timeout=seconds + 30)
-        result = {"size": size, "clients": clients, "pushes_per_s": res["ops_per_s"], "gil": gil,
-                  "nodes": {role: summarize(path) for role, _, path in spies}}
-    finally:
-        for _, p, _ in spies:
-            stop_pid(p)
-        cl.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return result
+            recorders.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+        return recorders
+    pushes_per_s, paths = _under_load(size, clients, seconds, base_port, record)
+    return {"size": size, "clients": clients, "pushes_per_s": pushes_per_s, "gil": gil,
+            "nodes": {role: summarize(path) for role, path in paths}}
 
 
 def print_report(r: dict[str, Any]) -> None:
