@@ -476,16 +476,21 @@ class Client:
                          rank: int | None = None) -> dict:
         """As push_sync, but the whole result: version, step, applied, count, and late (the step
         was applied before) or duplicate_rank (this rank had contributed; nothing changed)."""
-        fields: dict[str, Any] = {"step": int(step), "workers": int(workers)}
+        return self._contribute("push_sync", grads, step, workers, group, rank)
+
+    def _contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None,
+                    rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
+        """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group."""
+        fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
         if group is not None:
             fields["group"] = group
         if rank is not None:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self.groups() == 1:
-            return self._write("push_sync", tensors=grads, **fields)
+            return self._write(op, tensors=grads, waits=waits, **fields)
         return self._each_sync_group(group, self._split(grads),
-                                     lambda g, part: self._write("push_sync", g, tensors=part, **fields))
+                                     lambda g, part: self._write(op, g, waits=waits, tensors=part, **fields))
 
     def _each_sync_group(self, group: str | None, parts: dict[int, Any], write: Any) -> dict:
         """_each_group for a step's parts, remembering which Raft groups the step lives in."""
@@ -510,19 +515,8 @@ class Client:
         seq. With several Raft groups, each group's part in turn."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
-        fields: dict[str, Any] = {"step": int(step), "workers": int(workers), "timeout": float(timeout)}
-        if group is not None:
-            fields["group"] = group
-        if rank is not None:
-            fields["rank"] = int(rank)
-        if pull:
-            fields["pull"] = True
-        grads = {k: np.asarray(v) for k, v in grads.items()}
-        if self.groups() == 1:
-            return self._write("push_step", tensors=grads, waits=float(timeout), **fields)
-        parts = self._split(grads)
-        return self._each_sync_group(group, parts, lambda g, part: self._write(
-            "push_step", g, waits=float(timeout), tensors=part, **fields))
+        return self._contribute("push_step", grads, step, workers, group, rank, waits=float(timeout),
+                                timeout=float(timeout), **({"pull": True} if pull else {}))
 
     def _sync_groups(self, group: str | None) -> list[int]:
         """The Raft groups a sync group's steps live in: those this client contributed to, else all."""
