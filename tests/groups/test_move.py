@@ -20,6 +20,7 @@ from raftps import optim
 from raftps.client import Client
 from raftps.codec import Limits
 from raftps.errors import InvalidRequest, LimitExceeded, Moved, RaftpsError, Unavailable, UnknownTensor
+from tests.conftest import wait_converged
 from raftps.localcluster import LocalCluster, NodeExited
 from raftps.machine import TensorStore
 
@@ -576,6 +577,7 @@ def test_one_group_refuses_moves(tmp_path) -> None:
     try:
         with cl.client(timeout=30.0) as c:
             c.create("solo", np.zeros(2), SGD)
+            wait_converged(c, 3)      # every follower has applied the create before the digests are taken
             digest = {r["node"]: r["digest"] for r in cl.status()}
             with pytest.raises(InvalidRequest, match="one Raft group"):
                 c.move("solo", 1)
