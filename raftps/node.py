@@ -31,8 +31,9 @@ from .errors import Internal, InvalidRequest, RaftpsError, StepTimeout
 from .group_commit import BATCH, GroupCommit
 from .machine import TensorStore
 from .metrics import Instruments
-from .payloads import PayloadStore, digest_of, fsync_dir
+from .payloads import PayloadStore, digest_of
 from .raft import NotApplied, NotReady, RaftSettings, ReplicatedLog, SnapshotMeta
+from .raft.storage import OSStorage, storage_from_env, unsafe_skip_fsync
 
 log = logging.getLogger("raftps.node")
 # How long an applier waits for a payload the leader is still sending before asking a peer.
@@ -169,11 +170,14 @@ class RaftNode:
         durable = config.durability == "fsync"
         payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
                                              else default_payload_dir(config.data_dir))
+        # durable: the journal, payloads and snapshots share one file layer, which a test may
+        # replace by a simulated disk (RAFTPS_SIMDISK) to cut the power under all three at once
+        self.storage = storage_from_env() if durable else OSStorage()
         # durable: payloads on disk; every collected file is kept as a spare (up to the budget that
         # forces a snapshot) so that new payloads overwrite allocated blocks (payloads.py)
-        self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), fsync=durable,
+        self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), storage=self.storage,
+                                     fsync=durable and not unsafe_skip_fsync("payload"),
                                      **({"spare_bytes": config.payload_budget} if durable else {}))
-        self._synced_snapshot = 0                 # durable: snapshot index whose rename is fsynced
         others = [config.peers[n - 1] for n in range(1, len(config.peers) + 1) if n != config.node_id]
         # The other members' Raft addresses. Membership changes move them (raftps member
         # add/remove); tick() keeps the data plane and the majority in step.
@@ -200,7 +204,7 @@ class RaftNode:
             secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
             compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
-            durability=config.durability), self)
+            durability=config.durability, storage=self.storage), self)
         self.group_commit = GroupCommit(self.log, in_flight=config.entries_in_flight)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
         threading.Thread(target=self._collect_loop, name="payload-collect", daemon=True).start()
@@ -259,7 +263,8 @@ class RaftNode:
 
     def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
         # In the log's thread: no apply runs until the frame is written, so nothing is frozen.
-        snapshot_file.write(path, meta, self.machine.snapshot(share=False), fsync=self.config.durability == "fsync")
+        # Durable: the log fsyncs it, renames it into place and fsyncs the directory.
+        snapshot_file.write(path, meta, self.machine.snapshot(share=False), self.storage)
         self._snapshot_index = meta.index
         self.instruments.snapshots.labels("write").inc()
 
@@ -284,11 +289,6 @@ class RaftNode:
             log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
             self._members = members
             self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
-        if self.config.durability == "fsync" and self._snapshot_index > self._synced_snapshot:
-            # the log renamed the snapshot into place; its name is durable before (on the next
-            # tick) the log drops the entries it covers and before the payloads below go
-            fsync_dir(self.config.data_dir)
-            self._synced_snapshot = self._snapshot_index
         # The log renamed the snapshot into place right after save_snapshot returned, so the
         # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
         # pysyncobj keeps those two entries in its log and may still send them to a peer.

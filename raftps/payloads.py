@@ -38,18 +38,10 @@ import msgpack
 import numpy as np
 
 from . import codec
+from .raft.storage import OSStorage, Storage, write_whole
 
 PAYLOAD_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}-[0-9]{1,20}-[0-9a-f]{8}")
 SPARE_SUFFIX = ".spare"
-
-
-def fsync_dir(directory: str) -> None:
-    """Make the names in ``directory`` durable (a rename or create is not until its directory is)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _ordered_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
@@ -105,12 +97,14 @@ def verify_digest(pid: str, tensors: dict[str, np.ndarray], blob_digest: bytes) 
 
 class PayloadStore:
     def __init__(self, directory: str, owner: str | None = None, spare_bytes: int = 256 << 20,
-                 fsync: bool = False):
+                 fsync: bool = False, storage: Storage | None = None):
         """``fsync``: durable mode; a payload's file, then the directory, are fsynced before
-        ``put`` returns (so before the data plane acknowledges it)."""
-        self.directory = directory
+        ``put`` returns (so before the data plane acknowledges it). ``storage``: the file layer
+        (the node's, shared with its journal, so that a simulated disk sees every write)."""
+        self.directory = os.path.abspath(directory)
         self.spare_bytes = spare_bytes
         self.fsync = fsync
+        self.storage = storage or OSStorage()
         os.makedirs(directory, exist_ok=True)
         if owner is not None:       # lets a sweep tell an abandoned tmpfs dir from a live one
             # atomically: a sweep by another node starting now must never read it empty
@@ -132,9 +126,9 @@ class PayloadStore:
             if name == "OWNER":
                 continue
             if name.endswith((".tmp", SPARE_SUFFIX)):
-                os.unlink(os.path.join(directory, name))   # a write a crash interrupted, or a spare
+                self.storage.remove(os.path.join(self.directory, name))   # a write a crash interrupted, or a spare
             else:
-                self._disk_bytes += os.path.getsize(os.path.join(directory, name))
+                self._disk_bytes += os.path.getsize(os.path.join(self.directory, name))
 
     def _path(self, pid: str) -> str:
         if not PAYLOAD_ID.fullmatch(pid):
@@ -147,16 +141,16 @@ class PayloadStore:
             frame = codec.encode({"tensors": tensors})
             size = sum(len(b) for b in frame)
             tmp = self._take_spare(size) or f"{path}.{threading.get_ident()}.tmp"
-            with open(tmp, "r+b" if tmp.endswith(SPARE_SUFFIX) else "wb") as f:
-                for buf in frame:
-                    f.write(buf)
-                f.truncate()
+            f = self.storage.open(tmp)
+            try:
+                write_whole(f, frame)
                 if self.fsync:
-                    f.flush()
                     # data and size, not the timestamps: an overwritten spare then needs no
                     # journal commit of its own, only its blocks written
-                    os.fdatasync(f.fileno())
-            os.replace(tmp, path)
+                    f.datasync()
+            finally:
+                f.close()
+            self.storage.rename(tmp, path)
             if self.fsync:
                 self._sync_names()
             with self._cond:
@@ -246,11 +240,11 @@ class PayloadStore:
                 if self._spare_total + size <= self.spare_bytes:
                     self._spare_serial += 1
                     spare = os.path.join(self.directory, f"{self._spare_serial}{SPARE_SUFFIX}")
-                    os.replace(path, spare)
+                    self.storage.rename(path, spare)
                     bisect.insort(self._spares, (size, spare))
                     self._spare_total += size
                 else:
-                    os.unlink(path)
+                    self.storage.remove(path)
                 self._disk_bytes -= size
         except (FileNotFoundError, ValueError):
             return 0
@@ -279,14 +273,14 @@ class PayloadStore:
                 return                    # an fsync that began after our rename covered it
             with self._cond:
                 target = self._renames
-            fsync_dir(self.directory)
+            self.storage.fsync_dir(self.directory)
             self._names_synced = target
 
     def drop_spares(self) -> None:
         """Free the spares' memory (tmpfs) when the node stops."""
         while (spare := self._take_spare()) is not None:
             try:
-                os.unlink(spare)
+                self.storage.remove(spare)
             except FileNotFoundError:
                 pass
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import codec
 from .raft import SnapshotMeta
+from .raft.storage import OSStorage, Storage, write_whole
 
 NAME = "raft.snapshot"                   # in the node's data dir; the Raft library renames it into place
 NO_OP = struct.pack("B", 1)              # pysyncobj's _COMMAND_TYPE.NO_OP: applies as nothing
@@ -40,14 +41,15 @@ def from_frame(frame: Any) -> tuple[SnapshotMeta, dict]:
     return meta, machine
 
 
-def write(filename: str, meta: SnapshotMeta, machine: dict, fsync: bool = False) -> None:
-    """``fsync``: durable mode; the file is on disk before the log renames it into place (and
-    the node fsyncs the directory before the log drops the entries it covers)."""
-    with open(filename, "wb") as f:
-        codec.write_frame(f, to_frame(meta, machine))
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+def write(filename: str, meta: SnapshotMeta, machine: dict, storage: Storage | None = None) -> None:
+    """Not fsynced: a durable log fsyncs the file before it renames it into place, and the
+    directory after (raft/journal_hook.py, install_durable_snapshots). ``storage``: the node's
+    file layer, so that a simulated disk sees the writes."""
+    f = (storage or OSStorage()).open(filename)
+    try:
+        write_whole(f, codec.encode(to_frame(meta, machine)))
+    finally:
+        f.close()
 
 
 def read(filename: str, limits: codec.Limits | None = None) -> tuple[SnapshotMeta, dict]:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from raftps.payloads import SPARE_SUFFIX, PayloadStore, payload_id
+from raftps.raft.storage import OSStorage, SimulatedDisk
 
 
 def payload(seq: int, n: int = 1 << 16) -> tuple[str, dict]:
@@ -120,19 +121,18 @@ def test_a_spare_of_the_right_size_is_chosen(tmp_path) -> None:
     assert np.array_equal(store.get(pid)["w"], t["w"])
 
 
-def test_durable_puts_share_directory_fsyncs(tmp_path, monkeypatch) -> None:
+def test_durable_puts_share_directory_fsyncs(tmp_path) -> None:
     """A put returns only after a directory fsync that began after its rename; puts that renamed
     while one ran share the next."""
-    import raftps.payloads as payloads
-    store = PayloadStore(str(tmp_path), fsync=True)
     started, release, synced = threading.Event(), threading.Event(), []
 
-    def slow_fsync_dir(directory: str) -> None:
-        synced.append(sorted(n for n in os.listdir(directory) if not n.endswith(".tmp")))
-        if len(synced) == 1:
-            started.set()
-            release.wait(10)
-    monkeypatch.setattr(payloads, "fsync_dir", slow_fsync_dir)
+    class SlowDirSync(OSStorage):
+        def fsync_dir(self, directory: str) -> None:
+            synced.append(sorted(n for n in os.listdir(directory) if not n.endswith(".tmp")))
+            if len(synced) == 1:
+                started.set()
+                release.wait(10)
+    store = PayloadStore(str(tmp_path), fsync=True, storage=SlowDirSync())
     first = threading.Thread(target=store.put, args=payload(1))
     first.start()
     assert started.wait(10)                          # the first put's directory fsync is running
@@ -147,3 +147,29 @@ def test_durable_puts_share_directory_fsyncs(tmp_path, monkeypatch) -> None:
         t.join(10)
     assert len(synced) == 2                          # one for the first put, one for the other three
     assert synced[1] == sorted(payload(seq)[0] for seq in (1, 2, 3, 4))
+
+
+def test_durable_payloads_survive_a_power_cut_on_the_simulated_disk(tmp_path) -> None:
+    """Every put that returned is there after a cut, into new files and into spares alike; a
+    spare's old payload never shows under a new id. Without fsync the same cut loses them."""
+    for fsync in (True, False):
+        directory, disk = str(tmp_path / f"payloads{fsync}"), SimulatedDisk(str(tmp_path / f"disk{fsync}"))
+        store = PayloadStore(directory, fsync=fsync, storage=disk, spare_bytes=1 << 30)
+        written = [payload(seq, 1 << 12) for seq in range(1, 5)]
+        for index, (pid, tensors) in enumerate(written, 1):
+            store.put(pid, tensors)
+            store.applied(pid, index)
+        store.collect(2)                             # two spares, then overwritten by two new puts
+        written += [payload(seq, 1 << 12) for seq in (5, 6)]
+        for pid, tensors in written[4:]:
+            store.put(pid, tensors)
+        assert not spares(directory)
+        disk.power_cut("synced")
+        disk.close()
+        after = PayloadStore(directory, fsync=fsync, storage=OSStorage())
+        survived = [pid for pid, tensors in written[2:]
+                    if (got := after.get(pid)) is not None and np.array_equal(got["w"], tensors["w"])]
+        if fsync:
+            assert survived == [pid for pid, _ in written[2:]]
+        else:
+            assert survived == []

@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from .storage import Storage
+
 
 class NotReady(Exception):
     """Raised by ``Applier.apply``: this entry cannot be applied yet (its payload is on its way).
@@ -82,6 +84,9 @@ class RaftSettings:
     # "fsync": the log, term and vote are fsynced before they count (a follower's acknowledgement,
     # the leader's own vote in the commit count, a granted vote); "none": never fsynced.
     durability: str = "none"
+    # The file layer of the durable journal and snapshots (None: storage_from_env()), shared with
+    # the payload store so that a simulated disk logs all of a node's files in one order.
+    storage: Storage | None = None
 
 
 @dataclass

@@ -7,17 +7,22 @@ Only pysyncobj's name-mangled attributes (``_SyncObj__...``) and ``_onTick`` are
 If an fsync fails, ``journal.sync()`` raises ``JournalFailed`` from then on, so every later tick
 fails at its start (pysyncobj logs it and retries): queued acknowledgements are never sent and the
 node neither votes nor leads again. It has to be restarted; ``journal.failed`` says why.
+
+``install_durable_snapshots`` does the same for the snapshot file: fsynced, renamed into place and
+its directory fsynced before pysyncobj drops the log it covers.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from pysyncobj import SyncObj
 from pysyncobj.journal import MemoryJournal
 
 from .journal import DurableJournal
+from .storage import Storage, StorageFile
 
 log = logging.getLogger("raftps.raft.journal_hook")
 
@@ -127,3 +132,73 @@ def _drop_below_snapshot(journal: DurableJournal, data: Any) -> None:
         log.warning("journal %s: dropping %d entries below the snapshot at index %d",
                     journal.path, pos, last[1])
         journal.deleteEntriesTo(pos)
+
+
+def install_durable_snapshots(syncobj: SyncObj, storage: Storage, fsync: bool = True) -> None:
+    """Make ``syncobj``'s snapshot file durable before anything relies on it.
+
+    pysyncobj 0.3.17 (serializer.py) renames a snapshot into place without an fsync of the file
+    or of its directory, both for its own (``serialize``: our serializer callback writes ``.tmp``)
+    and for one a leader streams to it (``setTransmissionData``: chunks appended to ``.1.tmp``).
+    Then it drops the log the snapshot covers: at its next compaction for its own, and at once,
+    durably, for a received one (``__loadDumpFile(clearJournal=True)``). A power cut in between
+    left the journal starting after a snapshot file that was empty, torn or the older one, so the
+    node restarted without the entries in between. Here both paths write through ``storage`` and
+    fsync the file, rename it and fsync the directory before pysyncobj goes on.
+
+    ``fsync=False`` (tests only, UNSAFE): the same writes without the fsyncs."""
+    serializer = syncobj._SyncObj__serializer
+    path = os.path.abspath(serializer._Serializer__fileName)
+    write = serializer._Serializer__serializer
+    if write is None:
+        raise RuntimeError("install_durable_snapshots: the SyncObj needs a serializer callback")
+    incoming: list[StorageFile] = []             # the received snapshot being assembled
+
+    def install(f: StorageFile) -> None:
+        try:
+            if fsync:
+                f.fsync()
+        finally:
+            f.close()
+        storage.rename(f.path, path)
+        if fsync:
+            storage.fsync_dir(os.path.dirname(path))
+
+    def serialize(data: Any, serialize_id: int) -> None:
+        if serializer._Serializer__pid != 0:
+            return
+        serializer._Serializer__currentID = serialize_id
+        tmp = path + ".tmp"
+        try:
+            write(tmp, data[1:])
+            install(storage.open(tmp, create=False))
+            serializer._Serializer__pid = -1       # what pysyncobj's checkSerializing reads: done
+        except Exception:
+            log.exception("writing the snapshot %s failed", path)
+            serializer._Serializer__pid = -2       # failed: the log is not compacted
+
+    def set_transmission_data(data: Any) -> bool:
+        if data is None:
+            return False
+        chunk, first, last = data
+        try:
+            if first:
+                while incoming:
+                    incoming.pop().close()
+                f = storage.open(path + ".1.tmp")
+                f.truncate(0)
+                incoming.append(f)
+            elif not incoming:
+                return False
+            incoming[0].append(chunk)
+            if last:
+                install(incoming.pop())
+            return bool(last)
+        except Exception:
+            log.exception("receiving the snapshot %s failed", path)
+            while incoming:
+                incoming.pop().close()
+            return False
+
+    serializer.serialize = serialize
+    serializer.setTransmissionData = set_transmission_data

@@ -23,10 +23,10 @@ from pysyncobj.node import TCPNode
 
 from . import Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta, stored_zlib
 from .journal import DurableJournal, import_file_journal
-from .journal_hook import install_durable_journal
+from .journal_hook import install_durable_journal, install_durable_snapshots
 from .peer_mac import PeerMac
 from .pysyncobj_fixes import install as install_fixes
-from .storage import storage_from_env
+from .storage import Storage, storage_from_env, unsafe_skip_fsync
 from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections, send_read_probe
 
 log = logging.getLogger("raftps.raft")
@@ -112,7 +112,7 @@ class _Core(SyncObj):
         return not self._SyncObj__conf.appendEntriesUseBatch
 
 
-def _open_journal(data_dir: str, durable: bool) -> DurableJournal | None:
+def _open_journal(data_dir: str, durable: bool, storage: Storage) -> DurableJournal | None:
     """The durable journal (None: pysyncobj's own file journal). A data dir keeps its mode: one
     that ran durable refuses to start without it (its log is not in pysyncobj's file); one that
     did not is carried over into the durable journal, term and vote included."""
@@ -124,10 +124,7 @@ def _open_journal(data_dir: str, durable: bool) -> DurableJournal | None:
         return None
     # RAFTPS_UNSAFE_JOURNAL_NO_FSYNC=1 (tests only): the durable journal's format, never fsynced, so
     # the power-cut test shows what it catches (tests/durability/test_power_cut.py)
-    fsync = os.environ.get("RAFTPS_UNSAFE_JOURNAL_NO_FSYNC") != "1"
-    if not fsync:
-        log.warning("UNSAFE: the durable journal is never fsynced (RAFTPS_UNSAFE_JOURNAL_NO_FSYNC, tests only)")
-    journal = DurableJournal(durable_dir, storage=storage_from_env(), fsync=fsync)
+    journal = DurableJournal(durable_dir, storage=storage, fsync=not unsafe_skip_fsync("journal"))
     if os.path.isfile(plain) and len(journal) == 0:
         copied = import_file_journal(plain, journal)
         os.replace(plain, plain + ".imported")
@@ -182,10 +179,12 @@ class SyncObjLog(ReplicatedLog):
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
         limit_peer_reads()                                 # no 2 GiB buffers for strangers
-        journal = _open_journal(settings.data_dir, durable)
+        storage = settings.storage or storage_from_env()
+        journal = _open_journal(settings.data_dir, durable, storage)
         self._core = core = _Core(applier, settings, conf)
         if journal is not None:
             install_durable_journal(core, journal)
+            install_durable_snapshots(core, storage, fsync=not unsafe_skip_fsync("snapshot"))
         install_fixes(core)
         install_read_probes(core, self._on_read_ack)
         limit_unknown_connections(core)

@@ -62,6 +62,7 @@ directories once, at start, and fsync the parent themselves where it matters.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import struct
@@ -70,6 +71,7 @@ import weakref
 import zlib
 from typing import Iterable
 
+log = logging.getLogger("raftps.raft.storage")
 SIMDISK_ENV = "RAFTPS_SIMDISK"
 _LOG_NAME = "ops.log"
 _LOG_HEAD = struct.Struct("<III")      # header length, data length, crc32(header + data)
@@ -96,6 +98,10 @@ class StorageFile:
 
     def fsync(self) -> None:
         raise NotImplementedError
+
+    def datasync(self) -> None:
+        """``fsync`` without the timestamps (``fdatasync``): the data and the size are durable."""
+        self.fsync()
 
     @property
     def size(self) -> int:
@@ -154,6 +160,29 @@ def write_atomic(storage: Storage, path: str, data: bytes, fsync: bool = True) -
         storage.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def write_whole(f: StorageFile, buffers: Iterable[bytes | memoryview]) -> int:
+    """Make ``f`` hold exactly ``buffers``, written in place from the caller's memory (no join,
+    no copy: a payload's arrays go from their buffers to the file); returns the size."""
+    size = 0
+    for buf in buffers:
+        f.write(size, buf)
+        size += len(buf)
+    if f.size != size:                           # a longer file overwritten (a spare), or a stale tmp
+        f.truncate(size)
+    return size
+
+
+def unsafe_skip_fsync(what: str) -> bool:
+    """Tests only: ``RAFTPS_UNSAFE_<WHAT>_NO_FSYNC=1`` turns off the fsyncs of one durable writer
+    (journal, payload, snapshot), so that a power-cut test can show that its check catches what
+    they protect (the twins in tests/durability/test_power_cut.py)."""
+    variable = f"RAFTPS_UNSAFE_{what.upper()}_NO_FSYNC"
+    skip = os.environ.get(variable) == "1"
+    if skip:
+        log.warning("UNSAFE: %s files are never fsynced (%s, tests only)", what, variable)
+    return skip
+
+
 # ---- the real disk -------------------------------------------------------------------------------
 
 class OSFile(StorageFile):
@@ -183,6 +212,9 @@ class OSFile(StorageFile):
 
     def fsync(self) -> None:
         os.fsync(self._fd)
+
+    def datasync(self) -> None:
+        os.fdatasync(self._fd)
 
     @property
     def size(self) -> int:
@@ -531,10 +563,27 @@ class SimulatedDisk(Storage):
             return contents
 
     def close(self) -> None:
+        with _shared_lock:
+            if _shared.get(self.state_dir) is self:
+                del _shared[self.state_dir]
         os.close(self._log_fd)
 
 
+_shared: dict[str, SimulatedDisk] = {}
+_shared_lock = threading.Lock()
+
+
 def storage_from_env(env: dict[str, str] | None = None) -> Storage:
-    """A SimulatedDisk logging to ``$RAFTPS_SIMDISK`` if it is set, else the real disk."""
+    """A SimulatedDisk logging to ``$RAFTPS_SIMDISK`` if it is set, else the real disk.
+
+    One SimulatedDisk per state dir and process: the journal, payloads and snapshots of a node
+    (of every Raft group it hosts) must log to one operation log, in one order, or a replay would
+    hand out the same inode numbers twice."""
     state_dir = (os.environ if env is None else env).get(SIMDISK_ENV)
-    return SimulatedDisk(state_dir) if state_dir else OSStorage()
+    if not state_dir:
+        return OSStorage()
+    with _shared_lock:
+        disk = _shared.get(os.path.abspath(state_dir))
+        if disk is None:
+            disk = _shared[os.path.abspath(state_dir)] = SimulatedDisk(state_dir)
+        return disk

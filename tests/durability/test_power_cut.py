@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import pytest
 
+from raftps import snapshot_file
+from raftps.chaos.checker import Result
 from raftps.chaos.harness import Harness, assert_clean
+from raftps.chaos.history import OK, PUSH
 from raftps.raft.pysyncobj_log import LEADER_LOG
 from raftps.raft.storage import power_cut
 
@@ -46,27 +52,55 @@ def assert_one_leader_per_term(log_files: list[str]) -> None:
     assert not two, f"terms with two leaders: {two}"
 
 
-def run(tmp_path, base_port: int, mode: str, fsync: bool = True):
+ALL = (1, 2, 3)
+
+
+@dataclass
+class Run:
+    result: Result
+    line: str
+    acked_pushes: int
+    cut_files: Counter = field(default_factory=Counter)   # kind of file -> files a cut rewrote or removed
+
+
+def file_kind(path: str) -> str:
+    if "/payloads/" in path:
+        return "payload"
+    return "snapshot" if os.path.basename(path).startswith(snapshot_file.NAME) else "journal"
+
+
+def run(tmp_path, base_port: int, mode: str, unsafe: str | None = None, cuts: Sequence[Sequence[int]] = (ALL, ALL),
+        node_args: Sequence[str] = ("--compaction-entries", "1000000"), n: int = 1000, seconds: float = 16.0) -> Run:
+    """The one-hot workload on three durable nodes, with the power of ``cuts[i]`` (node numbers)
+    cut in ``mode`` every 3 s; ``unsafe``: the writer (journal, payload, snapshot) whose fsyncs a
+    twin turns off. Checks election safety unless fsyncs are off."""
     simdisk = str(tmp_path / "simdisk")
     env = {"RAFTPS_SIMDISK": os.path.join(simdisk, "node{node}")}
-    if not fsync:
-        env["RAFTPS_UNSAFE_JOURNAL_NO_FSYNC"] = "1"
-    with Harness(f"power-cut-{mode}" + ("" if fsync else "-nofsync"), str(tmp_path / "run"), base_port=base_port,
-                 durability="fsync", env=env, node_args=["--compaction-entries", "1000000"], n=1000) as h:
-        h.load(16.0)
-        for round_ in range(2):
+    if unsafe:
+        env[f"RAFTPS_UNSAFE_{unsafe.upper()}_NO_FSYNC"] = "1"
+    cut_files: Counter = Counter()
+    with Harness(f"power-cut-{mode}" + (f"-no-{unsafe}-fsync" if unsafe else ""), str(tmp_path / "run"),
+                 base_port=base_port, durability="fsync", env=env, node_args=list(node_args), n=n) as h:
+        h.load(seconds)
+        for round_, nodes in enumerate(cuts):
             h.wait(3.0)
-            h.event(f"power cut {round_ + 1}: every node")
-            h.kill_all()
-            for node in range(1, 4):
-                power_cut(os.path.join(simdisk, f"node{node}"), mode, seed=round_)
-            for node in range(1, 4):
+            h.event(f"power cut {round_ + 1}: node(s) {list(nodes)}")
+            if len(nodes) == len(ALL):
+                h.kill_all()
+            else:
+                for node in nodes:
+                    h.kill(node)
+            for node in nodes:
+                survived = power_cut(os.path.join(simdisk, f"node{node}"), mode, seed=round_)
+                cut_files.update(file_kind(path) for path in survived)
+            for node in nodes:
                 h.cluster.start_node(node)
         result, line = h.finish()
-        logs = [h.cluster.log_file(node) for node in range(1, 4)]
-    if fsync:
+        acked = sum(1 for op in h.history.completed() if op.kind == PUSH and op.outcome == OK)
+        logs = [h.cluster.log_file(node) for node in ALL]
+    if not unsafe:
         assert_one_leader_per_term(logs)
-    return result, line
+    return Run(result, line, acked, cut_files)
 
 
 def test_the_leader_check_finds_two_leaders_in_a_term(tmp_path) -> None:
@@ -82,24 +116,92 @@ def test_the_leader_check_finds_two_leaders_in_a_term(tmp_path) -> None:
 
 
 def test_power_cut_of_every_node_loses_nothing_acknowledged(tmp_path) -> None:
-    result, line = run(tmp_path, 30640, "synced")
-    assert result.ok > 0
-    assert_clean(result, line)
+    r = run(tmp_path, 30640, "synced")
+    assert r.result.ok > 0
+    assert_clean(r.result, r.line)
 
 
 def test_torn_power_cut_loses_nothing_acknowledged(tmp_path) -> None:
-    result, line = run(tmp_path, 30660, "torn")
-    assert result.ok > 0
-    assert_clean(result, line)
+    r = run(tmp_path, 30660, "torn")
+    assert r.result.ok > 0
+    assert_clean(r.result, r.line)
+
+
+def assert_lost_acknowledged(tmp_path, base_port: int, unsafe: str, **kwargs) -> None:
+    """A twin: with ``unsafe``'s fsyncs off the same cuts lose acknowledged pushes, or the state
+    itself (no final read), or leave replicas that differ."""
+    try:
+        r = run(tmp_path, base_port, "synced", unsafe=unsafe, **kwargs)
+    except AssertionError as exc:          # the tensor itself was lost: there is no final state to read
+        assert "no linearizable read of the final state" in str(exc)
+        return
+    assert r.result.acked_lost > 0 or not r.result.replicas_identical, r.line
 
 
 def test_without_fsync_the_same_cut_loses_acknowledged_pushes(tmp_path) -> None:
     try:
-        result, line = run(tmp_path, 30680, "synced", fsync=False)
+        r = run(tmp_path, 30680, "synced", unsafe="journal")
     except AssertionError as exc:          # the tensor itself was lost: there is no final state to read
         assert "no linearizable read of the final state" in str(exc)
         return
-    assert not result.valid and result.acked_lost > 0, line
+    assert not r.result.valid and r.result.acked_lost > 0, r.line
+
+
+# Pushes of 2048 float64 (16 KiB, above the 8 KiB that travel inside a log entry) go through the
+# data plane as payload files; a snapshot every 30 entries or 1 MiB of payloads, so snapshots are
+# written, payloads collected into spares and spares overwritten all through the run.
+PAYLOAD_N = 2048
+COMPACTING = ("--compaction-entries", "30", "--payload-budget-mb", "1")
+ONE_ALL_TWO = ((1,), ALL, (2, 3))
+
+
+@pytest.mark.parametrize("mode, base_port", [("synced", 17000), ("torn", 17010)])
+def test_power_cuts_with_payloads_and_snapshots_lose_nothing_acknowledged(tmp_path, mode: str, base_port: int) -> None:
+    r = run(tmp_path, base_port, mode, cuts=ONE_ALL_TWO, node_args=COMPACTING, n=PAYLOAD_N)
+    print(f"{r.acked_pushes} acknowledged pushes; files the cuts rewrote or removed: {dict(r.cut_files)}")
+    assert r.acked_pushes > 0
+    assert r.cut_files["payload"] > 0 and r.cut_files["snapshot"] > 0, r.cut_files   # the cuts reached them
+    assert_clean(r.result, r.line)
+
+
+@pytest.mark.parametrize("unsafe, base_port", [("payload", 17020), ("snapshot", 17030)])
+def test_without_payload_or_snapshot_fsync_the_same_cuts_lose_acknowledged_pushes(tmp_path, unsafe: str,
+                                                                                 base_port: int) -> None:
+    assert_lost_acknowledged(tmp_path, base_port, unsafe, cuts=ONE_ALL_TWO, node_args=COMPACTING, n=PAYLOAD_N)
+
+
+def cut_after_receiving_a_snapshot(tmp_path, base_port: int, unsafe: str | None = None) -> tuple[int, Result, str]:
+    """Node 3 is down while the others compact past its log, restarts and receives the leader's
+    snapshot, and loses its power before it writes one of its own. Returns the snapshot index it
+    received and the check."""
+    env = {f"RAFTPS_UNSAFE_{unsafe.upper()}_NO_FSYNC": "1"} if unsafe else {}
+    with Harness("received-snapshot" + (f"-no-{unsafe}-fsync" if unsafe else ""), str(tmp_path / "run"),
+                 base_port=base_port, power_cuts=True, env=env, node_args=list(COMPACTING), n=PAYLOAD_N) as h:
+        h.kill(3)
+        h.load(3.0)
+        for w in h.workloads:
+            w.join()
+        h.cluster.start_node(3)
+        assert h.wait_caught_up(3) is not None, "node 3 did not catch up"
+        received = h.status(3)["snapshot_index"]
+        h.power_cut([3], "synced")
+        h.cluster.start_node(3)
+        result, line = h.finish()
+    return received, result, line
+
+
+def test_a_received_snapshot_survives_a_power_cut(tmp_path) -> None:
+    """The follower's copy of the leader's snapshot is fsynced, renamed and its directory fsynced
+    before pysyncobj clears its journal for it (it was not: journal_hook.install_durable_snapshots)."""
+    received, result, line = cut_after_receiving_a_snapshot(tmp_path, 17040)
+    assert received > 0, "node 3 caught up without a snapshot: nothing tested"
+    assert_clean(result, line)
+
+
+def test_a_received_snapshot_without_fsync_is_lost_to_the_cut(tmp_path) -> None:
+    received, result, line = cut_after_receiving_a_snapshot(tmp_path, 17050, unsafe="snapshot")
+    assert received > 0, "node 3 caught up without a snapshot: nothing tested"
+    assert not result.replicas_identical, line
 
 
 def test_nemesis_with_power_cuts() -> None:
