@@ -4,9 +4,16 @@ Every durable writer (the Raft journal, payload files, snapshots) does its file 
 :class:`Storage`, so that a test can swap the real disk for :class:`SimulatedDisk` and cut the power.
 
 ``Storage`` (and the files it opens, :class:`StorageFile`) offers exactly what a careful writer
-needs: open/create, append, positional write, read, truncate, fsync of a file, fsync of a directory,
-rename and remove. :func:`write_atomic` builds the one composite everybody needs (write a temporary
-file, fsync it, rename it over the target, fsync the directory).
+needs: open/create, append, positional write, read, truncate, fsync (and fdatasync) of a file, fsync
+of a directory, rename and remove. :func:`write_atomic` builds the one composite everybody needs
+(write a temporary file, fsync it, rename it over the target, fsync the directory), and
+:func:`write_whole` writes a frame's buffers (a payload's arrays) straight from their memory.
+
+A durable node builds one ``Storage`` (:func:`storage_from_env`) and hands it to its journal
+(``raft/journal.py``), its payload store (``payloads.py``) and its snapshot writer
+(``snapshot_file.py``, made durable by ``raft/journal_hook.py``'s ``install_durable_snapshots``),
+so a power cut hits all of a node's files at the same instant. A node without ``--durability
+fsync`` keeps payloads in tmpfs through :class:`OSStorage`, which adds nothing to the system calls.
 
 Two implementations:
 
@@ -45,8 +52,8 @@ directory fsync. A power cut (:meth:`DiskModel.cut`) then computes each path's c
 
 Across processes
 ----------------
-A node started with ``RAFTPS_SIMDISK=<state dir>`` in its environment (see :func:`storage_from_env`)
-logs to ``<state dir>/ops.log``. The harness SIGKILLs it and calls :func:`power_cut` with the same
+A node started with ``RAFTPS_SIMDISK=<state dir>`` in its environment (see :func:`storage_from_env`,
+which gives every caller in the process the same disk) logs to ``<state dir>/ops.log``. The harness SIGKILLs it and calls :func:`power_cut` with the same
 state dir: the log is replayed, every path the log knows about is rewritten (or removed) to its
 post-cut state, and the log is emptied: the files on disk are now the durable state, which the next
 process's log takes as its base (it records a file's content the first time it touches it). A

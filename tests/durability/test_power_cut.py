@@ -1,15 +1,22 @@
 """Simulated power loss of whole raftps nodes under load (issue 15).
 
-Every node runs with --durability fsync and its journal on a simulated disk (raftps/raft/
-storage.py, one state dir per node): every write and fsync is logged, so after SIGKILLing all
-three nodes the test can cut every journal file back to what was fsynced ("synced"), or keep a
-seeded-random part of the rest ("torn", as a page cache may). The nodes restart and the one-hot
+Every node runs with --durability fsync and its files on a simulated disk (raftps/raft/storage.py,
+one state dir per node): every write and fsync of its journal, payloads and snapshots is logged,
+so after SIGKILLing nodes the test can cut every file back to what was fsynced ("synced"), or keep
+a seeded-random part of the rest ("torn", as a page cache may). The nodes restart and the one-hot
 workload goes on; the checker then demands every acknowledged push exactly once, linearizable
-reads and identical replicas. The workload's tensor is 1000 float64 (8000 bytes): its pushes
-travel inside the log entries, and compaction is off, so the journal holds the whole state.
+reads and identical replicas.
 
-The same test with the journal never fsynced (a test-only switch) must lose acknowledged pushes:
-it shows the cut is real and the check can fail.
+Two workloads. The first pushes 1000 float64 (8000 bytes), which travel inside the log entries,
+with compaction off, and cuts all three nodes twice: the journal holds the whole state. The second
+pushes 2048 float64 (16 KiB), which go through the data plane as payload files, with a snapshot
+every 30 entries or 1 MiB of payloads, and cuts one node, then all three, then two: payload files
+(new ones and overwritten spares), snapshots written and snapshots received from the leader are on
+the cut disk too.
+
+Each has a twin with one writer's fsyncs off (a test-only switch, RAFTPS_UNSAFE_<WRITER>_NO_FSYNC):
+the same cuts must then lose acknowledged pushes or the state, or break a replica. That shows the
+cut is real and the check can fail.
 
 Election safety too: every node logs the term in which it becomes leader, and across the power
 cuts no term may have had two leaders (a node that forgot its vote could elect a second one)."""
@@ -134,7 +141,9 @@ def assert_lost_acknowledged(tmp_path, base_port: int, unsafe: str, **kwargs) ->
         r = run(tmp_path, base_port, "synced", unsafe=unsafe, **kwargs)
     except AssertionError as exc:          # the tensor itself was lost: there is no final state to read
         assert "no linearizable read of the final state" in str(exc)
+        print(f"without {unsafe} fsyncs: {exc}")
         return
+    print(f"without {unsafe} fsyncs: {r.acked_pushes} acknowledged pushes; {r.line}")
     assert r.result.acked_lost > 0 or not r.result.replicas_identical, r.line
 
 
