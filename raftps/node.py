@@ -289,9 +289,10 @@ class RaftNode:
             log.warning("membership changed: other members %s (were %s)", sorted(members), sorted(self._members))
             self._members = members
             self.peers.set_addresses([offset_address(a, self.config.data_offset) for a in sorted(members)])
-        # The log renamed the snapshot into place right after save_snapshot returned, so the
-        # payloads it covers are no longer needed to restart. Keep the two newest entries' payloads:
-        # pysyncobj keeps those two entries in its log and may still send them to a peer.
+        # The log renamed the snapshot into place right after save_snapshot returned (durable:
+        # fsynced, with its directory), so the payloads it covers are no longer needed to
+        # restart. Keep the two newest entries' payloads: pysyncobj keeps those two entries in
+        # its log and may still send them to a peer.
         if self._snapshot_index - 2 > self._collected_through:
             self._collected_through = self._snapshot_index - 2
             # not in the log's thread: removing the few hundred files of a snapshot's worth of

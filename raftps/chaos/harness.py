@@ -152,9 +152,9 @@ class Harness:
             except ProcessLookupError:
                 pass
 
-    def power_cut(self, nodes: Sequence[int], mode: str = "torn", seed: int = 0) -> None:
+    def power_cut(self, nodes: Sequence[int], mode: str = "torn", seed: int = 0) -> dict[str, bytes | None]:
         """SIGKILL ``nodes`` and cut their simulated disks (Harness(power_cuts=True)); the caller
-        restarts them."""
+        restarts them. Returns every file the cuts rewrote (None: removed)."""
         if self.simdisk is None:
             raise RuntimeError("power_cut needs Harness(power_cuts=True)")
         if len(nodes) == self.nodes:
@@ -162,8 +162,10 @@ class Harness:
         else:
             for node in nodes:
                 self.kill(node)
+        survived: dict[str, bytes | None] = {}
         for node in nodes:
-            power_cut(os.path.join(self.simdisk, f"node{node}"), mode, seed)
+            survived.update(power_cut(os.path.join(self.simdisk, f"node{node}"), mode, seed))
+        return survived
 
     def kill_all(self) -> None:
         """SIGKILL every running node at once, then wait until all are gone."""

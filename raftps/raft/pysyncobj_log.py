@@ -112,7 +112,7 @@ class _Core(SyncObj):
         return not self._SyncObj__conf.appendEntriesUseBatch
 
 
-def _open_journal(data_dir: str, durable: bool, storage: Storage) -> DurableJournal | None:
+def _open_journal(data_dir: str, durable: bool, storage: Storage | None) -> DurableJournal | None:
     """The durable journal (None: pysyncobj's own file journal). A data dir keeps its mode: one
     that ran durable refuses to start without it (its log is not in pysyncobj's file); one that
     did not is carried over into the durable journal, term and vote included."""
@@ -124,7 +124,7 @@ def _open_journal(data_dir: str, durable: bool, storage: Storage) -> DurableJour
         return None
     # RAFTPS_UNSAFE_JOURNAL_NO_FSYNC=1 (tests only): the durable journal's format, never fsynced, so
     # the power-cut test shows what it catches (tests/durability/test_power_cut.py)
-    journal = DurableJournal(durable_dir, storage=storage, fsync=not unsafe_skip_fsync("journal"))
+    journal = DurableJournal(durable_dir, storage=storage or storage_from_env(), fsync=not unsafe_skip_fsync("journal"))
     if os.path.isfile(plain) and len(journal) == 0:
         copied = import_file_journal(plain, journal)
         os.replace(plain, plain + ".imported")
@@ -179,12 +179,11 @@ class SyncObjLog(ReplicatedLog):
         )
         stored_zlib.install()                              # before SyncObj opens any peer connection
         limit_peer_reads()                                 # no 2 GiB buffers for strangers
-        storage = settings.storage or storage_from_env()
-        journal = _open_journal(settings.data_dir, durable, storage)
+        journal = _open_journal(settings.data_dir, durable, settings.storage)
         self._core = core = _Core(applier, settings, conf)
         if journal is not None:
             install_durable_journal(core, journal)
-            install_durable_snapshots(core, storage, fsync=not unsafe_skip_fsync("snapshot"))
+            install_durable_snapshots(core, journal.storage, fsync=not unsafe_skip_fsync("snapshot"))
         install_fixes(core)
         install_read_probes(core, self._on_read_ack)
         limit_unknown_connections(core)

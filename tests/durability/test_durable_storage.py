@@ -298,3 +298,47 @@ def test_offsets_past_4_gib(tmp_path):
     assert f.read(far, 100) == b"beyond" and os.path.getsize(str(tmp_path / "sparse")) == far + 6
     f.close()
     s.remove(str(tmp_path / "sparse"))          # pytest keeps tmp dirs: leave no 5 GiB file behind
+
+
+def test_storage_from_env_gives_one_disk_per_state_dir(tmp_path):
+    """The journal, payloads and snapshots of a node (and of every group it hosts) log to one disk."""
+    env = {SIMDISK_ENV: str(tmp_path / "s")}
+    d = storage_from_env(env)
+    assert storage_from_env(env) is d
+    d.close()
+    assert storage_from_env(env) is not d
+    storage_from_env(env).close()
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_snapshots_written_and_received_survive_a_cut_only_when_fsynced(tmp_path, fsync):
+    """install_durable_snapshots on pysyncobj's Serializer: the node's own snapshot and one
+    streamed in chunks by a leader are on the disk after a "synced" cut, or gone without fsync."""
+    from pysyncobj.config import SERIALIZER_STATE
+    from pysyncobj.serializer import Serializer
+
+    from raftps.raft.journal_hook import install_durable_snapshots
+    disk = SimulatedDisk(str(tmp_path / "state"))
+    path = str(tmp_path / "raft.snapshot")
+
+    def write(filename, data):
+        f = disk.open(filename)
+        f.write(0, data[0])
+        f.close()
+
+    class Node:                                   # what install_durable_snapshots reads of a SyncObj
+        _SyncObj__serializer = Serializer(path, 1 << 20, False, write, None, None)
+    serializer = Node._SyncObj__serializer
+    install_durable_snapshots(Node, disk, fsync=fsync)
+    serializer.serialize((None, b"own snapshot"), 7)
+    assert serializer.checkSerializing() == (SERIALIZER_STATE.SUCCESS, 7)
+    disk.power_cut("synced")
+    assert read(path) == (b"own snapshot" if fsync else None)
+
+    chunks = [(b"rec", True, False), (b"eiv", False, False), (b"ed", False, False), (b"", False, True)]
+    assert [serializer.setTransmissionData(c) for c in chunks] == [False, False, False, True]
+    assert read(path) == b"received"
+    disk.power_cut("synced")
+    assert read(path) == (b"received" if fsync else None)
+    assert not os.path.exists(path + ".1.tmp")
+    disk.close()

@@ -35,7 +35,6 @@ from raftps.chaos.checker import Result
 from raftps.chaos.harness import Harness, assert_clean
 from raftps.chaos.history import OK, PUSH
 from raftps.raft.pysyncobj_log import LEADER_LOG
-from raftps.raft.storage import power_cut
 
 LEADER_LINE = re.compile(re.escape(LEADER_LOG) + r" (?P<address>\S+) became leader of term (?P<term>\d+)")
 
@@ -81,25 +80,15 @@ def run(tmp_path, base_port: int, mode: str, unsafe: str | None = None, cuts: Se
     """The one-hot workload on three durable nodes, with the power of ``cuts[i]`` (node numbers)
     cut in ``mode`` every 3 s; ``unsafe``: the writer (journal, payload, snapshot) whose fsyncs a
     twin turns off. Checks election safety unless fsyncs are off."""
-    simdisk = str(tmp_path / "simdisk")
-    env = {"RAFTPS_SIMDISK": os.path.join(simdisk, "node{node}")}
-    if unsafe:
-        env[f"RAFTPS_UNSAFE_{unsafe.upper()}_NO_FSYNC"] = "1"
+    env = {f"RAFTPS_UNSAFE_{unsafe.upper()}_NO_FSYNC": "1"} if unsafe else {}
     cut_files: Counter = Counter()
     with Harness(f"power-cut-{mode}" + (f"-no-{unsafe}-fsync" if unsafe else ""), str(tmp_path / "run"),
-                 base_port=base_port, durability="fsync", env=env, node_args=list(node_args), n=n) as h:
+                 base_port=base_port, power_cuts=True, env=env, node_args=list(node_args), n=n) as h:
         h.load(seconds)
         for round_, nodes in enumerate(cuts):
             h.wait(3.0)
             h.event(f"power cut {round_ + 1}: node(s) {list(nodes)}")
-            if len(nodes) == len(ALL):
-                h.kill_all()
-            else:
-                for node in nodes:
-                    h.kill(node)
-            for node in nodes:
-                survived = power_cut(os.path.join(simdisk, f"node{node}"), mode, seed=round_)
-                cut_files.update(file_kind(path) for path in survived)
+            cut_files.update(file_kind(path) for path in h.power_cut(nodes, mode, seed=round_))
             for node in nodes:
                 h.cluster.start_node(node)
         result, line = h.finish()
@@ -134,26 +123,22 @@ def test_torn_power_cut_loses_nothing_acknowledged(tmp_path) -> None:
     assert_clean(r.result, r.line)
 
 
-def assert_lost_acknowledged(tmp_path, base_port: int, unsafe: str, **kwargs) -> None:
-    """A twin: with ``unsafe``'s fsyncs off the same cuts lose acknowledged pushes, or the state
-    itself (no final read), or leave replicas that differ."""
+def run_twin(tmp_path, base_port: int, unsafe: str, **kwargs) -> Run | None:
+    """A twin: the same cuts with ``unsafe``'s fsyncs off ("synced" mode). None: the state itself
+    was lost, so there was no final state to read."""
     try:
         r = run(tmp_path, base_port, "synced", unsafe=unsafe, **kwargs)
-    except AssertionError as exc:          # the tensor itself was lost: there is no final state to read
+    except AssertionError as exc:
         assert "no linearizable read of the final state" in str(exc)
         print(f"without {unsafe} fsyncs: {exc}")
-        return
+        return None
     print(f"without {unsafe} fsyncs: {r.acked_pushes} acknowledged pushes; {r.line}")
-    assert r.result.acked_lost > 0 or not r.result.replicas_identical, r.line
+    return r
 
 
 def test_without_fsync_the_same_cut_loses_acknowledged_pushes(tmp_path) -> None:
-    try:
-        r = run(tmp_path, 30680, "synced", unsafe="journal")
-    except AssertionError as exc:          # the tensor itself was lost: there is no final state to read
-        assert "no linearizable read of the final state" in str(exc)
-        return
-    assert not r.result.valid and r.result.acked_lost > 0, r.line
+    r = run_twin(tmp_path, 30680, "journal")
+    assert r is None or (not r.result.valid and r.result.acked_lost > 0), r.line
 
 
 # Pushes of 2048 float64 (16 KiB, above the 8 KiB that travel inside a log entry) go through the
@@ -176,7 +161,8 @@ def test_power_cuts_with_payloads_and_snapshots_lose_nothing_acknowledged(tmp_pa
 @pytest.mark.parametrize("unsafe, base_port", [("payload", 17020), ("snapshot", 17030)])
 def test_without_payload_or_snapshot_fsync_the_same_cuts_lose_acknowledged_pushes(tmp_path, unsafe: str,
                                                                                  base_port: int) -> None:
-    assert_lost_acknowledged(tmp_path, base_port, unsafe, cuts=ONE_ALL_TWO, node_args=COMPACTING, n=PAYLOAD_N)
+    r = run_twin(tmp_path, base_port, unsafe, cuts=ONE_ALL_TWO, node_args=COMPACTING, n=PAYLOAD_N)
+    assert r is None or r.result.acked_lost > 0 or not r.result.replicas_identical, r.line
 
 
 def cut_after_receiving_a_snapshot(tmp_path, base_port: int, unsafe: str | None = None) -> tuple[int, Result, str]:
