@@ -21,6 +21,11 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def seconds_for(duration: float | dict[int, float], size: int) -> float:
+    """A point's length: one for every size, or per size (``{size: seconds}``, 0 the default)."""
+    return duration.get(size, duration[0]) if isinstance(duration, dict) else duration
+
+
 def size_label(n: int) -> str:
     if n >= MiB and n % MiB == 0:
         return f"{n // MiB} MiB"

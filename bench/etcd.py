@@ -25,7 +25,7 @@ import subprocess
 import time
 from typing import Any
 
-from .common import MiB, RssSampler, log, size_label, stop_pid
+from .common import MiB, RssSampler, log, seconds_for, size_label, stop_pid
 
 PEER_OFFSET = 10
 QUOTA_BYTES = 8 * 2**30
@@ -185,7 +185,7 @@ class EtcdCluster:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float, max_ops: int,
+def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float | dict[int, float], max_ops: int,
             base_port: int) -> list[dict[str, Any]]:
     """Puts of every size x client count on a fresh 3-member cluster; one record each
     (system ``etcd``, op ``push`` so the report lines it up with raftps)."""
@@ -202,14 +202,15 @@ def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float,
         log(f"etcd {etcd_version()}: 3 members up in {time.monotonic() - t0:.1f} s, leader m{leader} at {addr}")
         admin = EtcdKV(addr)
         for size, n in [(s, n) for s in sizes for n in clients]:
+            dur = seconds_for(duration, size)
             args = [{"kind": "etcd", "op": "push", "addresses": addr, "size": size, "seed": 1000 * n + k,
-                     "duration": duration, "max_ops": max_ops, "timeout": 30.0} for k in range(n)]
+                     "duration": dur, "max_ops": max_ops, "timeout": 30.0} for k in range(n)]
             with RssSampler(cl.pids()) as rss:
                 res = run_workers(args)
-            rec = {"system": "etcd", "op": "push", "size": size, "clients": n, "duration": duration,
+            rec = {"system": "etcd", "op": "push", "size": size, "clients": n, "duration": dur,
                    **summarize(res, size), "peak_rss_mb": max(rss.peak_rss_kb.values(), default=0) / 1024}
             out.append(rec)
-            log(f"etcd put {size_label(size)} x{n} ({duration:.0f} s): {rec['ops_per_s']:.1f}/s {rec['MB_per_s']:.1f} MB/s "
+            log(f"etcd put {size_label(size)} x{n} ({dur:.0f} s): {rec['ops_per_s']:.1f}/s {rec['MB_per_s']:.1f} MB/s "
                 f"p50 {rec['p50_ms']:.1f} ms p99 {rec['p99_ms']:.1f} ms, peak member RSS {rec['peak_rss_mb']:.0f} MB "
                 f"({rec['errors']} errors)")
             admin.compact(admin.put("bench/mark", b"x"))       # drop the run's history from the backend

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, RssSampler, cpu_times, log, size_label
+from .common import MiB, RssSampler, cpu_times, log, seconds_for, size_label
 from .naive_store import summarize
 from .worker import run_workers
 
@@ -111,7 +111,7 @@ def measure_raw(run_dir: str, size: int, clients: int, duration: float, max_ops:
             stop_pid(p)
 
 
-def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float, max_ops: int,
+def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], duration: float | dict[int, float], max_ops: int,
             base_port: int, pull_clients: list[int] | None = None, durability: str = "none",
             node_args: list[str] | None = None, system: str | None = None,
             pipelined: list[int] | None = None) -> list[dict[str, Any]]:
@@ -134,7 +134,7 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
             admin.create(f"w{size}", np.zeros(max(size // 4, 1), np.float32), optimizer={"name": "sgd", "lr": 0.01})
             model_bytes += max(size // 4, 1) * 4
         for size, n in [(s, n) for s in sizes for n in clients]:
-            dur = duration
+            dur = seconds_for(duration, size)
             args = [{"kind": "raftps", "op": "push", "addresses": addrs, "name": f"w{size}", "size": size,
                      "seed": 1000 * n + k, "duration": dur, "max_ops": max_ops,
                      "timeout": 30.0} for k in range(n)]
@@ -155,7 +155,7 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
             if 1024 not in sizes:
                 admin.create("w1024", np.zeros(256, np.float32), optimizer={"name": "sgd", "lr": 0.01})
             res = run_workers([{"kind": "raftps", "op": "push", "addresses": addrs, "name": "w1024", "size": 1024,
-                                "seed": 7, "duration": duration, "max_ops": max_ops, "timeout": 30.0,
+                                "seed": 7, "duration": seconds_for(duration, 1024), "max_ops": max_ops, "timeout": 30.0,
                                 "in_flight": depth}])
             rec = {"system": system, "op": "push-pipelined", "size": 1024, "clients": 1, "in_flight": depth,
                    **summarize(res, 1024)}
@@ -174,7 +174,7 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
                 targets.append(("followers", False, [followers[k % len(followers)] for k in range(n)]))
             for where, lin, per_client in targets:
                 args = [{"kind": "raftps", "op": "pull", "addresses": a, "name": f"w{size}", "size": size,
-                         "linearizable": lin, "seed": k, "duration": duration, "max_ops": max_ops, "timeout": 30.0}
+                         "linearizable": lin, "seed": k, "duration": seconds_for(duration, 0), "max_ops": max_ops, "timeout": 30.0}
                         for k, a in enumerate(per_client)]
                 with RssSampler(pids) as rss:
                     res = run_workers(args)
