@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError
-from .machine import check_fits
+from .tensor import check_fits
 from .raft import NotApplied
 
 log = logging.getLogger("raftps.aggregate")

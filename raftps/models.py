@@ -21,7 +21,7 @@ import numpy as np
 from . import optim
 from .client import Client
 from .errors import InvalidOptimizer, RaftpsError
-from .machine import NAME_RE, check_finite
+from .tensor import NAME_RE, check_finite
 
 FORMATS = ("safetensors", "npz")
 NPZ_METADATA = "__metadata__"          # the npz member holding the metadata (JSON in a 0-d str array)

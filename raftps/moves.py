@@ -26,6 +26,7 @@ import numpy as np
 from . import codec, optim
 from .compress import INDICES_SUFFIX
 from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor, exception_result
+from .tensor import TENSOR_DTYPES, Tensor, _frozen, _share, check_finite, check_name
 
 # The writes that move tensors: they must reach a frozen or tombstoned name (the others are refused).
 MOVE_OPS = ("move_freeze", "move_install", "move_done", "place")
@@ -166,7 +167,6 @@ class Moves:
 
     def _installable(self, i: int, record: Any, arrays: dict, move: str) -> tuple[str, Any, list[str]]:
         """(name, the Tensor to install or None if this move installed it already, the parts used)."""
-        from .machine import TENSOR_DTYPES, Tensor, _frozen, check_finite, check_name
         if not isinstance(record, dict):
             raise InvalidRequest(f"records[{i}] must be a map")
         name = check_name(record.get("name"))
@@ -226,7 +226,6 @@ class Moves:
         return {"version": index}
 
     def _move_name(self, command: dict) -> str:
-        from .machine import check_name
         name = check_name(command.get("name"))
         if name.endswith(INDICES_SUFFIX):
             raise InvalidRequest(f"{name!r} is an index tensor: it moves with {base_name(name)!r}; move that")
@@ -252,7 +251,6 @@ class Moves:
         return out
 
     def _record(self, name: str) -> dict:
-        from .machine import _share
         tensor = self.tensors[name]
         _share(tensor)           # the reply is encoded outside the lock: nothing may write these
         return {"name": name, "version": tensor.version, "optimizer": tensor.optimizer, "data": tensor.data,

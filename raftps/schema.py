@@ -24,9 +24,9 @@ import numpy as np
 
 from . import compress, optim
 from .errors import InvalidOptimizer, InvalidRequest, RaftpsError
+from .tensor import NAME_RE as NAME_PATTERN     # one rule for names, the store's
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")     # machine.NAME_RE
 CLIENT_PATTERN = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 MAX_STRING = 200
 MAX_TOKEN = 1024

@@ -23,7 +23,8 @@ from . import auth, codec, rbac, schema
 from .aggregate import StepAggregator
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result, exception_result)
-from .machine import check_finite, check_group, check_tensors, snapshot_digest
+from .machine import snapshot_digest
+from .tensor import check_finite, check_group, check_tensors
 from .moves import MOVE_OPS
 from .groups import Layout
 from .node import RaftNode, offset_address
