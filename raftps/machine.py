@@ -38,8 +38,8 @@ from .errors import (DtypeMismatch, Internal, InvalidRequest, NotInGroup, Raftps
                      SessionExpired, StalenessBound, TensorExists, UnknownTensor,
                      error_result, exception_result)
 from .moves import Moves
-from .tensor import (TENSOR_DTYPES, Tensor, _frozen, _share, check_finite, check_fits, check_group, check_name,
-                     check_tensors)
+from .tensor import (TENSOR_DTYPES, Tensor, check_finite, check_fits, check_group, check_name, check_tensors, freeze,
+                     freeze_tensor)
 
 log = logging.getLogger("raftps.machine")
 # Optimizers whose step is per coordinate given scalar state, so it can run on a slice of rows.
@@ -190,16 +190,16 @@ class TensorStore(Moves):
                 continue
             created[name] = (arr, spec)
         for name, (arr, spec) in created.items():
-            data = _frozen(arr.copy())
-            state = {k: _frozen(v) if isinstance(v, np.ndarray) else v for k, v in optim.init_state(spec, data).items()}
+            data = freeze(arr.copy())
+            state = {k: freeze(v) if isinstance(v, np.ndarray) else v for k, v in optim.init_state(spec, data).items()}
             self.tensors[name] = Tensor(data, 0, spec, state)
         return {"version": index, "created": sorted(created)}
 
     def _update(self, name: str, grad: np.ndarray, ctx: optim.Context = optim.NO_CONTEXT) -> None:
         tensor = self.tensors[name]
         data, state = optim.step(tensor.optimizer, tensor.data, grad, tensor.state, ctx)
-        state = {k: _frozen(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
-        self.tensors[name] = Tensor(_frozen(data), tensor.version + 1, tensor.optimizer, state)
+        state = {k: freeze(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
+        self.tensors[name] = Tensor(freeze(data), tensor.version + 1, tensor.optimizer, state)
         self._record_update(name)
 
     def _record_update(self, name: str) -> None:
@@ -356,7 +356,7 @@ class TensorStore(Moves):
             self.check_like(name, value, "value")
         for name, value in values.items():
             old = self.tensors[name]
-            self.tensors[name] = Tensor(_frozen(value.copy()), old.version + 1, old.optimizer, old.state)
+            self.tensors[name] = Tensor(freeze(value.copy()), old.version + 1, old.optimizer, old.state)
             self._record_update(name)
         return {"version": index}
 
@@ -511,7 +511,7 @@ class TensorStore(Moves):
         else:
             out = {name: self._existing(name) for name in names}
         for tensor in out.values():
-            _share(tensor)
+            freeze_tensor(tensor)
         return out, self.version
 
     def read_rows(self, name: Any, rows: Any) -> tuple[np.ndarray, int, int]:
@@ -544,7 +544,7 @@ class TensorStore(Moves):
         writer, which runs in the apply thread): the arrays then stay writeable (docstring)."""
         if share:
             for tensor in self.tensors.values():
-                _share(tensor)
+                freeze_tensor(tensor)
         return {
             "format": SNAPSHOT_FORMAT,
             "version": self.version,
@@ -570,8 +570,8 @@ class TensorStore(Moves):
         fresh = TensorStore(self.session_limits, self.staleness_window)
         fresh.version = snap["version"]
         for name, data, version, spec, state in snap["tensors"]:
-            fresh.tensors[name] = Tensor(_frozen(np.array(data)), version, spec,
-                                         {k: _frozen(np.array(v)) if isinstance(v, np.ndarray) else v
+            fresh.tensors[name] = Tensor(freeze(np.array(data)), version, spec,
+                                         {k: freeze(np.array(v)) if isinstance(v, np.ndarray) else v
                                           for k, v in state})
         for client, floor, last_index, results in snap["sessions"]:
             fresh.sessions[client] = Session(floor, last_index, dict(results))

@@ -26,7 +26,7 @@ import numpy as np
 from . import codec, optim
 from .compress import INDICES_SUFFIX
 from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor, exception_result
-from .tensor import TENSOR_DTYPES, Tensor, _frozen, _share, check_finite, check_name
+from .tensor import TENSOR_DTYPES, Tensor, check_finite, check_name, freeze, freeze_tensor
 
 # The writes that move tensors: they must reach a frozen or tombstoned name (the others are refused).
 MOVE_OPS = ("move_freeze", "move_install", "move_done", "place")
@@ -189,7 +189,7 @@ class Moves:
                 if not isinstance(arr, np.ndarray) or arr.dtype != data.dtype or arr.shape != data.shape:
                     raise InvalidRequest(f"tensor {name!r}: optimizer state {key!r} must be an array like its data")
                 check_finite(name, arr, f"optimizer state {key!r}")
-                state[key] = _frozen(arr.copy())
+                state[key] = freeze(arr.copy())
             else:
                 value = scalars.get(key)
                 if type(value) is not float or not np.isfinite(value):
@@ -203,7 +203,7 @@ class Moves:
                 return name, None, parts
             raise TensorExists(f"tensor {name!r} already exists in this group (not from move {move}): "
                                "delete it there first, or move to another group")
-        return name, Tensor(_frozen(data.copy()), version, spec, state), parts
+        return name, Tensor(freeze(data.copy()), version, spec, state), parts
 
     def _move_done(self, index: int, command: dict) -> dict:
         """The freeze becomes a tombstone: the data goes, requests naming it get Moved."""
@@ -252,7 +252,7 @@ class Moves:
 
     def _record(self, name: str) -> dict:
         tensor = self.tensors[name]
-        _share(tensor)           # the reply is encoded outside the lock: nothing may write these
+        freeze_tensor(tensor)           # the reply is encoded outside the lock: nothing may write these
         return {"name": name, "version": tensor.version, "optimizer": tensor.optimizer, "data": tensor.data,
                 "arrays": {k: v for k, v in sorted(tensor.state.items()) if isinstance(v, np.ndarray)},
                 "scalars": {k: v for k, v in sorted(tensor.state.items()) if not isinstance(v, np.ndarray)}}

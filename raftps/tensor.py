@@ -31,18 +31,18 @@ class Tensor:
             + sum(arr.nbytes for _, arr in history)
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
+def freeze(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
 
 
-def _share(tensor: Tensor) -> None:
+def freeze_tensor(tensor: Tensor) -> None:
     """Freeze a tensor's arrays before a reference leaves the store: the next row-sparse push
     then copies them instead of writing into what a reader holds."""
-    _frozen(tensor.data)
+    freeze(tensor.data)
     for v in tensor.state.values():
         if isinstance(v, np.ndarray):
-            _frozen(v)
+            freeze(v)
 
 
 def check_name(name: Any) -> str:
@@ -72,7 +72,7 @@ def check_tensors(tensors: Any) -> dict[str, np.ndarray]:
     return {name: tensors[name] for name in sorted(tensors)}
 
 
-def check_fits(name: str, arr: np.ndarray, tensor: "Tensor | None", what: str) -> "Tensor":
+def check_fits(name: str, arr: np.ndarray, tensor: Tensor | None, what: str) -> Tensor:
     """``tensor`` (the store's ``name``) if ``arr`` fits it: its dtype and shape, all finite."""
     if tensor is None:
         raise UnknownTensor(f"unknown tensor {name!r}")
