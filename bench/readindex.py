@@ -1,10 +1,11 @@
 """Linearizable 4 MiB pulls from the leader: --read-mode log (a barrier entry per read) against
-readindex (a confirmation round shared by concurrent reads, no entry), in the same run; and, as
-the ceiling, the same pulls from the leader with linearizable=False (mode "none").
+readindex (a confirmation round shared by concurrent reads, no entry) and lease (reads on the
+leader's lease, rounds only every heartbeat), in the same run; and, as the ceiling, the same pulls
+from the lease cluster's leader with linearizable=False (mode "none").
 
     python -m bench.readindex [--seconds 5] [--clients 1,4] [--base-port 27600]
 
-Two 3-node loopback clusters, one after the other, the same payload and clients. Prints one line
+Three 3-node loopback clusters, one after the other, the same payload and clients. Prints one line
 per (mode, clients) and a JSON summary on stdout.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = []
     payload = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
-    for k, mode in enumerate(("log", "readindex")):
+    for k, mode in enumerate(("log", "readindex", "lease")):
         with tempfile.TemporaryDirectory(prefix=f"bench-ri-{mode}-") as run_dir:
             cluster = LocalCluster(run_dir, nodes=3, base_port=args.base_port + 20 * k,
                                    extra_args=["--read-mode", mode])
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                     c.create(NAME, payload, {"name": "sgd", "lr": 0.1})
                     c.push({NAME: np.ones_like(payload)})
                 runs = [(mode, n, True) for n in (int(x) for x in args.clients.split(","))]
-                if mode == "readindex":      # the ceiling: the same pulls, not linearizable, from the leader
+                if mode == "lease":          # the ceiling: the same pulls, not linearizable, from the leader
                     runs += [("none", n, False) for n in (int(x) for x in args.clients.split(","))]
                 for label, n, linearizable in runs:
                     before = [r for r in cluster.status() if r["role"] == "leader"][0]
@@ -84,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                     after = [r for r in cluster.status() if r["role"] == "leader"][0]
                     row["entries_appended"] = after["applied"] - before["applied"]
                     row["read_rounds"] = after.get("read_rounds", 0) - before.get("read_rounds", 0)
+                    row["lease_reads"] = after.get("lease_reads", 0) - before.get("lease_reads", 0)
                     print(f"{label:9s} clients={n} {row['pulls_per_s']:8.1f} pulls/s  p50 {row['p50_ms']} ms  "
-                          f"p99 {row['p99_ms']} ms  entries {row['entries_appended']}  rounds {row['read_rounds']}",
+                          f"p99 {row['p99_ms']} ms  entries {row['entries_appended']}  rounds {row['read_rounds']}  "
+                          f"on lease {row['lease_reads']}",
                           file=sys.stderr, flush=True)
                     results.append(row)
             finally:

@@ -345,7 +345,7 @@ def token_hash(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .models import FORMATS
-    from .node import NodeConfig
+    from .node import READ_MODES, NodeConfig
     parser = argparse.ArgumentParser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -382,9 +382,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="minimum election timeout in seconds (the maximum is twice it)")
     p.add_argument("--leader-fallback", type=float, default=None,
                    help="a leader that hears from no majority for this long steps down (default 2.5 x election timeout)")
-    p.add_argument("--read-mode", choices=("readindex", "log"), default=defaults["read_mode"].default,
+    p.add_argument("--read-mode", choices=READ_MODES, default=defaults["read_mode"].default,
                    help="linearizable reads: readindex (the leader confirms its leadership with a round of "
-                        "probes to a majority, no log entry) or log (a barrier entry through the Raft log)")
+                        "probes to a majority, no log entry), lease (the same rounds, sent every heartbeat, "
+                        "give the leader a lease most reads are served on at once; assumes clocks whose rates "
+                        "differ by < 10%%) or log (a barrier entry through the Raft log)")
     p.add_argument("--unsafe-skip-read-confirm", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--entries-in-flight", type=int, default=defaults["entries_in_flight"].default,
                    help="group commit: log entries the leader keeps proposed and not yet applied; writes "

@@ -38,6 +38,7 @@ from .raft.storage import OSStorage, storage_from_env, unsafe_skip_fsync
 log = logging.getLogger("raftps.node")
 # How long an applier waits for a payload the leader is still sending before asking a peer.
 PUT_GRACE = 0.2
+READ_MODES = ("readindex", "lease", "log")     # NodeConfig.read_mode
 
 
 @dataclass
@@ -85,9 +86,11 @@ class NodeConfig:
     max_tensors_per_push: int = 1024
     frame_timeout: float = 30.0               # a frame must complete within this of its first byte
     idle_timeout: float = 600.0               # an idle client connection is closed after this
-    # Linearizable reads: "readindex" (Raft ReadIndex, no log entry: see RaftNode.linearizable) or
-    # "log" (a barrier entry through the log, the way every read went before).
-    read_mode: str = "readindex"
+    # Linearizable reads: "readindex" (Raft ReadIndex, no log entry: see RaftNode.linearizable),
+    # "lease" (ReadIndex whose confirmation rounds also grant the leader a lease that most reads
+    # are served on: no round trip; rests on a bound on clock-rate drift, README "Linearizable
+    # reads") or "log" (a barrier entry through the log, the way every read went before).
+    read_mode: str = "lease"
     # Tests only: skip ReadIndex's confirmation round (step 3). UNSAFE: a deposed leader that does
     # not know it yet then serves stale reads; tests/test_readindex.py shows it.
     read_confirm: bool = True
@@ -166,6 +169,7 @@ class RaftNode:
         self.machine = TensorStore()
         self.lock = threading.Lock()              # guards machine against readers in other threads
         self.applied = threading.Condition(self.lock)
+        self._lease_reads = 0                     # reads served on the lease in the caller's thread
         sweep_abandoned_payload_dirs()
         durable = config.durability == "fsync"
         payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
@@ -196,14 +200,15 @@ class RaftNode:
         self._last_housekeeping = self._budget_compacted = time.monotonic()
         self._budget_snapshot = -1                # snapshot index when the payload budget last asked for one
         self._stopped = False
-        if config.read_mode not in ("readindex", "log"):
-            raise ValueError(f"read_mode must be 'readindex' or 'log', not {config.read_mode!r}")
+        if config.read_mode not in READ_MODES:
+            raise ValueError(f"read_mode must be one of {', '.join(READ_MODES)}, not {config.read_mode!r}")
         self.log: ReplicatedLog | None = None     # the log may call tick() before its constructor returns
         self.log = log_factory(RaftSettings(
             address=config.raft_address, others=sorted(others), data_dir=config.data_dir,
             secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
             compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
+            read_lease=config.read_mode == "lease",
             durability=config.durability, storage=self.storage), self)
         self.group_commit = GroupCommit(self.log, in_flight=config.entries_in_flight)
         threading.Thread(target=self._fetch_loop, name="payload-fetch", daemon=True).start()
@@ -489,7 +494,8 @@ class RaftNode:
         (the caller retries, possibly elsewhere) when this node cannot prove it may serve the read.
 
         read_mode "log": commit a barrier entry and run ``fn`` right after it is applied.
-        read_mode "readindex" (Raft dissertation 6.4, no log entry): ReplicatedLog.read_index."""
+        read_mode "readindex" (Raft dissertation 6.4, no log entry) and "lease" (the same, most
+        reads on the leader's lease): ReplicatedLog.read_index."""
         def run_now(_: Any = None) -> Any:
             try:
                 return fn(self.machine)
@@ -498,6 +504,17 @@ class RaftNode:
             except Exception as exc:      # a bug: it must cost this read, not the log's thread
                 log.exception("linearizable read failed")
                 return Internal(f"internal error: {exc!r}")
+        index = self.log.lease_read_index() if self.config.read_mode == "lease" else None
+        if index is not None:
+            with self.lock:
+                # the log counts an entry applied after the machine applied it: here the machine
+                # holds at least every entry through applied_index
+                if self.log.applied_index >= index:
+                    self._lease_reads += 1
+                    out = run_now()
+                    if isinstance(out, RaftpsError):
+                        raise out
+                    return out
         if self.config.read_mode == "log":
             out = self.submit({"op": "barrier"}, on_applied=run_now)
         else:
@@ -595,6 +612,8 @@ class RaftNode:
             "pid": os.getpid(),
             "read_mode": self.config.read_mode,       # linearizable reads: readindex or log
             "read_rounds": raft.read_rounds,          # ReadIndex confirmation rounds completed
+            "lease_reads": raft.lease_reads + self._lease_reads,   # reads served on the leader's lease
+            "votes_withheld": raft.votes_withheld,    # vote requests refused under a lease promise
             "entries_proposed": self.group_commit.entries,   # log entries this node proposed as leader ...
             "writes_proposed": self.group_commit.writes,     # ... carrying this many writes (group commit)
         }

@@ -1,4 +1,5 @@
-"""ReadIndex (issue 13): linearizable reads without log entries, and never stale from a deposed leader."""
+"""ReadIndex and leases (issue 13): linearizable reads without log entries, never stale from a
+deposed leader; a lease that outlived its voters' promises would be, and the test shows it."""
 from __future__ import annotations
 
 import threading
@@ -23,15 +24,16 @@ def _leader_row(client) -> dict:
     raise AssertionError("no leader")
 
 
-def test_readindex_read_appends_no_entry_and_sees_every_acknowledged_write(tmp_path):
-    cluster = start_cluster(tmp_path / "ri", BASE)
+@pytest.mark.parametrize("mode, port", [("readindex", BASE), ("lease", BASE + 5)])
+def test_read_appends_no_entry_and_sees_every_acknowledged_write(tmp_path, mode: str, port: int):
+    cluster = start_cluster(tmp_path / "ri", port, extra_args=["--read-mode", mode])
     try:
         with cluster.client(timeout=20) as c:
             c.create("ri.t", np.zeros(4, np.float32), {"name": "sgd", "lr": 1.0})
             last = c.push({"ri.t": -np.ones(4, np.float32)})
             lead = _leader_row(c)
-            assert lead["read_mode"] == "readindex"
-            applied, rounds = lead["applied"], lead["read_rounds"]
+            assert lead["read_mode"] == mode
+            applied, rounds, on_lease = lead["applied"], lead["read_rounds"], lead["lease_reads"]
             for _ in range(30):
                 tensors, version = c.pull(["ri.t"])
                 assert version == last and tensors["ri.t"].tolist() == [1.0] * 4
@@ -40,7 +42,11 @@ def test_readindex_read_appends_no_entry_and_sees_every_acknowledged_write(tmp_p
             after = _leader_row(c)
             assert after["node"] == lead["node"] and after["term"] == lead["term"]
             assert after["applied"] == applied, "a linearizable read appended a log entry"
-            assert after["read_rounds"] >= rounds + 90
+            if mode == "readindex":
+                assert after["read_rounds"] >= rounds + 90 and after["lease_reads"] == 0
+            else:        # one pull makes three reads; a few may fall between leases (a round each)
+                assert after["lease_reads"] - on_lease + after["read_rounds"] - rounds >= 90
+                assert after["lease_reads"] - on_lease >= 60, after
 
             # Concurrent writers and readers: a read that starts after a push was acknowledged
             # must see it (version and value), and reads share confirmation rounds.
@@ -97,17 +103,20 @@ def test_log_mode_still_reads_through_the_log(tmp_path):
 
 
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
-@pytest.mark.parametrize("mode, port", [("readindex", 27520), ("log", 27540), ("unsafe-no-confirm", 27560)])
+@pytest.mark.parametrize("mode, port", [("readindex", 27520), ("lease", 27530), ("log", 27540),
+                                        ("unsafe-no-confirm", 27560), ("unsafe-long-lease", 27570)])
 def test_partitioned_old_leader_never_serves_a_stale_read(tmp_path, mode: str, port: int) -> None:
     """Isolate the leader (iptables in its namespace; the client in the root namespace still reaches
     it). It keeps believing it leads (leader fallback 20 s) while the majority elects a new leader
     and commits writes. A linearizable read sent to it must fail (Retry), not return the old state.
     With the confirmation round switched off (the unsafe test-only flag), it does return stale data:
-    that is what step 3 of ReadIndex prevents."""
+    that is what step 3 of ReadIndex prevents. So does a lease longer than the voters' promise to
+    withhold their votes (30 s, test-only variable): that is what the lease's bound prevents."""
     args = ["--leader-fallback", "20"]
-    args += ["--read-mode", "log"] if mode == "log" else []
+    args += ["--read-mode", {"unsafe-no-confirm": "readindex", "unsafe-long-lease": "lease"}.get(mode, mode)]
     args += ["--unsafe-skip-read-confirm"] if mode == "unsafe-no-confirm" else []
-    with Harness(f"ri-{mode}", str(tmp_path), base_port=port, netns=True, node_args=args,
+    env = {"RAFTPS_UNSAFE_LEASE_SECONDS": "30"} if mode == "unsafe-long-lease" else None
+    with Harness(f"ri-{mode}", str(tmp_path), base_port=port, netns=True, node_args=args, env=env,
                  subnet=f"10.77.{port % 1000 // 10}") as h:
         addr = {i: h.cluster.client_address(i) for i in range(1, 4)}
         with h.cluster.client(timeout=20) as c:
@@ -131,7 +140,7 @@ def test_partitioned_old_leader_never_serves_a_stale_read(tmp_path, mode: str, p
             assert old_row["role"] == "leader", f"n{old} stepped down already: {old_row['role']}"
             assert any(r["role"] == "leader" and r["term"] > old_row["term"] for r in rows)
             reply = one._call(addr[old], {"op": "pull", "names": ["ri.p"]}, 10.0)
-        if mode == "unsafe-no-confirm":
+        if mode.startswith("unsafe"):
             # the state from before the partition: 1.0, where every acknowledged write says 6.0
             assert np.asarray(reply["tensors"]["ri.p"]).tolist() == [1.0], f"expected a stale read: {reply}"
         else:

@@ -81,6 +81,7 @@ class RaftSettings:
     leader_fallback: float = 1.875             # a leader without a majority steps down after this
     compaction_entries: int = 2000             # a snapshot after this many entries
     read_confirm: bool = True                  # ReadIndex's confirmation round (False: tests only, UNSAFE)
+    read_lease: bool = False                   # leader leases: most reads skip the confirmation round
     # "fsync": the log, term and vote are fsynced before they count (a follower's acknowledgement,
     # the leader's own vote in the commit count, a granted vote); "none": never fsynced.
     durability: str = "none"
@@ -101,6 +102,8 @@ class RaftStatus:
     match: dict[str, int] = field(default_factory=dict)       # leader: each peer's match index
     connected: dict[str, int] = field(default_factory=dict)   # each peer: 1 when connected
     read_rounds: int = 0                       # ReadIndex confirmation rounds completed
+    lease_reads: int = 0                       # reads served on the leader's lease, without a round
+    votes_withheld: int = 0                    # vote requests refused under a lease promise
 
 
 class ReplicatedLog(ABC):
@@ -117,6 +120,12 @@ class ReplicatedLog(ABC):
         """Linearizable read without a log entry (Raft's ReadIndex): run ``run()`` in the log's
         thread once this member, still leader, has applied every entry committed before the call.
         Raises NotApplied(applied=False) when it cannot prove that in ``timeout``."""
+
+    def lease_read_index(self) -> int | None:
+        """Any thread: the read index for a read served on the leader's lease right now, or None
+        (no lease; use ``read_index``). A state that has applied through it includes every write
+        that completed before the call. Optional: logs without leases keep this default."""
+        return None
 
     @abstractmethod
     def is_leader(self) -> bool: ...

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from pysyncobj import SyncObj
@@ -222,7 +223,6 @@ def limit_peer_reads() -> None:
     """Patch pysyncobj's TcpConnection (all connections of this process) to refuse oversized
     length prefixes before buffering them. Idempotent."""
     import struct
-    import time
 
     from pysyncobj.tcp_connection import TcpConnection
 
@@ -274,8 +274,6 @@ UNKNOWN_MAX = 64
 
 def limit_unknown_connections(node: SyncObj) -> None:
     """Close incoming Raft connections that stay anonymous too long or are too many (tick callback)."""
-    import time
-
     transport = node._SyncObj__transport
 
     def sweep() -> None:
@@ -302,12 +300,56 @@ def limit_unknown_connections(node: SyncObj) -> None:
 # 'round'}. Neither reaches pysyncobj's handler (it would ignore unknown types anyway), neither
 # changes any Raft state. A node without this code ignores probes: reads then time out (Retry),
 # they are never served stale.
+#
+# Leases (read mode "lease") add one promise to the same exchange. A probe may carry 'lease':
+# True; a node whose current term is the probe's then promises to grant no vote, and to start no
+# election, for ``LeasePromise.window`` seconds (its minimum election timeout) from the moment it
+# answers, and says so in its ack ('promise': window). pysyncobj 0.3.17 grants a vote to any
+# candidate with a higher term and an up-to-date log, however recently it heard from a leader;
+# without the promise a lease would be a guess about election timers. A promised node still takes
+# a higher term it is told of (as pysyncobj does, so a node that was cut off and came back with a
+# higher term still rejoins); it only withholds the vote. Every node also promises for one window
+# after it starts, which covers a promise made just before a crash.
 READ_PROBE = "raftps_read_probe"
 READ_ACK = "raftps_read_ack"
 
 
-def install_read_probes(node: SyncObj, on_ack: Any) -> None:
-    """Answer probes and pass acks to ``on_ack(peer, term, round)`` (both in the tick thread)."""
+def lease_clock() -> float:
+    """Seconds that keep counting while the host is suspended (CLOCK_BOOTTIME): a leader whose
+    host slept must see its lease expire, not resume it. CLOCK_MONOTONIC where there is none."""
+    return time.clock_gettime(BOOTTIME) if BOOTTIME is not None else time.monotonic()
+
+
+BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+class LeasePromise:
+    """Until ``until`` (lease_clock) this node grants no vote and starts no election."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.until = lease_clock() + window      # a restarted node keeps any promise it may have made
+        self.votes_withheld = 0                  # status: request_vote messages answered "no"
+
+    def extend(self, node: SyncObj) -> None:
+        """Promise one more window from now (tick thread)."""
+        self.until = max(self.until, lease_clock() + self.window)
+        # pysyncobj's election deadline is time.monotonic(); stay at least `window` away from it
+        later = time.monotonic() + self.window
+        if node._SyncObj__raftElectionDeadline < later:
+            node._SyncObj__raftElectionDeadline = later
+
+    def release(self) -> None:
+        """The leader gives its lease up (a leadership transfer): it may vote for the next one."""
+        self.until = 0.0
+
+    def active(self) -> bool:
+        return lease_clock() < self.until
+
+
+def install_read_probes(node: SyncObj, on_ack: Any, promise: LeasePromise) -> None:
+    """Answer probes (promising when asked), withhold votes while ``promise`` holds, and pass acks
+    to ``on_ack(peer, term, round, promised_seconds)`` (all in the tick thread)."""
     transport = node._SyncObj__transport
     deliver = transport._onMessageReceivedCallback
 
@@ -315,18 +357,32 @@ def install_read_probes(node: SyncObj, on_ack: Any) -> None:
         if isinstance(message, dict):
             kind = message.get("type")
             if kind == READ_PROBE:
-                transport.send(peer, {"type": READ_ACK, "term": node.raftCurrentTerm, "round": message.get("round")})
+                term = node.raftCurrentTerm
+                ack = {"type": READ_ACK, "term": term, "round": message.get("round")}
+                if message.get("lease") is True and message.get("term") == term:
+                    promise.extend(node)
+                    ack["promise"] = promise.window
+                transport.send(peer, ack)
                 return
             if kind == READ_ACK:
-                term, round_ = message.get("term"), message.get("round")
-                if type(term) is int and type(round_) is int:
-                    on_ack(peer, term, round_)
+                term, round_, promised = message.get("term"), message.get("round"), message.get("promise", 0.0)
+                if type(term) is int and type(round_) is int and type(promised) in (int, float):
+                    on_ack(peer, term, round_, float(promised))
                 return
+            if kind == "request_vote" and promise.active():
+                # pysyncobj's handler takes the higher term and steps down as usual, then finds the
+                # candidate's log "older" than its own and answers nothing: the vote is withheld.
+                promise.votes_withheld += 1
+                message = dict(message, last_log_term=-1)
         deliver(peer, message)
 
     transport.setOnMessageReceivedCallback(on_message)
 
 
-def send_read_probe(node: SyncObj, peer: Any, term: int, round_: int) -> bool:
-    """Leader: ask ``peer`` for its current term (tick thread); False if it is not connected."""
-    return node._SyncObj__transport.send(peer, {"type": READ_PROBE, "term": term, "round": round_})
+def send_read_probe(node: SyncObj, peer: Any, term: int, round_: int, lease: bool = False) -> bool:
+    """Leader: ask ``peer`` for its current term, and with ``lease`` for its promise (tick thread);
+    False if it is not connected."""
+    message = {"type": READ_PROBE, "term": term, "round": round_}
+    if lease:
+        message["lease"] = True
+    return node._SyncObj__transport.send(peer, message)
