@@ -114,6 +114,13 @@ class NodeCollector(Collector):
             for g in groups:
                 counter.add_metric(label(g), float(views[g][key]))
             yield counter
+        for key, help_text in [("read_rounds", "Leader: confirmation rounds that linearizable reads waited for"),
+                               ("lease_reads", "Leader: linearizable reads served on its lease, without a round"),
+                               ("votes_withheld", "Vote requests refused while this node's lease promise held")]:
+            counter = family(CounterMetricFamily, f"raftps_{key}", help_text)
+            for g in groups:
+                counter.add_metric(label(g), float(views[g][key]))
+            yield counter
         staleness: dict[int, int] = {}
         for g in groups:                     # one histogram for the node: pushes are pushes
             for tau, n in views[g]["staleness"].items():

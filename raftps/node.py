@@ -575,7 +575,9 @@ class RaftNode:
                     "duplicates": m.stats["duplicates"], "staleness": m.staleness_histogram()}
         return {**view, "role": raft.role, "term": raft.term, "commit": raft.commit, "applied": raft.applied,
                 "log_len": raft.log_len, "snapshot_index": self._snapshot_index,
-                "has_quorum": 1 if raft.has_quorum else 0, "match": raft.match, "connected": raft.connected}
+                "has_quorum": 1 if raft.has_quorum else 0, "match": raft.match, "connected": raft.connected,
+                "read_rounds": raft.read_rounds, "lease_reads": raft.lease_reads + self._lease_reads,
+                "votes_withheld": raft.votes_withheld}
 
     def status(self, digest: bool = True) -> dict:
         """This node's row of ``raftps status``. ``digest=False`` skips hashing the store (a poller

@@ -41,13 +41,16 @@ def from_frame(frame: Any) -> tuple[SnapshotMeta, dict]:
     return meta, machine
 
 
-def write(filename: str, meta: SnapshotMeta, machine: dict, storage: Storage | None = None) -> None:
-    """Not fsynced: a durable log fsyncs the file before it renames it into place, and the
-    directory after (raft/journal_hook.py, install_durable_snapshots). ``storage``: the node's
-    file layer, so that a simulated disk sees the writes."""
+def write(filename: str, meta: SnapshotMeta, machine: dict, storage: Storage | None = None,
+          fsync: bool = False) -> None:
+    """Not fsynced unless asked: a durable log fsyncs the file before it renames it into place,
+    and the directory after (raft/journal_hook.py, install_durable_snapshots). ``storage``: the
+    node's file layer, so that a simulated disk sees the writes."""
     f = (storage or OSStorage()).open(filename)
     try:
         write_whole(f, codec.encode(to_frame(meta, machine)))
+        if fsync:
+            f.fsync()
     finally:
         f.close()
 
@@ -63,12 +66,16 @@ def read_frame(filename: str, limits: codec.Limits | None = None) -> dict:
     return codec.read_frame_file(filename, limits)
 
 
-def seed(data_dir: str, version: int, machine: dict, members: list[str]) -> None:
+def seed(data_dir: str, version: int, machine: dict, members: list[str], storage: Storage | None = None) -> None:
     """A snapshot that starts a new node with ``machine`` (at its store version): the boundary
     entries are no-ops of term 0 at Raft index I and I - 1, I = max(version, 2), the same on every
-    seeded node, so their logs agree and continue at I + 1."""
+    seeded node, so their logs agree and continue at I + 1. Durable when this returns (file
+    fsynced, renamed, directory fsynced): a restored data dir is the only copy of the state once
+    the operator moves on, in either durability mode."""
+    storage = storage or OSStorage()
     index = max(version, 2)
     meta = SnapshotMeta((NO_OP, index, 0), (NO_OP, index - 1, 0), sorted(members))
     tmp = path(data_dir) + ".tmp"
-    write(tmp, meta, machine)
-    os.replace(tmp, path(data_dir))
+    write(tmp, meta, machine, storage, fsync=True)
+    storage.rename(tmp, path(data_dir))
+    storage.fsync_dir(os.path.abspath(data_dir))

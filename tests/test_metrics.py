@@ -85,6 +85,14 @@ def test_every_node_serves_metrics_that_match_status(make_cluster):
     matches = {dict(labels)["peer"]: v for (name, labels), v in s.items() if name == "raftps_peer_match_index"}
     assert len(matches) == 2 and all(v >= status[leader]["commit"] for v in matches.values())
 
+    # linearizable reads are counted by how the leader proved them (the default mode: its lease)
+    with cl.client([status[leader]["address"]], timeout=30) as c:
+        for _ in range(5):
+            c.pull(["m.w"])
+    after = scrape(status[leader]["metrics"])
+    proved = lambda sc: value(sc, "raftps_lease_reads_total") + value(sc, "raftps_read_rounds_total")
+    assert proved(after) - proved(s) >= 5 and value(after, "raftps_lease_reads_total") > value(s, "raftps_lease_reads_total")
+
     # the Grafana dashboard asks only for metrics the nodes serve
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "cluster", "grafana-raftps.json")) as f:
         dashboard = json.load(f)

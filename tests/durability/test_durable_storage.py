@@ -342,3 +342,22 @@ def test_snapshots_written_and_received_survive_a_cut_only_when_fsynced(tmp_path
     assert read(path) == (b"received" if fsync else None)
     assert not os.path.exists(path + ".1.tmp")
     disk.close()
+
+
+def test_seeded_snapshot_survives_a_power_cut(disk, tmp_path):
+    """`raftps snapshot restore` seeds a data dir with snapshot_file.seed: it must be on the disk,
+    whole, when seed returns (it was renamed into place unsynced before)."""
+    import numpy as np
+
+    from raftps import snapshot_file
+    from raftps.machine import TensorStore
+
+    data = str(tmp_path / "data")
+    store = TensorStore()
+    store.apply(1, {"op": "create", "name": "w", "value": np.arange(4, dtype=np.float32),
+                    "optimizer": {"name": "sgd", "lr": 0.1}})
+    snapshot_file.seed(data, store.version, store.snapshot(), ["127.0.0.1:1"], storage=disk)
+    disk.power_cut("synced")
+    meta, machine = snapshot_file.read(snapshot_file.path(data))
+    assert meta.index == 2 and meta.members == ["127.0.0.1:1"]
+    assert not os.path.exists(snapshot_file.path(data) + ".tmp")
