@@ -270,6 +270,10 @@ class RaftNode:
         # In the log's thread: no apply runs until the frame is written, so nothing is frozen.
         # Durable: the log fsyncs it, renames it into place and fsyncs the directory.
         snapshot_file.write(path, meta, self.machine.snapshot(share=False), self.storage)
+
+    def snapshot_saved(self, meta: SnapshotMeta) -> None:
+        # The file is in place: tick() may now collect the payloads it covers (not before: a
+        # failed rename or fsync would leave them needed by the older snapshot and the journal).
         self._snapshot_index = meta.index
         self.instruments.snapshots.labels("write").inc()
 

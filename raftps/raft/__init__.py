@@ -62,6 +62,10 @@ class Applier(Protocol):
     def save_snapshot(self, path: str, meta: SnapshotMeta) -> None:
         """Write the state through ``meta.index`` to ``path`` (the log renames it into place)."""
 
+    # Optional: ``snapshot_saved(meta)``, called once the file save_snapshot wrote is in place
+    # (durable logs: fsynced, with its directory). Not called if that failed. Only from then on
+    # may what the snapshot covers (payload files, say) be dropped. See saved_hook().
+
     def load_snapshot(self, path: str) -> SnapshotMeta:
         """Replace the state by the snapshot at ``path`` and say what it covers."""
 
@@ -181,3 +185,8 @@ class ReplicatedLog(ABC):
 
     @abstractmethod
     def stop(self) -> None: ...
+
+
+def saved_hook(applier: Applier) -> Callable[[SnapshotMeta], None]:
+    """The applier's optional ``snapshot_saved``, or a no-op."""
+    return getattr(applier, "snapshot_saved", None) or (lambda meta: None)

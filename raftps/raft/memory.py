@@ -13,7 +13,8 @@ import os
 import threading
 from typing import Any, Callable
 
-from . import Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta
+from . import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
+               saved_hook)
 
 TICK = 0.05
 NO_OP = b"\x01"          # the boundary entries' bytes in a snapshot this log writes
@@ -80,6 +81,7 @@ class MemoryLog(ReplicatedLog):
         meta = SnapshotMeta((NO_OP, index, 1), (NO_OP, index - 1, 1), [self.address])
         self._applier.save_snapshot(self._snapshot + ".tmp", meta)
         os.replace(self._snapshot + ".tmp", self._snapshot)
+        saved_hook(self._applier)(meta)
         with self._cond:
             del self._entries[:index + 1 - self._first]
             self._first = index + 1

@@ -23,7 +23,8 @@ from typing import Any, Callable
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 
-from . import Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta, stored_zlib
+from . import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
+               saved_hook, stored_zlib)
 from .journal import DurableJournal, import_file_journal
 from .journal_hook import install_durable_journal, install_durable_snapshots
 from .peer_mac import PeerMac
@@ -143,6 +144,7 @@ class SyncObjLog(ReplicatedLog):
         self.address = settings.address
         self.settings = settings
         self._applier = applier
+        self._saving: SnapshotMeta | None = None  # the snapshot serialize() is writing
         self._jobs: queue.SimpleQueue[Callable[[], bool]] = queue.SimpleQueue()
         self._reads: queue.SimpleQueue[_Read] = queue.SimpleQueue()   # new ReadIndex reads, any thread
         # Tick-thread state of ReadIndex (see _serve_reads).
@@ -205,6 +207,7 @@ class SyncObjLog(ReplicatedLog):
         if journal is not None:
             install_durable_journal(core, journal)
             install_durable_snapshots(core, journal.storage, fsync=not unsafe_skip_fsync("snapshot"))
+        self._tell_saved_snapshots(core)
         install_fixes(core)
         install_read_probes(core, self._on_read_ack, self._promise)
         limit_unknown_connections(core)
@@ -216,8 +219,26 @@ class SyncObjLog(ReplicatedLog):
 
     def _save_snapshot(self, filename: str, raft_data: tuple) -> None:
         last, previous, cluster = raft_data
-        self._applier.save_snapshot(filename, SnapshotMeta(tuple(last), tuple(previous),
-                                                           sorted(node.address for node in cluster)))
+        meta = SnapshotMeta(tuple(last), tuple(previous), sorted(node.address for node in cluster))
+        self._applier.save_snapshot(filename, meta)
+        self._saving = meta                        # for _tell_saved_snapshots, once it is in place
+
+    def _tell_saved_snapshots(self, core: _Core) -> None:
+        # pysyncobj says nothing once a snapshot file is in place; its serializer's state does
+        # (pid -1: written and renamed; -2: failed). It never forks with a serializer callback,
+        # so serialize() has finished the whole save when it returns.
+        serializer = core._SyncObj__serializer
+        serialize = serializer.serialize
+        saved = saved_hook(self._applier)
+
+        def serialize_then_tell(data: Any, serialize_id: int) -> None:
+            self._saving = None
+            serialize(data, serialize_id)
+            meta, self._saving = self._saving, None
+            if meta is not None and serializer._Serializer__pid == -1:
+                saved(meta)
+
+        serializer.serialize = serialize_then_tell
 
     def _load_snapshot(self, filename: str) -> tuple:
         meta = self._applier.load_snapshot(filename)
