@@ -26,7 +26,7 @@ B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import os
 import subprocess
 import platform
@@ -58,13 +58,14 @@ TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates w
 
 
 def setup_if_needed(parts: list[str]) -> None:
-    """Run bench/setup.sh once if a chosen part needs etcd or torch and it is missing."""
+    """Run bench/setup.sh once if a chosen part needs etcd, torch or cryptography and it is missing."""
     need = ({"etcd", "failover"} & set(parts) and etcd.etcd_binary() is None) or \
-        ({"train", "torch"} & set(parts) and train.torch_version() is None)
+        ({"train", "torch"} & set(parts) and train.torch_version() is None) or \
+        ("naive" in parts and importlib.util.find_spec("cryptography") is None)
     if not need:
         return
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "setup.sh")
-    log(f"etcd or torch missing: running {script}")
+    log(f"etcd, torch or cryptography missing: running {script}")
     r = subprocess.run(["bash", script], timeout=900)
     if r.returncode:
         log(f"{script} exited {r.returncode}; parts that need what is missing will say so")

@@ -230,7 +230,8 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"{_f(r3['p99_ms'])} | {_f(r1 and r1['ops_per_s'])} | {_f(nv and nv['ops_per_s'], 2)} | "
                      f"{_f(_ratio(r3, nv, 'ops_per_s'))} | {_f(_ratio(r3, r1, 'ops_per_s'), 2)} | {_f(lim, 3)} | "
                      f"{_f(r3['peak_rss_mb'], 0)} ({_f(r3['rss_ratio'])}) |")
-    extra = [r for r in records if r.get("system") == "naive" and not find(records, "raftps-3", size=r["size"], clients=r["clients"])]
+    extra = [r for r in records if r.get("system") == "naive" and r.get("op") == "push"
+             and not find(records, "raftps-3", size=r["size"], clients=r["clients"])]
     for r in extra:
         L.append(f"| {size_label(r['size'])} | {r['clients']} | – | – | – | – | – | {_f(r['ops_per_s'], 2)} | – | – | – | – |")
     cpu = [r for r in records if "cpu_ms_per_push_nodes" in r]
@@ -363,12 +364,14 @@ def plots(records: list[dict[str, Any]], out: str) -> list[str]:
 
 def write(records: list[dict[str, Any]], meta: dict[str, Any], out: str) -> str:
     os.makedirs(out, exist_ok=True)
-    md = markdown(records, meta)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(md)
     slim = [{k: v for k, v in r.items() if k != "lat"} for r in records]
+    with open(os.path.join(out, "results.json"), "w") as f:     # first: a report bug loses no run
+        json.dump({"meta": meta, "records": slim}, f, indent=1, default=str)
+    md = markdown(records, meta)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"meta": meta, "records": slim, "targets": targets(records)}, f, indent=1, default=str)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md)
     plots(records, out)
     return md
 

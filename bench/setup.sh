@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything `python -m bench` compares against, installed once (never from the test suite):
 #   .venv with raftps (cluster/setup.sh), Debian's etcd-server (etcd 3.4, the comparison store),
+#   cryptography (the naive store's pysyncobj password),
 #   and torch's CPU wheel (the torch.distributed all-reduce training baseline; optional).
-# `python -m bench` runs this when etcd or torch is missing; each step is skipped when done.
+# `python -m bench` runs this when etcd, torch or cryptography is missing; each step is skipped when done.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -22,6 +23,11 @@ if ! command -v etcd >/dev/null 2>&1; then
   else
     echo "bench setup: etcd missing and not root (or no apt-get): the etcd rows will be skipped" >&2
   fi
+fi
+if ! .venv/bin/python -c "import cryptography" >/dev/null 2>&1; then
+  echo "bench setup: installing the bench extra (cryptography, for the naive store's peer password)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[bench]" \
+    || echo "bench setup: cryptography did not install; the naive rows will be skipped" >&2
 fi
 TORCH_WHEEL="${TORCH_WHEEL:-$(ls /opt/wheels/torch-*cpu*.whl 2>/dev/null | head -1 || true)}"
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then

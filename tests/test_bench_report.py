@@ -44,3 +44,16 @@ def test_missing_systems_give_no_verdict_and_the_markdown_still_renders():
     md = report.markdown(records, {"mode": "quick", "command": "python -m bench", "date": "d", "machine": "m",
                                    "durability": "x"})
     assert "raftps 3-node versus etcd 3.4" in md and "torch is not installed" in md
+
+
+def test_a_failed_part_is_reported_and_the_rest_still_renders(tmp_path):
+    """A part that raised leaves an error record (no size, no rates): the tables skip it, the
+    report names it, and results.json holds every record."""
+    import json
+    records = [push("raftps-3", 4 * MiB, 4, 60.0, 251.7),
+               {"system": "naive", "op": "error", "error": "RuntimeError: a naive node exited"}]
+    md = report.write(records, {"mode": "quick", "command": "python -m bench", "date": "d", "machine": "m",
+                                "durability": "x"}, str(tmp_path))
+    assert "a naive node exited" in md
+    with open(tmp_path / "results.json") as f:
+        assert len(json.load(f)["records"]) == 2
