@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
+import blake3
 import msgpack
 import numpy as np
 
@@ -181,9 +182,10 @@ def recv_exactly(sock: socket.socket, view: memoryview, started: bool = True, de
 
 class FrameMac:
     """Authenticates every frame of one connection: HMAC-SHA256 over a per-direction counter, the
-    frame's prefix and header, and the SHA-256 of its blob, with a key per direction. A frame
-    that was altered, dropped, replayed or reordered fails the check before its header is parsed.
-    (The blob enters through its digest so that one payload sent to several peers is hashed once.)"""
+    frame's prefix and header, and the blob's digest (``blob_hasher``), with a key per direction.
+    A frame that was altered, dropped, replayed or reordered fails the check before its header is
+    parsed. (The blob enters through its digest so that one payload sent to several peers is
+    hashed once; the HMAC is then over a few hundred bytes, whatever the blob's size.)"""
     TAG = 32
 
     def __init__(self, send_key: bytes, recv_key: bytes):
@@ -204,15 +206,22 @@ class FrameMac:
         return self._tag(self._send_key, self._sent, buffers[0], buffers[1], digest or blob_digest(buffers))
 
     def verify(self, prefix: Any, header: Any, digest: bytes, tag: bytes) -> None:
-        """Check the tag of a received frame, given its blob's SHA-256."""
+        """Check the tag of a received frame, given its blob's digest."""
         self._received += 1
         if not hmac.compare_digest(tag, self._tag(self._recv_key, self._received, prefix, header, digest)):
             raise ProtocolError("frame failed authentication (bad HMAC): altered, replayed or not from a peer")
 
 
+def blob_hasher() -> Any:
+    """The hash every blob byte goes through, once per node: BLAKE3 (256-bit digest, collision
+    resistant, so an HMAC over it authenticates the blob). 1.0 ms per 4 MiB on one core here
+    against SHA-256's 2.7 ms (with SHA-NI); the data plane and payload ids use nothing else."""
+    return blake3.blake3()
+
+
 def blob_digest(buffers: list) -> bytes:
-    """SHA-256 of the blob of ``encode``'s buffers (everything after prefix and header)."""
-    h = hashlib.sha256()
+    """The digest (``blob_hasher``) of the blob of ``encode``'s buffers (after prefix and header)."""
+    h = blob_hasher()
     for buf in buffers[2:]:
         h.update(buf)
     return h.digest()
@@ -237,7 +246,7 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
 def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
                     frame_timeout: float | None = None, mac: FrameMac | None = None,
                     on_size: Callable[[int], None] | None = None) -> tuple[Any, bytes | None]:
-    """``recv_frame``, returning (message, SHA-256 of the blob when ``mac`` is given, else None):
+    """``recv_frame``, returning (message, the blob's digest when ``mac`` is given, else None):
     the digest the MAC checked, for the receiver to reuse (a payload id's check)."""
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
@@ -261,7 +270,7 @@ def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, fir
                 recv_exactly(sock, memoryview(blob), deadline=deadline)
             else:
                 # Hash each chunk as it lands, while the kernel receives the next one.
-                h = hashlib.sha256()
+                h = blob_hasher()
                 with memoryview(blob) as view_of_blob:
                     for start in range(0, blob_len, HASH_CHUNK):
                         part = view_of_blob[start:start + HASH_CHUNK]

@@ -8,9 +8,13 @@ from both nonces, one per direction, frames counted): a frame injected into or r
 authenticated connection is refused before it is decoded. ``put`` stores a payload and
 acknowledges once it is on disk; ``get`` returns a payload or ``found: False``.
 
-A put's blob is hashed as it arrives, for the frame's MAC, and that one digest also checks the
-payload id (payloads.verify_digest). The leader hashes a payload once (its id, and the digest
-every peer's frame tag signs) before sending it to every peer at once.
+A put's blob is hashed as it arrives (BLAKE3, codec.blob_hasher), for the frame's MAC, and that
+one digest also checks the payload id (payloads.verify_digest). The leader hashes a payload once
+(its id, and the digest every peer's frame tag signs) before sending it to every peer at once.
+
+Both ends of the handshake say which version of this protocol they speak (``VERSION``; version 1,
+before raftps hashed blobs with BLAKE3, said nothing), so a node talking to a node of another
+raftps version is told so by name, rather than failing every frame's MAC.
 """
 from __future__ import annotations
 
@@ -33,6 +37,14 @@ from .raft import SnapshotMeta
 
 log = logging.getLogger("raftps.dataplane")
 HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
+VERSION = 2            # 1: blobs hashed with SHA-256 (and no version in the hello); 2: BLAKE3
+
+
+def _version_problem(peer: object) -> str | None:
+    if peer == VERSION:
+        return None
+    return (f"data-plane protocol version {peer if isinstance(peer, int) else 1} on the peer, "
+            f"{VERSION} on this node: run one raftps version on every node")
 
 
 def data_key(secret: bytes) -> bytes:
@@ -98,8 +110,14 @@ class DataPlaneServer:
         if not (isinstance(hello, dict) and isinstance(hello.get("nonce"), bytes) and len(hello["nonce"]) == 16):
             codec.send_frame(conn, {"ok": False, "error": "ProtocolError", "message": "expected a data-plane hello"})
             return None
+        problem = _version_problem(hello.get("version"))
+        if problem is not None:
+            log.warning("data-plane connection refused: %s", problem)
+            codec.send_frame(conn, {"ok": False, "error": "ProtocolError", "message": problem, "version": VERSION})
+            return None
         nonce = os.urandom(16)
-        codec.send_frame(conn, {"nonce": nonce, "proof": _proof(self.key, b"server", hello["nonce"])})
+        codec.send_frame(conn, {"nonce": nonce, "proof": _proof(self.key, b"server", hello["nonce"]),
+                                "version": VERSION})
         answer = codec.recv_frame(conn, HANDSHAKE_LIMITS, frame_timeout=self.frame_timeout)
         if not (isinstance(answer, dict) and isinstance(answer.get("proof"), bytes)
                 and hmac.compare_digest(answer["proof"], _proof(self.key, b"client", nonce))):
@@ -117,7 +135,7 @@ class DataPlaneServer:
             return {"ok": False, "message": f"internal error: {exc!r}"}
 
     def _handle(self, msg: object, digest: bytes | None = None) -> dict:
-        """``digest``: the SHA-256 of the frame's blob (its MAC's), which checks a put's id."""
+        """``digest``: the digest of the frame's blob (its MAC's), which checks a put's id."""
         if not isinstance(msg, dict):
             return {"ok": False, "message": "expected a map"}
         op, pid = msg.get("op"), msg.get("pid")
@@ -178,8 +196,11 @@ class PeerLink:
     def _handshake(self, address: str) -> codec.FrameMac:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(16)
-        codec.send_frame(self.sock, {"nonce": nonce})
+        codec.send_frame(self.sock, {"nonce": nonce, "version": VERSION})
         reply = codec.recv_frame(self.sock, HANDSHAKE_LIMITS)
+        problem = _version_problem(reply.get("version") if isinstance(reply, dict) else None)
+        if problem is not None:
+            raise ConnectionError(f"data plane {address}: {problem}")
         if not (isinstance(reply, dict) and isinstance(reply.get("proof"), bytes)
                 and isinstance(reply.get("nonce"), bytes)
                 and hmac.compare_digest(reply["proof"], _proof(self.key, b"server", nonce))):
@@ -254,8 +275,8 @@ class Peers:
     def replicate(self, pid: str, tensors: dict, needed: int, timeout: float, digest: bytes | None = None,
                   meanwhile: Callable[[], Any] | None = None) -> int:
         """Send a payload to every peer; return once ``needed`` peers hold it (or all answered,
-        or ``timeout``). Sends still under way go on in the background. ``digest``: the SHA-256
-        of the tensors' bytes in their order (payloads.digest_of), if known; ``meanwhile`` runs
+        or ``timeout``). Sends still under way go on in the background. ``digest``: the digest
+        (codec.blob_hasher) of the tensors' bytes in their order (payloads.digest_of), if known; ``meanwhile`` runs
         in this thread while the sends are under way (the leader's own copy of the payload)."""
         # Encoded and hashed once for every peer (each connection only signs the digest); without
         # a digest, hashed while the sends are under way: the tag goes after the blob.

@@ -453,7 +453,7 @@ class RaftNode:
             if size <= self.config.inline_bytes:
                 command["inline"] = codec.encode_bytes({"tensors": tensors})
             else:
-                # One SHA-256 pass names the payload and is the digest every peer's frame tag
+                # One hash pass (BLAKE3) names the payload and is the digest every peer's frame tag
                 # signs; the payload goes to the peers while this thread writes our own copy.
                 ordered, digest, content = digest_of(tensors)
                 pid = f"{payload_name or command['client'] + '-' + str(command['seq'])}-{content}"

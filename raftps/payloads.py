@@ -19,10 +19,10 @@ blocks, and with the ``discard`` mount option an unlinked one is trimmed in a jo
 every fsync on the file system waits for. So the node keeps every collected file as a spare (up
 to the payload budget) and picks the spare whose size fits best.
 
-A payload's id names its content by SHA-256 (``content_hash``), the same hash the data plane's
-frame MAC takes over the blob, so each byte is hashed once per node: the leader hashes a payload
-once for its id and every peer's frame tag, a follower once as it arrives (the MAC check), and the
-id check reuses that digest.
+A payload's id names its content (``content_hash``) through the digest the data plane's frame MAC
+takes over the blob (``codec.blob_hasher``, BLAKE3), so each byte is hashed once per node: the
+leader hashes a payload once for its id and every peer's frame tag, a follower once as it arrives
+(the MAC check), and the id check reuses that digest.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _ordered_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarra
 
 def content_hash(layout: list[tuple[str, str, list[int]]], blob_digest: bytes) -> str:
     """The content part of a payload id: SHA-256 over the tensors' names, dtypes and shapes (in
-    sorted name order) and the SHA-256 of their bytes in that order (``codec.blob_digest``)."""
+    sorted name order) and the digest of their bytes in that order (``codec.blob_digest``)."""
     return hashlib.sha256(msgpack.packb(layout) + blob_digest).hexdigest()[:8]
 
 
@@ -61,9 +61,9 @@ def layout_of(ordered: list[tuple[str, np.ndarray]]) -> list[tuple[str, str, lis
 
 
 def digest_of(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], bytes, str]:
-    """(the tensors in sorted order, the SHA-256 of their bytes, the content hash): one pass."""
+    """(the tensors in sorted order, the digest of their bytes, the content hash): one pass."""
     ordered = _ordered_arrays(tensors)
-    h = hashlib.sha256()
+    h = codec.blob_hasher()
     for _, a in ordered:
         h.update(memoryview(a.reshape(-1)).cast("B"))
     digest = h.digest()
@@ -83,7 +83,7 @@ def verify(pid: str, tensors: dict[str, np.ndarray]) -> bool:
 
 
 def verify_digest(pid: str, tensors: dict[str, np.ndarray], blob_digest: bytes) -> bool:
-    """``verify`` given the SHA-256 of the tensors' bytes in their dict order (a received frame's
+    """``verify`` given the digest of the tensors' bytes in their dict order (a received frame's
     blob, hashed for its MAC): no second pass over the bytes when they arrived in sorted order."""
     names = list(tensors)
     if names != sorted(names):

@@ -125,3 +125,40 @@ def test_a_wrong_secret_gets_no_data_plane_session(module_cluster):
     with pytest.raises(ConnectionError, match="authentication"):
         PeerLink(f"127.0.0.1:{module_cluster.base_port + 201}", b"0123456789abcdef-but-not-the-secret")
     assert os.path.exists(module_cluster.secret_file)
+
+
+def test_a_blob_altered_after_signing_is_refused(module_cluster):
+    """The tag covers every blob byte (through its BLAKE3 digest): one flipped byte of a signed
+    put is refused and nothing is stored."""
+    tensors = {"w": np.arange(1 << 18, dtype=np.float32)}          # 1 MiB: a chunk of its own
+    pid = payload_id("sectest", 4, tensors)
+    link = _link(module_cluster)
+    buffers = codec.encode({"op": "put", "pid": pid, "tensors": tensors})
+    tag = link.mac.sign(buffers)
+    blob = bytearray(b"".join(bytes(b) for b in buffers[2:]))
+    blob[len(blob) // 2] ^= 1
+    for b in [buffers[0], buffers[1], blob, tag]:
+        link.sock.sendall(b)
+    with pytest.raises((ConnectionError, OSError)):
+        codec.recv_frame(link.sock, mac=link.mac)
+    link.close()
+    check = _link(module_cluster)
+    try:
+        assert check.call({"op": "get", "pid": pid})["found"] is False
+    finally:
+        check.close()
+
+
+def test_a_peer_of_another_protocol_version_is_told_so(module_cluster):
+    """A node of the SHA-256 data plane (version 1: no version in its hello) is refused at the
+    hello with both versions named, not left to fail every frame's MAC."""
+    import socket
+    sock = socket.create_connection(("127.0.0.1", module_cluster.base_port + 201), timeout=10)
+    try:
+        codec.send_frame(sock, {"nonce": os.urandom(16)})
+        reply = codec.recv_frame(sock)
+        assert reply["ok"] is False and reply["error"] == "ProtocolError"
+        assert "version 1 on the peer, 2 on this node" in reply["message"]
+        assert "proof" not in reply
+    finally:
+        sock.close()
