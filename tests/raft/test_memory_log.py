@@ -3,6 +3,7 @@ store's contract without sockets between members or elections (the real log has 
 from __future__ import annotations
 
 import threading
+import time
 
 import msgpack
 import numpy as np
@@ -142,3 +143,34 @@ def test_store_restarts_from_its_snapshot_file(tmp_path) -> None:
         assert after["snapshot_index"] == before["applied"]
     finally:
         node.stop()
+
+
+def _snapshot_after_pushes(tmp_path, port: int, extra_model: int) -> int:
+    """snapshot_index after ten 64 KiB pushes (640 KiB of payload files) to a store of a 64 KiB
+    tensor plus ``extra_model`` float32s, with a 256 KiB payload floor and the default budget."""
+    config = NodeConfig(node_id=1, peers=[f"127.0.0.1:{port}"], data_dir=str(tmp_path / f"n{port}"), secret=b"",
+                        payload_snapshot_floor=256 << 10)
+    node = RaftNode(config, log_factory=MemoryLog)
+    server = ClientServer(node, *config.bind(config.client_offset))
+    try:
+        with Client(config.address(1, config.client_offset), timeout=10.0) as client:
+            client.create("w", np.zeros(1 << 14, np.float32), optimizer={"name": "sgd", "lr": 0.1})
+            if extra_model:
+                client.create("big", np.zeros(extra_model, np.float32), optimizer={"name": "sgd", "lr": 0.1})
+            for step in range(10):
+                client.push({"w": np.full(1 << 14, float(step + 1), np.float32)})
+            deadline = time.monotonic() + 3.0                 # a tick or two after the last push
+            while node.status()["snapshot_index"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return node.status()["snapshot_index"]
+    finally:
+        server.close()
+        node.stop()
+
+
+def test_payload_files_call_for_a_snapshot_in_proportion_to_the_store(tmp_path) -> None:
+    """A small store snapshots once its payload files pass max(floor, 4 x its bytes), long before
+    the 512 MiB budget (so the files become spares early); a store four times the payloads'
+    bytes does not."""
+    assert _snapshot_after_pushes(tmp_path, BASE + 10, extra_model=0) > 0          # 640 KiB > 256 KiB
+    assert _snapshot_after_pushes(tmp_path, BASE + 20, extra_model=1 << 18) == 0    # 640 KiB < 4 x 1.06 MiB
