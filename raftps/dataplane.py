@@ -276,8 +276,9 @@ class Peers:
                   meanwhile: Callable[[], Any] | None = None) -> int:
         """Send a payload to every peer; return once ``needed`` peers hold it (or all answered,
         or ``timeout``). Sends still under way go on in the background. ``digest``: the digest
-        (codec.blob_hasher) of the tensors' bytes in their order (payloads.digest_of), if known; ``meanwhile`` runs
-        in this thread while the sends are under way (the leader's own copy of the payload)."""
+        (codec.blob_hasher) of the tensors' bytes in their order (payloads.digest_of), if known;
+        ``meanwhile`` runs in this thread while the sends are under way (the leader's own copy
+        of the payload)."""
         # Encoded and hashed once for every peer (each connection only signs the digest); without
         # a digest, hashed while the sends are under way: the tag goes after the blob.
         frame = codec.encode({"op": "put", "pid": pid, "tensors": tensors})

@@ -330,7 +330,7 @@ class RaftNode:
         writes), at least ``payload_snapshot_floor``, at most ``payload_budget``. A snapshot lets
         the files it covers be overwritten as spares: in tmpfs a new 4 MiB file costs page
         allocation and zeroing that a spare does not (4 MiB x4 on a 4 MiB model, bench.ab: node
-        CPU per push 29.8 -> 26.7 ms with a 64 MiB budget instead of 512 MiB). A snapshot costs
+        CPU per push 26.7 -> 23.0 ms against the flat 512 MiB budget). A snapshot costs
         writing the store once, so at the ratio 4 it adds at most a quarter to what the payloads
         wrote; a model of 128 MiB or more keeps the whole budget."""
         config, disk = self.config, self.payloads.disk_bytes

@@ -65,6 +65,15 @@ def _link(cluster, node: int = 1) -> PeerLink:
     return PeerLink(f"127.0.0.1:{cluster.base_port + 200 + node}", auth.read_secret_file(cluster.secret_file).encode())
 
 
+def _stored(cluster, pid: str) -> bool:
+    """Whether node 1's data plane holds payload ``pid`` (asked over a fresh link)."""
+    link = _link(cluster)
+    try:
+        return link.call({"op": "get", "pid": pid})["found"]
+    finally:
+        link.close()
+
+
 def test_a_payload_whose_digest_does_not_match_is_refused(module_cluster):
     tensors = {"w": np.arange(8, dtype=np.float32)}
     good = payload_id("sectest", 1, tensors)
@@ -113,12 +122,8 @@ def test_every_data_plane_frame_is_authenticated(module_cluster):
     with pytest.raises((ConnectionError, OSError)):
         codec.recv_frame(link.sock, mac=link.mac)
     link.close()
-    check = _link(module_cluster)
-    try:
-        assert check.call({"op": "get", "pid": pid})["found"] is True      # the one good put only
-        assert check.call({"op": "get", "pid": payload_id("sectest", 3, tensors)})["found"] is False
-    finally:
-        check.close()
+    assert _stored(module_cluster, pid) is True                          # the one good put only
+    assert _stored(module_cluster, payload_id("sectest", 3, tensors)) is False
 
 
 def test_a_wrong_secret_gets_no_data_plane_session(module_cluster):
@@ -142,11 +147,7 @@ def test_a_blob_altered_after_signing_is_refused(module_cluster):
     with pytest.raises((ConnectionError, OSError)):
         codec.recv_frame(link.sock, mac=link.mac)
     link.close()
-    check = _link(module_cluster)
-    try:
-        assert check.call({"op": "get", "pid": pid})["found"] is False
-    finally:
-        check.close()
+    assert _stored(module_cluster, pid) is False
 
 
 def test_a_peer_of_another_protocol_version_is_told_so(module_cluster):
