@@ -14,7 +14,7 @@ import time
 import msgpack
 import numpy as np
 
-from raftps import auth, codec
+from raftps import auth, codec, dataplane
 from raftps.dataplane import PeerLink
 from security_helpers import hello_connection, rss_kib, state
 
@@ -224,7 +224,7 @@ def fuzz_data_garbage(cluster, rng, cases: int, authenticated: bool) -> None:
             raw = _drain(link.sock, payload)
         else:
             payload = rng.choice([garbage_frame(rng), codec.encode_bytes({"nonce": rng.randbytes(rng.randrange(20))}),
-                                  codec.encode_bytes({"nonce": os.urandom(16)}) + codec.encode_bytes(
+                                  codec.encode_bytes({"nonce": os.urandom(16), "version": dataplane.VERSION}) + codec.encode_bytes(
                                       {"proof": rng.randbytes(32)})])
             raw = _drain(_connect(port), payload)
         # The data plane never answers garbage with data: at most a handshake step or a refusal.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from pysyncobj.encryptor import HAS_CRYPTO, getEncryptor
 
-from raftps import codec
+from raftps import codec, dataplane
 from raftps.localcluster import LocalCluster
 from raftps.raft.peer_mac import PeerMac
 from raftps.node import default_payload_dir
@@ -115,9 +115,9 @@ def test_data_plane_without_the_secret_stores_nothing(module_cluster):
     pid = payload_id("stranger", 1, tensors)
     for node in (1, 2, 3):
         with socket.create_connection(("127.0.0.1", cluster.base_port + 200 + node), timeout=5) as s:
-            codec.send_frame(s, {"nonce": os.urandom(16)})
+            codec.send_frame(s, {"nonce": os.urandom(16), "version": dataplane.VERSION})   # today's protocol
             challenge = codec.recv_frame(s)
-            assert set(challenge) == {"nonce", "proof"}
+            assert set(challenge) == {"nonce", "proof", "version"}
             codec.send_frame(s, {"proof": os.urandom(32)})              # a guess
             refusal = codec.recv_frame(s)
             assert refusal["error"] == "AuthenticationFailed" and "wrong cluster secret" in refusal["message"]
