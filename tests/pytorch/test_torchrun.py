@@ -20,6 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "examples", "cnn_digits.py")
 WORKERS = 2
 STEPS = 240
+# An async job's final accuracy varies from run to run with the interleaving of its two workers:
+# 0.925-0.972 over 10 runs of these two tests (2026-12-05); an untrained model scores about 0.1.
+TRAINED = 0.90
 
 
 def job(cluster, out, prefix: str, log: str, port: int, max_restarts: int) -> TorchrunJob:
@@ -51,7 +54,7 @@ def test_torchrun_job_survives_leader_and_worker_sigkill(make_cluster, tmp_path)
     assert run.exit_code == 0, f"torchrun failed: {run.events}\n{log[-3000:]}"
     assert [e for _, e in run.events if e.startswith("SIGKILL")][1:2], f"both kills happened: {run.events}"
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["final_test_acc"] >= 0.93, summary
+    assert summary["final_test_acc"] >= TRAINED, summary
     # Every global batch was applied exactly once: each rank's counter rides in the same atomic
     # push as its gradient, and the restarted workers resumed at their counters.
     assert sum(counters(cluster, "kills")) == STEPS
@@ -87,6 +90,6 @@ def test_resume_after_every_worker_is_killed_continues_from_the_store(make_clust
     # (an untrained 10-class CNN starts at about ln 10 = 2.3).
     first_loss = float(open(tmp_path / "out2" / "metrics.csv").read().splitlines()[1].split(",")[2])
     assert first_loss < 1.0, first_loss
-    assert summary["final_test_acc"] >= 0.93, summary
+    assert summary["final_test_acc"] >= TRAINED, summary
     assert sum(counters(cluster, "resume")) == STEPS
     assert applied_updates(cluster, "resume") == STEPS
