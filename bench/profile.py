@@ -76,13 +76,13 @@ def perf_report(data: str, top: int = 14) -> dict[str, list[tuple[str, float]]]:
 
 
 def _under_load(size: int, clients: int, seconds: float, base_port: int,
-                record: Any) -> tuple[float, list[tuple[str, str]]]:
+                record: Any, durability: str = "none") -> tuple[float, list[tuple[str, str]]]:
     """A fresh 3-node cluster under ``clients`` pushes of ``size`` bytes for ``seconds``, while the
     processes ``record(cluster, leader)`` started ([(role, process, output path)]) record its
     nodes: (pushes/s, [(role, output path)])."""
     from raftps.localcluster import LocalCluster
     run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
-    cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
+    cl = LocalCluster(run_dir, nodes=3, base_port=base_port, durability=durability)
     os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token
     cl.start()
     recorders: list[tuple[str, subprocess.Popen, str]] = []
@@ -103,7 +103,8 @@ def _under_load(size: int, clients: int, seconds: float, base_port: int,
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def run_perf(size: int, clients: int, seconds: float, out: str, base_port: int = 9580) -> dict[str, Any]:
+def run_perf(size: int, clients: int, seconds: float, out: str, base_port: int = 9580,
+             durability: str = "none") -> dict[str, Any]:
     """``perf record`` of all three nodes under push load: where their CPU goes, kernel included."""
     os.makedirs(out, exist_ok=True)
 
@@ -115,7 +116,7 @@ def run_perf(size: int, clients: int, seconds: float, out: str, base_port: int =
             cmd = ["perf", "record", "-F", "499", "-p", str(cl.pid(node)), "-o", path, "--", "sleep", str(int(seconds))]
             recorders.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
         return recorders
-    rate, paths = _under_load(size, clients, seconds, base_port, record)
+    rate, paths = _under_load(size, clients, seconds, base_port, record, durability)
     return {"size": size, "clients": clients, "pushes_per_s": rate,
             "nodes": {role: perf_report(path) for role, path in paths}}
 
@@ -130,7 +131,7 @@ def print_perf(r: dict[str, Any]) -> None:
 
 
 def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580, rate: int = 100,
-        gil: bool = False) -> dict[str, Any]:
+        gil: bool = False, idle: bool = False, durability: str = "none") -> dict[str, Any]:
     spy = _py_spy()
     if not spy:
         raise RuntimeError("py-spy not found: pip install py-spy")
@@ -142,16 +143,17 @@ def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580
         for role, node in (("leader", leader), ("follower", follower)):
             path = os.path.join(out, f"profile_{role}_{size_label(size).replace(' ', '')}.txt")
             cmd = [spy, "record", "--format", "raw", "--threads", "--nonblocking", "--rate", str(rate),
-                   "--duration", str(int(seconds)), "--pid", str(cl.pid(node)), "--output", path] + (["--gil"] if gil else [])
+                   "--duration", str(int(seconds)), "--pid", str(cl.pid(node)), "--output", path] + (["--gil"] if gil else []) \
+                + (["--idle"] if idle else [])
             recorders.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
         return recorders
-    pushes_per_s, paths = _under_load(size, clients, seconds, base_port, record)
-    return {"size": size, "clients": clients, "pushes_per_s": pushes_per_s, "gil": gil,
+    pushes_per_s, paths = _under_load(size, clients, seconds, base_port, record, durability)
+    return {"size": size, "clients": clients, "pushes_per_s": pushes_per_s, "gil": gil, "idle": idle,
             "nodes": {role: summarize(path) for role, path in paths}}
 
 
 def print_report(r: dict[str, Any]) -> None:
-    what = "GIL-holding" if r["gil"] else "non-idle"
+    what = "GIL-holding" if r["gil"] else "all (idle included)" if r.get("idle") else "non-idle"
     print(f"## py-spy ({what} samples), {size_label(r['size'])} x{r['clients']} clients "
           f"({r['pushes_per_s']:.1f} pushes/s while profiled)")
     for role, s in r["nodes"].items():
@@ -168,13 +170,17 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL")
     ap.add_argument("--perf", action="store_true", help="perf record of every node instead of py-spy")
+    ap.add_argument("--idle", action="store_true",
+                    help="py-spy: idle samples too (where a thread waits: fsync, poll, locks)")
+    ap.add_argument("--durability", choices=["none", "fsync"], default="none", help="the nodes' serve --durability")
     ap.add_argument("--base-port", type=int, default=9580)
     a = ap.parse_args()
     log(f"profiling {size_label(a.size)} x{a.clients} for {a.seconds:.0f} s")
     if a.perf:
-        print_perf(run_perf(a.size, a.clients, a.seconds, a.out, a.base_port))
+        print_perf(run_perf(a.size, a.clients, a.seconds, a.out, a.base_port, a.durability))
     else:
-        print_report(run(a.size, a.clients, a.seconds, a.out, a.base_port, gil=a.gil))
+        print_report(run(a.size, a.clients, a.seconds, a.out, a.base_port, gil=a.gil, idle=a.idle,
+                         durability=a.durability))
 
 
 if __name__ == "__main__":
