@@ -189,6 +189,9 @@ def test_rotate_and_revoke_without_a_restart(rbac_cluster):
         cl.send_signal(n, signal.SIGHUP)
     with Client(cl.addresses, token=new_tokens["jobA"], timeout=10, tls=False) as c:
         _eventually(lambda: c.push({"jobA/w": np.ones(4, np.float32)}))
+    for n in (1, 2, 3):        # every node has reloaded (the signals reach them one by one)
+        with Client([cl.client_address(n)], token=new_tokens["jobA"], timeout=10, tls=False) as c:
+            _eventually(lambda: c.pull(["jobA/w"], linearizable=False))
     with pytest.raises(AuthenticationFailed, match="revoked or rotated"):
         old.pull(["jobA/w"])                                            # the open connection is refused
     old.close()
