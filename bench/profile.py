@@ -143,8 +143,8 @@ def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580
         for role, node in (("leader", leader), ("follower", follower)):
             path = os.path.join(out, f"profile_{role}_{size_label(size).replace(' ', '')}.txt")
             cmd = [spy, "record", "--format", "raw", "--threads", "--nonblocking", "--rate", str(rate),
-                   "--duration", str(int(seconds)), "--pid", str(cl.pid(node)), "--output", path] + (["--gil"] if gil else []) \
-                + (["--idle"] if idle else [])
+                   "--duration", str(int(seconds)), "--pid", str(cl.pid(node)), "--output", path] \
+                + (["--gil"] if gil else []) + (["--idle"] if idle else [])
             recorders.append((role, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
         return recorders
     pushes_per_s, paths = _under_load(size, clients, seconds, base_port, record, durability)
@@ -153,7 +153,7 @@ def run(size: int, clients: int, seconds: float, out: str, base_port: int = 9580
 
 
 def print_report(r: dict[str, Any]) -> None:
-    what = "GIL-holding" if r["gil"] else "all (idle included)" if r.get("idle") else "non-idle"
+    what = "GIL-holding" if r["gil"] else "all (idle included)" if r["idle"] else "non-idle"
     print(f"## py-spy ({what} samples), {size_label(r['size'])} x{r['clients']} clients "
           f"({r['pushes_per_s']:.1f} pushes/s while profiled)")
     for role, s in r["nodes"].items():

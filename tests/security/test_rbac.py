@@ -176,6 +176,13 @@ def _eventually(check, seconds: float = 10.0):
             time.sleep(0.2)
 
 
+def _on_every_node(cl, token: str, check) -> None:
+    """``check(client)`` passes, eventually, through each node's own client port."""
+    for n in (1, 2, 3):
+        with Client([cl.client_address(n)], token=token, timeout=10, tls=False) as c:
+            _eventually(lambda: check(c))
+
+
 def test_rotate_and_revoke_without_a_restart(rbac_cluster):
     cl = rbac_cluster
     pids = [cl.pid(n) for n in (1, 2, 3)]
@@ -189,9 +196,8 @@ def test_rotate_and_revoke_without_a_restart(rbac_cluster):
         cl.send_signal(n, signal.SIGHUP)
     with Client(cl.addresses, token=new_tokens["jobA"], timeout=10, tls=False) as c:
         _eventually(lambda: c.push({"jobA/w": np.ones(4, np.float32)}))
-    for n in (1, 2, 3):        # every node has reloaded (the signals reach them one by one)
-        with Client([cl.client_address(n)], token=new_tokens["jobA"], timeout=10, tls=False) as c:
-            _eventually(lambda: c.pull(["jobA/w"], linearizable=False))
+    # every node has reloaded (the signals reach them one by one)
+    _on_every_node(cl, new_tokens["jobA"], lambda c: c.pull(["jobA/w"], linearizable=False))
     with pytest.raises(AuthenticationFailed, match="revoked or rotated"):
         old.pull(["jobA/w"])                                            # the open connection is refused
     old.close()
@@ -204,9 +210,8 @@ def test_rotate_and_revoke_without_a_restart(rbac_cluster):
     # A grant changed with no signal: each node sees the new mtime within a second.
     grants["jobA2"] = [{"prefix": "jobA/", "role": "write"}]
     write_identities(cl.auth_file, new_tokens, grants)
-    for n in (1, 2, 3):        # each node checks roles itself (a follower before it redirects)
-        with Client([cl.client_address(n)], token=new_tokens["jobA2"], timeout=10, tls=False) as c:
-            _eventually(lambda: c.push({"jobA/b": np.ones(2, np.float32)}))
+    # each node checks roles itself (a follower before it redirects)
+    _on_every_node(cl, new_tokens["jobA2"], lambda c: c.push({"jobA/b": np.ones(2, np.float32)}))
     # A broken file: every node keeps the identities it had, and says so without a token.
     with open(cl.auth_file, "w") as f:
         f.write('{"identities": [{"name": "x", "token": "' + "s" * 20 + '", "grants": [{"prefix": "", "role": "god"}]}]}')
