@@ -120,7 +120,8 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
     if spec["weight_decay"]:
         grad = grad + t(spec["weight_decay"]) * param
     if name == "sgd":
-        return param - lr * grad, state
+        new = lr * grad                       # param - lr * grad, bit for bit, in one new array
+        return np.subtract(param, new, out=new), state
     if name == "momentum":
         mu = t(spec["momentum"])
         velocity = mu * state["velocity"] + grad

@@ -67,6 +67,8 @@ def test_duplicate_request_returns_cached_result_and_applies_once():
     ({"nope": np.ones(4, F32)}, "UnknownTensor"),
     ({"w": np.array([1, np.nan, 0, 0], F32)}, "InvalidGradient"),
     ({"w": np.array([1, np.inf, 0, 0], F32)}, "InvalidGradient"),
+    ({"w": np.array([-np.inf, 0, 0, 0], F32)}, "InvalidGradient"),
+    ({"w": np.array([np.inf, -np.inf, 0, 0], F32)}, "InvalidGradient"),
     ({"bad name!": np.ones(4, F32)}, "InvalidRequest"),
 ])
 def test_rejected_push_changes_no_tensor_even_in_a_multi_tensor_push(grad, code):
@@ -77,6 +79,20 @@ def test_rejected_push_changes_no_tensor_even_in_a_multi_tensor_push(grad, code)
     result = log("push", tensors={"v": np.ones(4, F32), **grad})
     assert result["error"] == code and ("w" in result["message"] or "nope" in result["message"] or "bad" in result["message"])
     assert [(n, t.version, t.data.tobytes()) for n, t in log.store.tensors.items()] == before
+
+
+def test_finite_values_whose_sum_overflows_are_accepted_and_exactly_counted_when_not():
+    """check_finite sums once; an overflowing sum of finite values must not read as NaN/Inf."""
+    from raftps.errors import InvalidGradient
+    from raftps.tensor import check_finite
+    big = np.full(4, np.finfo(F32).max, F32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(big.sum())
+    check_finite("w", big)
+    check_finite("h", np.full(3, 60000.0, np.float16))
+    check_finite("i", np.array([2**62, 2**62], np.int64))
+    with pytest.raises(InvalidGradient, match="'w': gradient has 2 NaN/Inf"):
+        check_finite("w", np.array([np.finfo(F32).max, np.nan, 1.0, -np.inf], F32))
 
 
 def test_malformed_commands_never_raise():
