@@ -91,3 +91,61 @@ def test_float32_stays_float32_and_inputs_are_not_mutated():
 def test_bad_specs_are_named(spec, message):
     with pytest.raises(InvalidOptimizer, match=message):
         optim.normalize(spec, "w")
+
+
+def textbook_step(spec, param, grad, state, ctx=optim.NO_CONTEXT):
+    """The formulas as one numpy expression each, a new array per operation: what optim.step
+    computed before it wrote into fewer arrays. Its results must be the same bits."""
+    t = param.dtype.type
+    lr = t(spec["lr"] / max(1, ctx.staleness)) if spec["staleness_aware"] else t(spec["lr"])
+    if spec["weight_decay"]:
+        grad = grad + t(spec["weight_decay"]) * param
+    name = spec["name"]
+    if name == "sgd":
+        return param - lr * grad, state
+    if name == "momentum":
+        mu = t(spec["momentum"])
+        velocity = mu * state["velocity"] + grad
+        direction = grad + mu * velocity if spec["nesterov"] else velocity
+        return param - lr * direction, {"velocity": velocity}
+    if name == "adagrad":
+        acc = state["accumulator"] + grad * grad
+        return param - lr * grad / (np.sqrt(acc) + t(spec["eps"])), {"accumulator": acc}
+    b1, b2 = spec["beta1"], spec["beta2"]
+    m = t(b1) * state["m"] + t(1.0 - b1) * grad
+    v = t(b2) * state["v"] + t(1.0 - b2) * (grad * grad)
+    beta1_t, beta2_t = state["beta1_t"] * b1, state["beta2_t"] * b2
+    m_hat, v_hat = m / t(1.0 - beta1_t), v / t(1.0 - beta2_t)
+    new = param - lr * m_hat / (np.sqrt(v_hat) + t(spec["eps"]))
+    return new, {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])      # the store's tensor dtypes
+@pytest.mark.parametrize("shape", [(), (7,), (33, 65)])
+@pytest.mark.parametrize("spec", [
+    {"name": "sgd", "lr": 0.1}, {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "staleness_aware": True},
+    {"name": "momentum", "lr": 0.05}, {"name": "momentum", "lr": 0.05, "nesterov": True, "weight_decay": 0.1},
+    {"name": "adagrad", "lr": 0.5}, {"name": "adam", "lr": 0.01}, {"name": "adam", "lr": 3e-4, "beta2": 0.99,
+                                                                    "weight_decay": 0.01, "staleness_aware": True}])
+def test_same_bits_as_the_textbook_expressions_and_inputs_untouched(spec, shape, dtype):
+    spec = optim.normalize(spec)
+    rng = np.random.default_rng(len(shape) * 10 + np.dtype(dtype).itemsize)
+    param = np.asarray(rng.standard_normal(shape) * 3, dtype)
+    state = optim.init_state(spec, param)
+    mine, theirs = (param, state), (param, state)
+    for k in range(12):
+        # gradients of very different scales: rounding, tiny and large values, exact zeros
+        grad = np.asarray(rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 3), dtype)
+        grad[...] = np.where(rng.random(shape) < 0.1, 0, grad)
+        ctx = optim.Context(index=k + 1, base=k, staleness=k % 3)
+        given = [mine[0], grad] + [v for v in mine[1].values() if isinstance(v, np.ndarray)]
+        before = [a.tobytes() for a in given]
+        mine = optim.step(spec, mine[0], grad, mine[1], ctx)
+        theirs = textbook_step(spec, theirs[0], grad, theirs[1], ctx)
+        assert type(mine[0]) is np.ndarray and mine[0].dtype == dtype and mine[0].shape == shape
+        assert mine[0].tobytes() == np.asarray(theirs[0]).tobytes(), f"step {k}: parameters differ"
+        assert mine[1].keys() == theirs[1].keys()
+        for key in mine[1]:
+            assert np.asarray(mine[1][key]).tobytes() == np.asarray(theirs[1][key]).tobytes(), f"step {k}: {key} differs"
+        # nothing the step was given changed (readers of the previous version hold those arrays)
+        assert [a.tobytes() for a in given] == before, f"step {k}: an input was written"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -232,11 +233,15 @@ def test_sparse_embedding_push_changes_exactly_the_rows_looked_up(cluster, spec)
         assert torch.equal(second.emb.weight, model.emb.weight)
         # pull_rows brings another writer's update of a row this replica did not touch.
         with cluster.client() as c:
-            c.push({table: np.ones((1, 8), np.float32), f"{table}:indices": np.array([10], np.int32)},
-                   encoding={table: {"kind": "rows"}})
+            written = c.push({table: np.ones((1, 8), np.float32), f"{table}:indices": np.array([10], np.int32)},
+                             encoding={table: {"kind": "rows"}})
             latest, _ = c.pull([table])
         assert not torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
-        opt.pull_rows(model.emb.weight, [10])
+        # pull_rows reads any node (not linearizable; it waits only for this optimizer's own
+        # pushes), so another writer's update shows once that node has applied it: bounded wait.
+        deadline = time.monotonic() + 10.0
+        while opt.pull_rows(model.emb.weight, [10]) < written and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
 
 
