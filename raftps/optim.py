@@ -121,9 +121,9 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
         grad = grad + t(spec["weight_decay"]) * param
     # Each formula is evaluated in its textbook order, but into as few new arrays as it must
     # return (plus a scratch array or two): a new array per operation was half of Adam's apply
-    # (4 MiB of float32 here: 8.6 ms, now 4.1). The same IEEE operations on the same operands
-    # (a * b and b * a are the same bits) give the same bits as the textbook expressions, which
-    # tests/test_optim.py checks bit for bit: replicas of older and newer code never diverge.
+    # (bench.optim_apply). The same IEEE operations on the same operands (a * b and b * a are the
+    # same bits) give the same bits as the textbook expressions, which tests/test_optim.py checks
+    # bit for bit: replicas of older and newer code never diverge.
     if name == "sgd":
         new = np.multiply(grad, lr, out=_like(param))     # param - lr * grad
         return np.subtract(param, new, out=new), state

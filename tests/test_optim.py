@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+from bench.optim_apply import textbook_step
 from raftps import optim
 from raftps.errors import InvalidOptimizer
 
@@ -93,32 +94,6 @@ def test_bad_specs_are_named(spec, message):
         optim.normalize(spec, "w")
 
 
-def textbook_step(spec, param, grad, state, ctx=optim.NO_CONTEXT):
-    """The formulas as one numpy expression each, a new array per operation: what optim.step
-    computed before it wrote into fewer arrays. Its results must be the same bits."""
-    t = param.dtype.type
-    lr = t(spec["lr"] / max(1, ctx.staleness)) if spec["staleness_aware"] else t(spec["lr"])
-    if spec["weight_decay"]:
-        grad = grad + t(spec["weight_decay"]) * param
-    name = spec["name"]
-    if name == "sgd":
-        return param - lr * grad, state
-    if name == "momentum":
-        mu = t(spec["momentum"])
-        velocity = mu * state["velocity"] + grad
-        direction = grad + mu * velocity if spec["nesterov"] else velocity
-        return param - lr * direction, {"velocity": velocity}
-    if name == "adagrad":
-        acc = state["accumulator"] + grad * grad
-        return param - lr * grad / (np.sqrt(acc) + t(spec["eps"])), {"accumulator": acc}
-    b1, b2 = spec["beta1"], spec["beta2"]
-    m = t(b1) * state["m"] + t(1.0 - b1) * grad
-    v = t(b2) * state["v"] + t(1.0 - b2) * (grad * grad)
-    beta1_t, beta2_t = state["beta1_t"] * b1, state["beta2_t"] * b2
-    m_hat, v_hat = m / t(1.0 - beta1_t), v / t(1.0 - beta2_t)
-    new = param - lr * m_hat / (np.sqrt(v_hat) + t(spec["eps"]))
-    return new, {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t}
-
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])      # the store's tensor dtypes
 @pytest.mark.parametrize("shape", [(), (7,), (33, 65)])
@@ -128,6 +103,9 @@ def textbook_step(spec, param, grad, state, ctx=optim.NO_CONTEXT):
     {"name": "adagrad", "lr": 0.5}, {"name": "adam", "lr": 0.01}, {"name": "adam", "lr": 3e-4, "beta2": 0.99,
                                                                     "weight_decay": 0.01, "staleness_aware": True}])
 def test_same_bits_as_the_textbook_expressions_and_inputs_untouched(spec, shape, dtype):
+    """optim.step writes into fewer arrays than the textbook expressions (bench.optim_apply's
+    baseline, what the store computed before): it must still give their bits, or replicas on
+    older and newer code would diverge."""
     spec = optim.normalize(spec)
     rng = np.random.default_rng(len(shape) * 10 + np.dtype(dtype).itemsize)
     param = np.asarray(rng.standard_normal(shape) * 3, dtype)
