@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from raftps import codec
+from raftps.errors import InvalidGradient
 from raftps.machine import SessionLimits, TensorStore
+from raftps.tensor import check_finite
 
 F32 = np.float32
 
@@ -83,8 +85,6 @@ def test_rejected_push_changes_no_tensor_even_in_a_multi_tensor_push(grad, code)
 
 def test_finite_values_whose_sum_overflows_are_accepted_and_exactly_counted_when_not():
     """check_finite sums once; an overflowing sum of finite values must not read as NaN/Inf."""
-    from raftps.errors import InvalidGradient
-    from raftps.tensor import check_finite
     big = np.full(4, np.finfo(F32).max, F32)
     with np.errstate(over="ignore"):
         assert not np.isfinite(big.sum())

@@ -94,7 +94,6 @@ def test_bad_specs_are_named(spec, message):
         optim.normalize(spec, "w")
 
 
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])      # the store's tensor dtypes
 @pytest.mark.parametrize("shape", [(), (7,), (33, 65)])
 @pytest.mark.parametrize("spec", [
