@@ -118,7 +118,8 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
     # The scalar is divided as a Python float, then cast once: the same bits on every replica.
     lr = t(spec["lr"] / max(1, ctx.staleness)) if spec["staleness_aware"] else t(spec["lr"])
     if spec["weight_decay"]:
-        grad = grad + t(spec["weight_decay"]) * param
+        decayed = np.multiply(param, t(spec["weight_decay"]), out=_like(param))
+        grad = np.add(grad, decayed, out=decayed)    # grad + weight_decay * param
     # Each formula is evaluated in its textbook order, but into as few new arrays as it must
     # return (plus a scratch array or two): a new array per operation was half of Adam's apply
     # (bench.optim_apply). The same IEEE operations on the same operands (a * b and b * a are the
