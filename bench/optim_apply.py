@@ -22,36 +22,52 @@ from raftps import optim
 from .common import log
 
 SPECS = [{"name": "sgd", "lr": 0.01}, {"name": "momentum", "lr": 0.01, "nesterov": True},
-         {"name": "adagrad", "lr": 0.01}, {"name": "adam", "lr": 1e-3}]
+         {"name": "adagrad", "lr": 0.01}, {"name": "adam", "lr": 1e-3},
+         {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1}]
 
 
 def textbook_step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
                   ctx: optim.Context = optim.NO_CONTEXT) -> tuple[np.ndarray, dict]:
     """The optimizers of raftps.optim (not adarevision or elastic) as one expression each."""
     t = param.dtype.type
-    lr = t(spec["lr"] / max(1, ctx.staleness)) if spec["staleness_aware"] else t(spec["lr"])
-    if spec["weight_decay"]:
-        grad = grad + t(spec["weight_decay"]) * param
+    lr_float = spec["lr"] / max(1, ctx.staleness) if spec["staleness_aware"] else spec["lr"]
+    lr = t(lr_float)
     name = spec["name"]
+    steps = state.get("step", 0) + 1
+    if spec.get("maximize"):
+        grad = -grad
+    if name == "adamw":
+        if spec["weight_decay"]:
+            param = param * t(1.0 - lr_float * spec["weight_decay"])
+    elif spec["weight_decay"]:
+        grad = grad + t(spec["weight_decay"]) * param
     if name == "sgd":
         return param - lr * grad, state
     if name == "momentum":
-        mu = t(spec["momentum"])
-        velocity = mu * state["velocity"] + grad
+        mu, dampening = t(spec["momentum"]), spec.get("dampening", 0.0)
+        if dampening and steps == 1:
+            velocity = grad
+        elif dampening:
+            velocity = mu * state["velocity"] + t(1.0 - dampening) * grad
+        else:
+            velocity = mu * state["velocity"] + grad
         direction = grad + mu * velocity if spec["nesterov"] else velocity
-        return param - lr * direction, {"velocity": velocity}
+        return param - lr * direction, {"velocity": velocity, "step": steps}
     if name == "adagrad":
         acc = state["accumulator"] + grad * grad
-        return param - lr * grad / (np.sqrt(acc) + t(spec["eps"])), {"accumulator": acc}
-    if name != "adam":
+        return param - lr * grad / (np.sqrt(acc) + t(spec["eps"])), {"accumulator": acc, "step": steps}
+    if name not in ("adam", "adamw"):
         raise ValueError(f"no textbook form here for {name!r}")
     b1, b2 = spec["beta1"], spec["beta2"]
     m = t(b1) * state["m"] + t(1.0 - b1) * grad
     v = t(b2) * state["v"] + t(1.0 - b2) * (grad * grad)
     beta1_t, beta2_t = state["beta1_t"] * b1, state["beta2_t"] * b2
-    m_hat, v_hat = m / t(1.0 - beta1_t), v / t(1.0 - beta2_t)
-    new = param - lr * m_hat / (np.sqrt(v_hat) + t(spec["eps"]))
-    return new, {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t}
+    out = {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t, "step": steps}
+    second = v
+    if spec.get("amsgrad"):
+        second = out["v_max"] = np.maximum(state["v_max"], v)
+    m_hat, v_hat = m / t(1.0 - beta1_t), second / t(1.0 - beta2_t)
+    return param - lr * m_hat / (np.sqrt(v_hat) + t(spec["eps"])), out
 
 
 def _best(fn: Callable[[], Any], reps: int, batch: int) -> float:

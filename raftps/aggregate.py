@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from . import optim
 from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError
 from .tensor import check_fits
 from .raft import NotApplied
@@ -45,6 +46,8 @@ class _Step:
     workers: int
     names: list[str]
     ranked: bool
+    hyper: dict | None                                     # the step's hyperparameters, the same from every rank
+    clip_norm: float | None                                # clip the mean gradient to this norm (all ranks agree)
     deadline: float                                        # time.monotonic() at which a missing worker is given up
     sums: dict[str, np.ndarray] = field(default_factory=dict)
     contributors: list[list] = field(default_factory=list)  # [client, seq, ack, counted], arrival order
@@ -55,6 +58,7 @@ class _Step:
     done: threading.Event = field(default_factory=threading.Event)
     result: dict | None = None
     failure: Exception | None = None
+    grad_norm: float | None = None     # the mean gradient's norm, when the step clips
 
     def add(self, grads: dict[str, np.ndarray], rank: int | None) -> bool:
         """Count a contribution (False: its rank had contributed, so it changes nothing)."""
@@ -100,6 +104,7 @@ class StepAggregator:
             raise _refusal_error(misplaced)
         for name, grad in grads.items():
             check_fits(name, grad, tensors[name], "gradient")
+        _check_hyper(request.get("hyper"), tensors)
         with self._lock:
             s = self._open.get((group, step))
             # applied meanwhile: its entry has left, and a new step would only wait out its timeout
@@ -128,9 +133,10 @@ class StepAggregator:
             if len(self._open) >= self.max_open_steps:
                 raise LimitExceeded(f"{len(self._open)} sync steps are open on this leader (the limit); "
                                     "finish or close some first")
-            s = self._open[(group, step)] = _Step(group, step, workers, sorted(grads), rank is not None, deadline)
+            s = self._open[(group, step)] = _Step(group, step, workers, sorted(grads), rank is not None,
+                                                  request.get("hyper"), request.get("clip_norm"), deadline)
         else:
-            _check_matches(s, grads, workers, rank)
+            _check_matches(s, grads, workers, rank, request)
         mine = next((i for i, c in enumerate(s.contributors) if c[0] == client and c[1] == seq), None)
         if mine is None and not s.proposed:
             s.contributors.append([client, seq, ack, s.add(grads, rank)])
@@ -166,6 +172,12 @@ class StepAggregator:
     def _propose(self, s: _Step) -> None:
         command = {"op": "step", "group": s.group, "step": s.step, "workers": s.workers, "count": s.count,
                    "contributors": s.contributors}
+        if s.hyper is not None:
+            command["hyper"] = s.hyper
+        if s.clip_norm is not None and s.count:
+            scale, s.grad_norm = clip_scale(s.sums, s.count, s.clip_norm)
+            if scale < 1.0:
+                command["scale"] = scale
         try:
             s.result = self.node.submit(command, s.sums, payload_name=f"step_{secrets.token_hex(8)}-{s.step}",
                                         on_applied=self._reader(s.names) if s.pullers else None)
@@ -232,9 +244,12 @@ class StepAggregator:
         result = s.result
         each = result.get("each") if isinstance(result, dict) else None
         if isinstance(each, list) and mine < len(each):
-            if mine in s.pullers and "tensors" in result and "error" not in each[mine]:
-                return {**each[mine], "tensors": result["tensors"], "tensor_versions": result["tensor_versions"]}
-            return each[mine]
+            answer = each[mine]
+            if s.grad_norm is not None and "error" not in answer:
+                answer = {**answer, "grad_norm": s.grad_norm}
+            if mine in s.pullers and "tensors" in result and "error" not in answer:
+                return {**answer, "tensors": result["tensors"], "tensor_versions": result["tensor_versions"]}
+            return answer
         return {k: v for k, v in result.items() if k not in ("each", "tensors", "tensor_versions")}   # an error
 
     def _late(self, group: str, step: int, workers: int, contributor: list) -> dict:
@@ -256,7 +271,41 @@ def _refusal_error(refusal: dict) -> RaftpsError:
     return ERRORS[refusal["error"]](refusal["message"], refusal.get("tensor"), refusal.get("group"))
 
 
-def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: int | None) -> None:
+def clip_scale(sums: dict[str, np.ndarray], count: int, max_norm: float) -> tuple[float, float]:
+    """(the factor that clips the step's mean gradient to ``max_norm``, the mean's L2 norm over
+    every tensor of the step), as torch.nn.utils.clip_grad_norm_ computes them. Taken on the
+    leader and replicated as a number, so replicas never compute a norm (a reduction's order is
+    not the same on every machine)."""
+    squares = 0.0
+    for name in sorted(sums):
+        flat = sums[name].reshape(-1).astype(np.float64)
+        squares += float(np.dot(flat, flat))
+    norm = (squares ** 0.5) / count
+    return min(1.0, max_norm / (norm + 1e-6)), norm
+
+
+def _check_hyper(hyper: Any, tensors: dict) -> None:
+    """Refuse a contribution whose hyperparameters its tensors' optimizers would refuse."""
+    if hyper is None:
+        return
+    stray = sorted(set(hyper) - set(tensors))
+    if stray:
+        raise InvalidRequest(f"'hyper' names {stray[:5]}, which this contribution does not carry")
+    for name in sorted(hyper):
+        optim.with_hyperparameters(tensors[name].optimizer, hyper[name], name)
+
+
+def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: int | None, request: dict) -> None:
+    who = f"rank {rank}" if rank is not None else "this contribution"
+    if request.get("hyper") != s.hyper:
+        theirs, mine = s.hyper or {}, request.get("hyper") or {}
+        name = next((n for n in sorted(set(theirs) | set(mine)) if theirs.get(n) != mine.get(n)), "?")
+        raise InvalidRequest(f"sync step {s.step}: {who} carries hyperparameters {mine.get(name)} for {name!r}, "
+                             f"the step's other contributions carry {theirs.get(name)}: every rank must step "
+                             "with the same values (the same LR scheduler on every rank)")
+    if request.get("clip_norm") != s.clip_norm:
+        raise InvalidRequest(f"sync step {s.step}: {who} clips at {request.get('clip_norm')}, the step's other "
+                             f"contributions at {s.clip_norm}")
     if sorted(grads) != s.names or workers != s.workers:
         raise InvalidRequest(f"sync step {s.step}: contribution for {sorted(grads)} with workers={workers} does "
                              f"not match {s.names} with workers={s.workers}")

@@ -426,16 +426,20 @@ class Client:
             self._split(tensors))
 
     def push(self, grads: dict[str, np.ndarray], base_version: Any = None,
-             encoding: dict | None = None, ssp: dict | None = None) -> Any:
+             encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> Any:
         """Apply one gradient per tensor, atomically, exactly once; returns the store version.
-        ``encoding``: compressed tensors (raftps.compress); ``ssp``: {group, worker} (SSP gate)."""
-        return self.push_result(grads, base_version, encoding, ssp)["version"]
+        ``encoding``: compressed tensors (raftps.compress); ``ssp``: {group, worker} (SSP gate);
+        ``hyper``: {tensor: {"lr": ..., ...}}, this step's hyperparameters over the tensor's stored
+        optimizer spec (raftps.optim.STEP_HYPERPARAMETERS; a torch param group's current values)."""
+        return self.push_result(grads, base_version, encoding, ssp, hyper)["version"]
 
     def push_result(self, grads: dict[str, np.ndarray], base_version: Any = None,
-                    encoding: dict | None = None, ssp: dict | None = None) -> dict:
+                    encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> dict:
         """As push, but the whole result: version, staleness (with a base), clock (with ssp)."""
         def write(group: int, part: dict) -> dict:
             fields: dict[str, Any] = {"tensors": part}
+            if hyper:
+                fields["hyper"] = {k: v for k, v in hyper.items() if k in part} if self.groups() > 1 else hyper
             base = base_version.get(group) if isinstance(base_version, dict) else base_version
             if base is not None:
                 fields["base_version"] = int(base)
@@ -456,6 +460,27 @@ class Client:
         if self.groups() == 1:
             return self._write("assign", tensors=values)["version"]
         return self._each_group(lambda g, part: self._write("assign", g, tensors=part), self._split(values))["version"]
+
+    def assign_state(self, values: dict[str, np.ndarray], states: dict[str, dict[str, Any]]) -> Any:
+        """Set tensors' values and their optimizers' state at once (atomically in each Raft
+        group): ``states[name]`` has exactly the keys the tensor's optimizer keeps (arrays of its
+        shape and dtype, and scalars: Adam's ``beta1_t``/``beta2_t``, ``step``), as
+        ``export(prefix, state=True)`` returns them. Returns the store version."""
+        missing = sorted(set(values) ^ set(states))
+        if missing:
+            raise ValueError(f"assign_state: values and states must name the same tensors ({missing[:5]} differ)")
+
+        def write(group: int, part: dict) -> dict:
+            records, parts = [], {}
+            for i, name in enumerate(sorted(part)):
+                scalars = {k: v for k, v in states[name].items() if not isinstance(v, np.ndarray)}
+                records.append({"name": name, "scalars": scalars})
+                parts[str(i)] = np.asarray(values[name])
+                parts.update({f"{i}.{k}": v for k, v in states[name].items() if isinstance(v, np.ndarray)})
+            return self._write("assign_state", group, records=records, tensors=parts)
+        if self.groups() == 1:
+            return write(0, values)["version"]
+        return self._each_group(write, self._split(dict(values)))["version"]
 
     def delete(self, names: list[str]) -> Any:
         if self.groups() == 1:
@@ -481,6 +506,7 @@ class Client:
     def _contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None,
                     rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
         """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group."""
+        hyper = extra.pop("hyper", None)
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
         if group is not None:
             fields["group"] = group
@@ -488,9 +514,12 @@ class Client:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self.groups() == 1:
-            return self._write(op, tensors=grads, waits=waits, **fields)
-        return self._each_sync_group(group, self._split(grads),
-                                     lambda g, part: self._write(op, g, waits=waits, tensors=part, **fields))
+            return self._write(op, tensors=grads, waits=waits, **fields, **({"hyper": hyper} if hyper else {}))
+
+        def write(g: int, part: dict) -> dict:
+            mine = {k: v for k, v in (hyper or {}).items() if k in part}
+            return self._write(op, g, waits=waits, tensors=part, **fields, **({"hyper": mine} if mine else {}))
+        return self._each_sync_group(group, self._split(grads), write)
 
     def _each_sync_group(self, group: str | None, parts: dict[int, Any], write: Any) -> dict:
         """_each_group for a step's parts, remembering which Raft groups the step lives in."""
@@ -502,7 +531,8 @@ class Client:
         return result
 
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
-                  rank: int | None = None, timeout: float = 10.0, pull: bool = False) -> dict:
+                  rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
+                  clip_norm: float | None = None) -> dict:
         """One worker's contribution to synchronous step ``step`` of sync group ``group``, summed on
         the leader with the step's other contributions and replicated once as the step (aggregation
         before replication); returns when the step is applied: version, step, applied, count (the
@@ -512,11 +542,21 @@ class Client:
         as its entry left them, read on the leader right after the apply, so no pull is needed (a
         reply without them, e.g. to a contribution sent again, means: pull). Exactly-once: a
         contribution in flight when the leader died is sent again to the new leader with the same
-        seq. With several Raft groups, each group's part in turn."""
+        seq. With several Raft groups, each group's part in turn.
+
+        ``hyper``: as push's, and every contribution to a step must carry the same (else refused).
+        ``clip_norm``: the leader scales the step's mean gradient to at most this L2 norm, as
+        ``torch.nn.utils.clip_grad_norm_`` on one process's full batch (each Raft group clips its
+        own part); the answer's ``grad_norm`` is the mean's norm before clipping."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
+        extra: dict[str, Any] = {"pull": True} if pull else {}
+        if hyper:
+            extra["hyper"] = hyper
+        if clip_norm is not None:
+            extra["clip_norm"] = float(clip_norm)
         return self._contribute("push_step", grads, step, workers, group, rank, waits=float(timeout),
-                                timeout=float(timeout), **({"pull": True} if pull else {}))
+                                timeout=float(timeout), **extra)
 
     def _sync_groups(self, group: str | None) -> list[int]:
         """The Raft groups a sync group's steps live in: those this client contributed to, else all."""
@@ -655,15 +695,16 @@ class Client:
                     for row in self._request(request, raft_group=g)["tensors"]]
         return sorted(rows, key=lambda row: row["name"])
 
-    def export(self, prefix: str) -> dict:
+    def export(self, prefix: str, state: bool = False) -> dict:
         """Every tensor whose name starts with ``prefix`` (a plain string prefix), in one
         linearizable read at the leader: tensors, tensor_versions, optimizers, version, and the
-        store's digest at that version (with several Raft groups: per group, as maps)."""
+        store's digest at that version (with several Raft groups: per group, as maps); with
+        ``state``, also ``states``: each tensor's optimizer state (assign_state's form)."""
+        request = {"op": "export", "prefix": prefix, **({"state": True} if state else {})}
         with self._lock:
             if self.groups() == 1:
-                return self._request({"op": "export", "prefix": prefix})
-            return _merge({g: self._request({"op": "export", "prefix": prefix}, raft_group=g)
-                           for g in range(self.groups())})
+                return self._request(request)
+            return _merge({g: self._request(dict(request), raft_group=g) for g in range(self.groups())})
 
     def snapshot(self) -> dict:
         """The whole store at one version: {version, digest, snapshot} (``TensorStore.snapshot()``
@@ -796,6 +837,10 @@ _COMBINE: dict[str, Any] = {
     "tensors": lambda vs: {k: v for d in vs for k, v in d.items()},
     "tensor_versions": lambda vs: {k: v for d in vs for k, v in d.items()},
     "optimizers": lambda vs: {k: v for d in vs for k, v in d.items()},
+    "states": lambda vs: {k: v for d in vs for k, v in d.items()},
+    "assigned": lambda vs: sorted(n for v in vs for n in v),
+    # each Raft group clips its own part of a step: the parts' norms (one per group)
+    "grad_norm": lambda vs: vs[0] if len(vs) == 1 else vs,
     "created": lambda vs: sorted(n for v in vs for n in v),
     "staleness": lambda vs: _highest(vs),
     "clock": lambda vs: _highest(vs),

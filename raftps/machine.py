@@ -182,8 +182,9 @@ class TensorStore(Moves):
                 raise DtypeMismatch(f"tensor {name!r}: dtype {arr.dtype} not supported (use {TENSOR_DTYPES})")
             check_finite(name, arr, "initial value")
             old = self.tensors.get(name)
-            if old is not None:
-                if old.data.shape != arr.shape or old.data.dtype != arr.dtype or old.optimizer != spec:
+            if old is not None:      # a spec stored before an option existed compares with its default filled in
+                if old.data.shape != arr.shape or old.data.dtype != arr.dtype \
+                        or optim.normalize(old.optimizer, name) != spec:
                     raise TensorExists(f"tensor {name!r} exists with shape {old.data.shape}, dtype "
                                        f"{old.data.dtype}, optimizer {old.optimizer}; cannot create it "
                                        f"with shape {arr.shape}, dtype {arr.dtype}, optimizer {spec}")
@@ -195,9 +196,12 @@ class TensorStore(Moves):
             self.tensors[name] = Tensor(data, 0, spec, state)
         return {"version": index, "created": sorted(created)}
 
-    def _update(self, name: str, grad: np.ndarray, ctx: optim.Context = optim.NO_CONTEXT) -> None:
+    def _update(self, name: str, grad: np.ndarray, ctx: optim.Context = optim.NO_CONTEXT,
+                spec: dict | None = None) -> None:
+        """One optimizer step on tensor ``name``; ``spec``: this step's (the stored one with the
+        push's hyperparameters over it, optim.with_hyperparameters), else the stored one."""
         tensor = self.tensors[name]
-        data, state = optim.step(tensor.optimizer, tensor.data, grad, tensor.state, ctx)
+        data, state = optim.step(spec or tensor.optimizer, tensor.data, grad, tensor.state, ctx)
         state = {k: freeze(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
         self.tensors[name] = Tensor(freeze(data), tensor.version + 1, tensor.optimizer, state)
         self._record_update(name)
@@ -232,7 +236,7 @@ class TensorStore(Moves):
             return tensor.data, dict(tensor.state)
         return tensor.data.copy(), {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in tensor.state.items()}
 
-    def _update_rows(self, name: str, rows: compress.Rows, ctx: optim.Context) -> None:
+    def _update_rows(self, name: str, rows: compress.Rows, ctx: optim.Context, spec: dict | None = None) -> None:
         """The tensor's optimizer on the pushed rows only, in place: the same formula as a dense
         step (optim.step on the row slices), so the touched rows get the bits a dense step on them
         would; other rows and their optimizer state are untouched (lazy, like SparseAdam). Scalar
@@ -241,7 +245,7 @@ class TensorStore(Moves):
         data, state = self._owned(name)
         idx = rows.indices
         sub = {k: v[idx] if isinstance(v, np.ndarray) else v for k, v in state.items()}
-        new_rows, new_sub = optim.step(tensor.optimizer, data[idx], rows.values, sub, ctx)
+        new_rows, new_sub = optim.step(spec or tensor.optimizer, data[idx], rows.values, sub, ctx)
         data[idx] = new_rows
         for k, v in new_sub.items():
             if isinstance(v, np.ndarray):
@@ -264,6 +268,7 @@ class TensorStore(Moves):
                 self._check_rows(name, grad)
             else:
                 self.check_like(name, grad, "gradient")
+        specs = self._step_specs(command.get("hyper"), grads)
         member = self._ssp_check(command.get("ssp"))
         taus = {name: self.tensor_staleness(name, base) if base is not None else 0 for name in grads}
         contexts = {name: optim.Context(index, base, taus[name]) for name in grads}
@@ -272,9 +277,9 @@ class TensorStore(Moves):
             optim.check_applicable(tensor.optimizer, tensor.state, ctx)
         for name, grad in grads.items():
             if isinstance(grad, compress.Rows):
-                self._update_rows(name, grad, contexts[name])
+                self._update_rows(name, grad, contexts[name], specs.get(name))
             else:
-                self._update(name, grad, contexts[name])
+                self._update(name, grad, contexts[name], specs.get(name))
         result = {"version": index}
         if base is not None:
             tau = max(taus.values())
@@ -288,6 +293,20 @@ class TensorStore(Moves):
             result["clock"] = clocks[worker]
         self.stats["pushes"] += 1
         return result
+
+    def _step_specs(self, hyper: Any, grads: dict) -> dict[str, dict]:
+        """Tensor -> the spec this write applies to it, for the tensors whose write carries
+        hyperparameters (``hyper``: {name: {"lr": ..., ...}}, a torch param group's current values);
+        raises before any tensor is updated, so a bad value refuses the write whole."""
+        if hyper is None:
+            return {}
+        if not isinstance(hyper, dict):
+            raise InvalidRequest(f"'hyper' must be a map of tensor name to hyperparameters, got {type(hyper).__name__}")
+        stray = sorted(set(hyper) - set(grads))
+        if stray:
+            raise InvalidRequest(f"'hyper' names {stray[:5]}, which this write does not update")
+        return {name: optim.with_hyperparameters(self.tensors[name].optimizer, hyper[name], name)
+                for name in sorted(hyper)}
 
     # ---- SSP: bounded staleness (Ho et al. 2013) --------------------------------------------
 
@@ -359,6 +378,64 @@ class TensorStore(Moves):
             self.tensors[name] = Tensor(freeze(value.copy()), old.version + 1, old.optimizer, old.state)
             self._record_update(name)
         return {"version": index}
+
+    def _assign_state(self, index: int, command: dict) -> dict:
+        """Set tensors' values and optimizer state at once (a torch optimizer's state_dict loaded
+        into the store): ``records`` [{name, scalars}], ``tensors`` {"i": value of record i,
+        "i.KEY": its state array KEY}. Each tensor's state must have exactly the keys its optimizer
+        keeps, arrays of its shape and dtype, all finite; anything else refuses the write whole."""
+        records, parts = command.get("records"), command.get("tensors")
+        if not isinstance(records, list) or not records or not isinstance(parts, dict):
+            raise InvalidRequest("assign_state needs records ([{name, scalars}, ...]) and tensors")
+        planned, used = [], set()
+        for i, record in enumerate(records):
+            if not isinstance(record, dict) or not isinstance(record.get("scalars"), dict):
+                raise InvalidRequest(f"assign_state: records[{i}] must be a map {{name, scalars}}")
+            name = check_name(record.get("name"))
+            tensor = self._existing(name)
+            if tensor.optimizer["name"] == "adarevision":    # its state is a history of the log's indices
+                raise InvalidRequest(f"assign_state: tensor {name!r}: optimizer 'adarevision' keeps state that "
+                                     "cannot be assigned")
+            value = parts.get(str(i))
+            if not isinstance(value, np.ndarray):
+                raise InvalidRequest(f"assign_state: tensor {name!r} has no value (part {str(i)!r})")
+            check_fits(name, value, tensor, "value")
+            used.add(str(i))
+            want = optim.init_state(optim.normalize(tensor.optimizer, name), tensor.data)
+            given = {p.split(".", 1)[1]: v for p, v in parts.items() if p.startswith(f"{i}.")}
+            given.update(record["scalars"])
+            if sorted(given) != sorted(want):
+                raise InvalidRequest(f"assign_state: tensor {name!r} (optimizer {tensor.optimizer['name']!r}) keeps "
+                                     f"state {sorted(want)}, got {sorted(given)}")
+            state = {}
+            for key in sorted(want):
+                expected, got = want[key], given[key]
+                if isinstance(expected, np.ndarray):
+                    if not isinstance(got, np.ndarray):
+                        raise InvalidRequest(f"assign_state: {name!r} state {key!r} must be an array")
+                    check_fits(name, got, tensor, f"state {key!r}")
+                    state[key] = freeze(got.copy())
+                    used.add(f"{i}.{key}")
+                elif type(expected) is int:
+                    if type(got) is not int or got < 0:
+                        raise InvalidRequest(f"assign_state: {name!r} state {key!r} must be an int >= 0, got {got!r}")
+                    state[key] = got
+                else:                        # Adam's beta products: in (0, 1]
+                    if isinstance(got, bool) or not isinstance(got, (int, float)) or not 0.0 < got <= 1.0:
+                        raise InvalidRequest(f"assign_state: {name!r} state {key!r} must be a number in (0, 1], "
+                                             f"got {got!r}")
+                    state[key] = float(got)
+            planned.append((name, value, state))
+        stray = sorted(set(parts) - used)
+        if stray:
+            raise InvalidRequest(f"assign_state: parts {stray[:5]} belong to no record's state")
+        if len({name for name, _, _ in planned}) != len(planned):
+            raise InvalidRequest("assign_state: a tensor is named twice")
+        for name, value, state in planned:
+            old = self.tensors[name]
+            self.tensors[name] = Tensor(freeze(value.copy()), old.version + 1, old.optimizer, state)
+            self._record_update(name)
+        return {"version": index, "assigned": sorted(name for name, _, _ in planned)}
 
     def _delete(self, index: int, command: dict) -> dict:
         names = command.get("names")
@@ -432,15 +509,22 @@ class TensorStore(Moves):
         buf = self._sync_group(group)["buffers"].get(step)
         self._apply_mean(group, step, buf["sum"] if buf else {}, buf["count"] if buf else 0)
 
-    def _apply_mean(self, group: str, step: int, sums: dict[str, np.ndarray], count: int) -> None:
+    def _apply_mean(self, group: str, step: int, sums: dict[str, np.ndarray], count: int,
+                    specs: dict[str, dict] | None = None, scale: float = 1.0) -> None:
         """Apply step ``step`` of ``group``: the mean of ``count`` contributions summed in ``sums``
-        (nothing if none arrived); the step and every earlier one are then done."""
+        (nothing if none arrived), times ``scale`` (a clipping factor the leader computed from the
+        mean's norm), with ``specs`` (the step's hyperparameters); the step and every earlier one
+        are then done."""
         g = self._sync_group(group)
+        specs = specs or {}
         if count:
             for name in sorted(sums):
                 if name in self.tensors:     # deleted meanwhile: nothing to update
                     total = sums[name]
-                    self._update(name, total / total.dtype.type(count))
+                    mean = total / total.dtype.type(count)
+                    if scale != 1.0:
+                        np.multiply(mean, mean.dtype.type(scale), out=mean)
+                    self._update(name, mean, spec=specs.get(name))
             self.stats["pushes"] += 1
         g["applied"] = step
         for old in [s for s in sorted(g["buffers"]) if s <= step]:
@@ -461,6 +545,9 @@ class TensorStore(Moves):
             raise InvalidRequest("a step entry needs group, step (int >= 0), workers (int >= 1), count "
                                  "(0..workers) and contributors ([client, seq, ack, counted] each)")
         sums = check_tensors(command.get("tensors")) if count else {}
+        scale = command.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, float) or not 0.0 < scale <= 1.0:
+            raise InvalidRequest(f"a step entry's scale must be a float in (0, 1], got {scale!r}")
         late = step <= self.sync_step_applied(group)
         # a tensor frozen or moved away since the leader checked it (moves.py): the step is not
         # applied here, and every contributor is told so (Moving / Moved) and sends its part again
@@ -471,7 +558,11 @@ class TensorStore(Moves):
             for name, total in sums.items():
                 if name in self.tensors:     # deleted since the leader checked it: nothing to update
                     self.check_like(name, total, "gradient sum")
-            self._apply_mean(group, step, sums, count)
+            hyper = command.get("hyper")
+            if isinstance(hyper, dict):      # a tensor deleted since the leader checked it takes none
+                hyper = {name: h for name, h in hyper.items() if name in self.tensors}
+            specs = self._step_specs(hyper, {name: None for name in sums if name in self.tensors})
+            self._apply_mean(group, step, sums, count, specs, scale)
         if moved is None:
             done = {"version": index, "step": step, "applied": True, "count": count, **({"late": True} if late else {})}
         each = []
@@ -495,7 +586,8 @@ class TensorStore(Moves):
         return {"version": index, "step": step, "applied": True, "count": count}
 
     _OPS: dict[str, Callable[["TensorStore", int, dict], dict]] = {
-        "barrier": None, "create": _create, "push": _push, "assign": _assign, "delete": _delete,
+        "barrier": None, "create": _create, "push": _push, "assign": _assign, "assign_state": _assign_state,
+        "delete": _delete,
         "push_sync": _push_sync, "close_step": _close_step, "step": _step,
         "ssp_join": _ssp_join, "ssp_leave": _ssp_leave, "ssp_drop": _ssp_drop,
         "move_freeze": Moves._move_freeze, "move_install": Moves._move_install, "move_done": Moves._move_done,

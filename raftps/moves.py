@@ -45,6 +45,9 @@ def base_name(name: str) -> str:
 def written_names(command: dict) -> list[str]:
     """Every tensor name a write carries (a map's keys, a list, or one name)."""
     tensors, names, name = command.get("tensors"), command.get("names"), command.get("name")
+    records = command.get("records")
+    if isinstance(records, list):    # assign_state: its tensors are parts ("0", "0.m"), its records name them
+        tensors = {r.get("name"): None for r in records if isinstance(r, dict)}
     out = [n for n in tensors if isinstance(n, str)] if isinstance(tensors, dict) else []
     out += [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
     return out + ([name] if isinstance(name, str) else [])

@@ -23,18 +23,27 @@ _UNIT = ("in [0, 1)", lambda x: 0 <= x < 1)
 _COUNT = ("an integer >= 1", lambda x: x >= 1)          # an int default marks an integer parameter
 _STALENESS_AWARE = (False, None)                         # lr / max(1, tau): Zhang et al., IJCAI 2016
 
+_MAXIMIZE = (False, None)                                # ascend: the gradient's sign flipped (torch's maximize)
+
 SPECS: dict[str, dict[str, tuple[Any, tuple]]] = {
-    "sgd": {"lr": (None, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE),
+    "sgd": {"lr": (None, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE), "maximize": _MAXIMIZE,
             "staleness_aware": _STALENESS_AWARE},
-    "momentum": {"lr": (None, _POSITIVE), "momentum": (0.9, _UNIT),
-                 "nesterov": (False, None), "weight_decay": (0.0, _NON_NEGATIVE),
+    # torch.optim.SGD with momentum > 0: the buffer starts as the first gradient, then
+    # momentum * buffer + (1 - dampening) * grad
+    "momentum": {"lr": (None, _POSITIVE), "momentum": (0.9, _UNIT), "dampening": (0.0, _UNIT),
+                 "nesterov": (False, None), "weight_decay": (0.0, _NON_NEGATIVE), "maximize": _MAXIMIZE,
                  "staleness_aware": _STALENESS_AWARE},
     "adagrad": {"lr": (None, _POSITIVE), "eps": (1e-10, _POSITIVE),
                 "initial_accumulator": (0.1, _NON_NEGATIVE), "weight_decay": (0.0, _NON_NEGATIVE),
-                "staleness_aware": _STALENESS_AWARE},
+                "maximize": _MAXIMIZE, "staleness_aware": _STALENESS_AWARE},
     "adam": {"lr": (None, _POSITIVE), "beta1": (0.9, _UNIT), "beta2": (0.999, _UNIT),
-             "eps": (1e-8, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE),
-             "staleness_aware": _STALENESS_AWARE},
+             "eps": (1e-8, _POSITIVE), "weight_decay": (0.0, _NON_NEGATIVE), "amsgrad": (False, None),
+             "maximize": _MAXIMIZE, "staleness_aware": _STALENESS_AWARE},
+    # Adam with decoupled weight decay (Loshchilov & Hutter 2019; torch.optim.AdamW): the
+    # parameter is first multiplied by 1 - lr * weight_decay, then takes Adam's step.
+    "adamw": {"lr": (None, _POSITIVE), "beta1": (0.9, _UNIT), "beta2": (0.999, _UNIT),
+              "eps": (1e-8, _POSITIVE), "weight_decay": (0.01, _NON_NEGATIVE), "amsgrad": (False, None),
+              "maximize": _MAXIMIZE, "staleness_aware": _STALENESS_AWARE},
     # McMahan & Streeter, NIPS 2014, Algorithm 2; lr is alpha, initial_accumulator is z = z' at
     # the start, window is how many past gradient sums the store keeps (see adarevision_step).
     "adarevision": {"lr": (None, _POSITIVE), "initial_accumulator": (0.1, _POSITIVE), "window": (64, _COUNT)},
@@ -42,6 +51,10 @@ SPECS: dict[str, dict[str, tuple[Any, tuple]]] = {
     # alpha * (x_worker - x_centre) and the store adds it.
     "elastic": {},
 }
+
+# What a push may set for one step over the tensor's stored spec (a torch param group's current
+# lr, betas, ...: an LR scheduler's value reaches every replica in the log entry).
+STEP_HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps")
 
 
 @dataclass(frozen=True)
@@ -90,14 +103,32 @@ def normalize(spec: Any, tensor: str = "?") -> dict:
     return out
 
 
+def with_hyperparameters(spec: dict, hyper: Any, tensor: str = "?") -> dict:
+    """The spec one step applies: the tensor's stored ``spec`` with the push's ``hyper`` (a map
+    of STEP_HYPERPARAMETERS to numbers, or None) over it, validated like a stored spec."""
+    if hyper is None:
+        return spec
+    if not isinstance(hyper, dict):
+        raise InvalidOptimizer(f"tensor {tensor!r}: hyperparameters must be a map, got {type(hyper).__name__}")
+    takes = [k for k in STEP_HYPERPARAMETERS if k in SPECS[spec["name"]]]
+    refused = sorted(repr(k) for k in hyper if k not in takes)
+    if refused:
+        raise InvalidOptimizer(f"tensor {tensor!r}: a step of optimizer {spec['name']!r} cannot set "
+                               f"{', '.join(refused)} (it may set {takes})")
+    return normalize({**spec, **hyper}, tensor)
+
+
 def init_state(spec: dict, param: np.ndarray) -> dict[str, Any]:
     name = spec["name"]
     if name == "momentum":
-        return {"velocity": np.zeros_like(param)}
+        return {"velocity": np.zeros_like(param), "step": 0}
     if name == "adagrad":
-        return {"accumulator": np.full_like(param, spec["initial_accumulator"])}
-    if name == "adam":
-        return {"m": np.zeros_like(param), "v": np.zeros_like(param), "beta1_t": 1.0, "beta2_t": 1.0}
+        return {"accumulator": np.full_like(param, spec["initial_accumulator"]), "step": 0}
+    if name in ("adam", "adamw"):
+        state = {"m": np.zeros_like(param), "v": np.zeros_like(param), "beta1_t": 1.0, "beta2_t": 1.0, "step": 0}
+        if spec.get("amsgrad"):
+            state["v_max"] = np.zeros_like(param)
+        return state
     if name == "adarevision":
         z0 = np.full_like(param, spec["initial_accumulator"])
         # history: [[index, gradient sum after the update applied at that index], ...], oldest
@@ -108,7 +139,12 @@ def init_state(spec: dict, param: np.ndarray) -> dict[str, Any]:
 
 def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
          ctx: Context = NO_CONTEXT) -> tuple[np.ndarray, dict]:
-    """One update: returns (new param, new state). ``grad`` has param's shape and dtype."""
+    """One update: returns (new param, new state). ``grad`` has param's shape and dtype.
+
+    The options added for torch's optimizers (maximize, dampening, amsgrad) are read with
+    defaults, so a spec stored before they existed applies as it always did; ``step`` counts the
+    updates for torch's state_dict (``step``) and never enters a formula except through
+    dampening's first step."""
     name = spec["name"]
     if name == "elastic":
         return param + grad, state
@@ -116,29 +152,44 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
         return adarevision_step(spec, param, grad, state, ctx)
     t = param.dtype.type
     # The scalar is divided as a Python float, then cast once: the same bits on every replica.
-    lr = t(spec["lr"] / max(1, ctx.staleness)) if spec["staleness_aware"] else t(spec["lr"])
-    if spec["weight_decay"]:
+    lr_float = spec["lr"] / max(1, ctx.staleness) if spec["staleness_aware"] else spec["lr"]
+    lr = t(lr_float)
+    if spec.get("maximize"):
+        grad = np.negative(grad)                     # exact: a sign flip
+    steps = state.get("step", 0) + 1
+    if name == "adamw":
+        if spec["weight_decay"]:                     # decoupled: param * (1 - lr * weight_decay)
+            param = np.multiply(param, t(1.0 - lr_float * spec["weight_decay"]), out=_like(param))
+    elif spec["weight_decay"]:
         decayed = np.multiply(param, t(spec["weight_decay"]), out=_like(param))
         grad = np.add(grad, decayed, out=decayed)    # grad + weight_decay * param
     # Each formula is evaluated in its textbook order, but into as few new arrays as it must
     # return (plus a scratch array or two): a new array per operation was half of Adam's apply
-    # (bench.optim_apply). The same IEEE operations on the same operands (a * b and b * a are the
-    # same bits) give the same bits as the textbook expressions, which tests/test_optim.py checks
-    # bit for bit: replicas of older and newer code never diverge.
+    # (python -m bench.optim_apply). The same IEEE operations on the same operands (a * b and
+    # b * a are the same bits) give the same bits as the textbook expressions, which
+    # tests/test_optim.py checks bit for bit: replicas of older and newer code never diverge.
     if name == "sgd":
         new = np.multiply(grad, lr, out=_like(param))     # param - lr * grad
         return np.subtract(param, new, out=new), state
     if name == "momentum":
         mu = t(spec["momentum"])
-        velocity = np.multiply(state["velocity"], mu, out=_like(param))
-        np.add(velocity, grad, out=velocity)         # mu * velocity + grad
+        dampening = spec.get("dampening", 0.0)
+        if dampening and steps == 1:                 # torch's buffer starts as the first gradient
+            velocity = np.copy(grad)
+        else:
+            velocity = np.multiply(state["velocity"], mu, out=_like(param))
+            if dampening:
+                scratch = np.multiply(grad, t(1.0 - dampening), out=_like(param))
+                np.add(velocity, scratch, out=velocity)    # mu * velocity + (1 - dampening) * grad
+            else:
+                np.add(velocity, grad, out=velocity)       # mu * velocity + grad
         if spec["nesterov"]:
             new = np.multiply(velocity, mu, out=_like(param))
             np.add(grad, new, out=new)               # grad + mu * velocity
             np.multiply(new, lr, out=new)
         else:
             new = np.multiply(velocity, lr, out=_like(param))
-        return np.subtract(param, new, out=new), {"velocity": velocity}
+        return np.subtract(param, new, out=new), {"velocity": velocity, "step": steps}
     if name == "adagrad":
         acc = np.multiply(grad, grad, out=_like(param))
         np.add(state["accumulator"], acc, out=acc)   # accumulator + grad * grad
@@ -146,8 +197,8 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
         np.add(denominator, t(spec["eps"]), out=denominator)
         new = np.multiply(grad, lr, out=_like(param))
         np.divide(new, denominator, out=new)         # lr * grad / (sqrt(acc) + eps)
-        return np.subtract(param, new, out=new), {"accumulator": acc}
-    if name == "adam":
+        return np.subtract(param, new, out=new), {"accumulator": acc, "step": steps}
+    if name in ("adam", "adamw"):
         b1, b2 = spec["beta1"], spec["beta2"]
         m = np.multiply(state["m"], t(b1), out=_like(param))
         scratch = np.multiply(grad, t(1.0 - b1), out=_like(param))
@@ -156,15 +207,22 @@ def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
         np.multiply(v, t(1.0 - b2), out=v)
         np.multiply(state["v"], t(b2), out=scratch)
         np.add(scratch, v, out=v)                    # b2 * v + (1 - b2) * (grad * grad)
+        # The bias corrections use the product of the betas applied so far: beta^t while the
+        # betas are constant (within an ulp of torch's beta ** t), and well defined when a
+        # scheduler changes them.
         beta1_t = state["beta1_t"] * b1
         beta2_t = state["beta2_t"] * b2
+        new_state = {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t, "step": steps}
+        second = v
+        if spec.get("amsgrad"):                      # the running maximum of v (torch's max_exp_avg_sq)
+            second = new_state["v_max"] = np.maximum(state["v_max"], v, out=_like(param))
         new = np.divide(m, t(1.0 - beta1_t), out=scratch)        # m_hat
-        denominator = np.divide(v, t(1.0 - beta2_t), out=_like(param))   # v_hat
+        denominator = np.divide(second, t(1.0 - beta2_t), out=_like(param))   # v_hat
         np.sqrt(denominator, out=denominator)
         np.add(denominator, t(spec["eps"]), out=denominator)
         np.multiply(new, lr, out=new)
         np.divide(new, denominator, out=new)         # lr * m_hat / (sqrt(v_hat) + eps)
-        return np.subtract(param, new, out=new), {"m": m, "v": v, "beta1_t": beta1_t, "beta2_t": beta2_t}
+        return np.subtract(param, new, out=new), new_state
     raise AssertionError(name)  # normalize() admits only the names above
 
 

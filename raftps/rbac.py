@@ -71,6 +71,7 @@ NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "ssp_drop": ("write", ("group",)),
     "create": ("admin", ("tensors", "optimizer")),
     "assign": ("admin", ("tensors",)),
+    "assign_state": ("admin", ("records",)),     # optimizer state: as an assign of the tensors
     "delete": ("admin", ("names",)),
     "export": ("read", ("prefix",)),       # every tensor under the prefix
     "snapshot": ("admin", ("everything",)), "member": ("admin", ("everything",)),   # the whole cluster
@@ -127,6 +128,8 @@ def _resources(op: str, request: dict, fields: Iterable[str]) -> list[tuple[str,
             out += [("tensor", name) for name in value]      # NAME:indices is checked as a name too
         elif f == "names" and isinstance(value, list):
             out += [("tensor", n) for n in value]
+        elif f == "records" and isinstance(value, list):
+            out += [("tensor", r["name"]) for r in value]
         elif f in ("name", "prefix"):
             out.append(("tensor", value))
         elif f == "everything":

@@ -339,6 +339,17 @@ MOVE_RECORD = Record({"name": (NAME, True), "version": (Int(0), True), "optimize
                      "a tensor record {name, version, optimizer, scalars}")
 
 
+# A push's per-tensor hyperparameters for this step (a torch param group's current lr, betas, ...)
+HYPER = MapOf(NAME, Record({k: (Number(), False) for k in optim.STEP_HYPERPARAMETERS},
+                           "a map of step hyperparameters (" + ", ".join(optim.STEP_HYPERPARAMETERS) + ")"),
+              nullable=True)
+# assign_state's arrays: record i's value is "i", its optimizer state array KEY is "i.KEY"
+STATE_PART = Str("a part name ('0', '0.m', ...)", re.compile(r"[0-9]{1,5}(\.[a-z_0-9]{1,32})?"))
+STATE_RECORD = Record({"name": (NAME, True),
+                       "scalars": (MapOf(Str("a state name", re.compile(r"[a-z_0-9]{1,32}")), Number()), True)},
+                      "a tensor record {name, scalars}")
+
+
 def _op(fields: dict[str, tuple[Spec, bool]]) -> Record:
     # raft_group: which of the node's Raft groups serves the request (groups.py); 0 by default
     return Record({"op": (Str(), True), "raft_group": (Int(0, 63), False), **fields}, "a request map")
@@ -362,13 +373,16 @@ OPS: dict[str, Record] = {
     "ssp_wait": _op({"group": (SSP_GROUP, True), "worker": (WORKER, True), "timeout": (Seconds(), False)}),
     "create": _op({**WRITE, "tensors": (TENSORS, True), "optimizer": (MapOf(NAME, OPTIMIZER), False)}),
     "push": _op({**WRITE, "tensors": (TENSORS, True), "base_version": (VERSION, False),
-                 "encoding": (ENCODING, False), "ssp": (SSP, False)}),
+                 "encoding": (ENCODING, False), "ssp": (SSP, False), "hyper": (HYPER, False)}),
     "push_sync": _op({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
                       "rank": (Int(0, nullable=True), False), "group": (GROUP, False)}),
     "push_step": _op({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
                       "rank": (Int(0, nullable=True), False), "group": (GROUP, False), "timeout": (Seconds(), False),
-                      "pull": (Bool(), False)}),
+                      "pull": (Bool(), False), "hyper": (HYPER, False),
+                      "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False)}),
     "assign": _op({**WRITE, "tensors": (TENSORS, True)}),
+    "assign_state": _op({**WRITE, "records": (ListOf(STATE_RECORD, min_len=1, max_len=4096), True),
+                         "tensors": (MapOf(STATE_PART, Array(), min_len=1), True)}),
     "delete": _op({**WRITE, "names": (ListOf(NAME, min_len=1), True)}),
     "close_step": _op({**WRITE, "step": (Int(0), True), "group": (GROUP, False)}),
     "ssp_join": _op({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True),
@@ -376,7 +390,7 @@ OPS: dict[str, Record] = {
     "ssp_leave": _op({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True)}),
     "ssp_drop": _op({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True), "clock": (Int(), True)}),
     "export": _op({"prefix": (Str("a non-empty name prefix (1-200 characters from [A-Za-z0-9_.:/-])",
-                                  NAME_PATTERN), True)}),
+                                  NAME_PATTERN), True), "state": (Bool(), False)}),
     "snapshot": _op({}),
     "member": _op({"action": (Enum(("list", "add", "remove", "replace")), True),
                    "node": (Str("a Raft address HOST:PORT", max_len=255, nullable=True), False),

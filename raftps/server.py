@@ -98,6 +98,7 @@ class ClientServer:
             **{op: self._write for op in WRITES},
             # moving a tensor to another group (moves.py; Client.move drives the steps)
             **{op: self._move_write for op in MOVE_OPS},
+            "assign_state": self._parts_write,
             "move_state": self._move_state,
             "placement": self._placement,
         }
@@ -341,6 +342,14 @@ class ClientServer:
             return redirect
         return _submit(node, {k: v for k, v in req.items() if k != "tensors"}, req.get("tensors"))
 
+    def _parts_write(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """assign_state: like _write, but its arrays are named by part ("0", "0.m", ...), not
+        tensors (the state machine checks each against its tensor)."""
+        redirect = self._not_leader(node)
+        if redirect:
+            return redirect
+        return _submit(node, {k: v for k, v in req.items() if k != "tensors"}, req.get("tensors"))
+
     def _move_state(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """Where a tensor stands in this group (linearizable); ``full``: its frozen state to install."""
         self._check_move(req)
@@ -436,7 +445,8 @@ class ClientServer:
         chosen = out["chosen"]
         return {"version": out["version"], "digest": snapshot_digest(out["snap"]),
                 "tensors": {n: t.data for n, t in chosen}, "tensor_versions": {n: t.version for n, t in chosen},
-                "optimizers": {n: t.optimizer for n, t in chosen}}
+                "optimizers": {n: t.optimizer for n, t in chosen},
+                **({"states": {n: t.state for n, t in chosen}} if req.get("state") else {})}
 
     def _snapshot(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         """The whole state machine at one version with its digest (``raftps snapshot save``):

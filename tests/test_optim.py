@@ -100,7 +100,13 @@ def test_bad_specs_are_named(spec, message):
     {"name": "sgd", "lr": 0.1}, {"name": "sgd", "lr": 0.3, "weight_decay": 0.01, "staleness_aware": True},
     {"name": "momentum", "lr": 0.05}, {"name": "momentum", "lr": 0.05, "nesterov": True, "weight_decay": 0.1},
     {"name": "adagrad", "lr": 0.5}, {"name": "adam", "lr": 0.01}, {"name": "adam", "lr": 3e-4, "beta2": 0.99,
-                                                                    "weight_decay": 0.01, "staleness_aware": True}])
+                                                                    "weight_decay": 0.01, "staleness_aware": True},
+    {"name": "sgd", "lr": 0.1, "maximize": True, "weight_decay": 0.01},
+    {"name": "momentum", "lr": 0.05, "dampening": 0.3, "weight_decay": 0.01},
+    {"name": "momentum", "lr": 0.05, "dampening": 0.1, "nesterov": True, "maximize": True},
+    {"name": "adagrad", "lr": 0.5, "maximize": True, "weight_decay": 0.1},
+    {"name": "adam", "lr": 0.01, "amsgrad": True}, {"name": "adamw", "lr": 0.01},
+    {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "amsgrad": True, "maximize": True, "staleness_aware": True}])
 def test_same_bits_as_the_textbook_expressions_and_inputs_untouched(spec, shape, dtype):
     """optim.step writes into fewer arrays than the textbook expressions (bench.optim_apply's
     baseline, what the store computed before): it must still give their bits, or replicas on
