@@ -106,7 +106,7 @@ def test_assign_state_sets_values_and_state_then_steps_continue_from_them():
     ({**_adam_state(), "extra": np.zeros(4, F32)}, "keeps state"),
     ({**_adam_state(), "m": np.zeros(3, F32)}, "shape"),
     ({**_adam_state(), "m": np.zeros(4, np.float64)}, "dtype"),
-    ({**_adam_state(), "m": np.array([1, np.nan, 0, 0], F32)}, "non-finite"),
+    ({**_adam_state(), "m": np.array([1, np.nan, 0, 0], F32)}, "NaN/Inf"),
     ({**_adam_state(), "step": -1}, "int >= 0"),
     ({**_adam_state(), "beta1_t": 0.0}, "(0, 1]"),
 ])
