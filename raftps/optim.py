@@ -115,7 +115,10 @@ def with_hyperparameters(spec: dict, hyper: Any, tensor: str = "?") -> dict:
     if refused:
         raise InvalidOptimizer(f"tensor {tensor!r}: a step of optimizer {spec['name']!r} cannot set "
                                f"{', '.join(refused)} (it may set {takes})")
-    return normalize({**spec, **hyper}, tensor)
+    # lr 0 is a step (torch takes it: a warm-up's first lr), though no stored spec has it
+    zero_lr = hyper.get("lr") == 0 and not isinstance(hyper.get("lr"), bool)
+    out = normalize({**spec, **hyper, **({"lr": spec["lr"]} if zero_lr else {})}, tensor)
+    return {**out, "lr": 0.0} if zero_lr else out
 
 
 def init_state(spec: dict, param: np.ndarray) -> dict[str, Any]:

@@ -1,33 +1,25 @@
-"""PyTorch on raftps: train any ``nn.Module`` against the store by changing a few lines.
-
-    import raftps.torch as rpt
-    opt = rpt.DistributedOptimizer(model, optimizer={"name": "adam", "lr": 1e-3}, mode="async", prefix="job1")
-    for step in range(opt.start_step, steps):     # resumes where the store is: no checkpoint files
-        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-
-The store holds the parameters and the optimizer state; the worker holds a replica, computes
-gradients on it and sends them. There is no torch optimizer and no torch process group: the
-optimizer runs in the replicated state machine (one linearizable order, bit-identical on every
-node), so a worker, a node or every worker can die and training goes on from the store.
+"""One training worker's link to the store, under ``DistributedOptimizer`` (optimizer.py): the
+job's tensors created and resumed, and each mode's pushes and pulls.
 
 - Tensors are named ``PREFIX/<parameter name>``. Every worker creates them from its own
   ``named_parameters()``; the store keeps the first create and treats the others as no-ops, then
   every worker pulls, so all start from one initialisation, or from where a previous run stopped.
 - ``sync``: each rank sends the mean gradient of its shard of the global batch with its rank;
   the store applies the mean of the ranks' contributions once (K equal shards: the full batch's
-  mean gradient), in the job's own step sequence (the group ``PREFIX/_raftps/group``, under the prefix, so a role on the prefix covers it). A rank's second
-  contribution to a step (a restarted worker) is ignored. The leader sums a step's
-  contributions and replicates the step once (``push_step``); a step whose last rank has not
-  arrived ``step_timeout`` seconds after its first (a dead worker) applies with those that did.
+  mean gradient), in the job's own step sequence (``PREFIX/_raftps/group``, under the prefix, so
+  a role on the prefix covers it). A rank's second contribution to a step (a restarted worker) is
+  ignored. The leader sums a step's contributions and replicates the step once (``push_step``);
+  a step whose last rank has not arrived ``step_timeout`` seconds after its first (a dead
+  worker) applies with those that did.
 - ``async``: DownpourSGD. Push the gradient summed over ``n_push`` steps with the version pulled,
   pull every ``n_fetch`` steps (from any node that has applied our last push); in between the
   replica takes its own SGD steps (Algorithm 7.1 of Dean et al.). ``ssp``: async with n = 1 and
   the SSP gate (``ssp_staleness`` clocks). ``easgd``: the store's tensors are centre variables
-  (``elastic``), the worker runs ``optimizer`` locally and every ``n_push`` steps exchanges
+  (``elastic``), the worker runs its optimizer locally and every ``n_push`` steps exchanges
   alpha (x - c).
 - Async modes count each rank's steps in a tensor of its own (``PREFIX/_raftps/steps.rank<r>``)
   that rides in the same atomic push as the gradients it counts, so ``start_step`` is exactly the
-  steps whose gradients the store applied. Sync mode's step is the group's applied step + 1.
+  steps whose gradients the store applied. Sync mode's step is the job's applied step + 1.
 - dtypes: float32 and float64 parameters are stored as they are; float16 and bfloat16 ones are
   stored (and updated) in float32 and cast back after each pull, like mixed precision's master
   weights. Other dtypes are refused.
@@ -37,6 +29,8 @@ node), so a worker, a node or every worker can die and training goes on from the
   brings the store's value back. Integer buffers (``num_batches_tracked``) stay local.
 - Sparse gradients (``nn.Embedding(sparse=True)``) are pushed row-sparse: the store applies the
   optimizer to the touched rows only. Sync mode densifies them (a step averages dense tensors).
+- Parameters on a GPU: gradients go to the host through pinned buffers with non-blocking copies
+  (one synchronisation per step), pulled values come back the same way.
 """
 from __future__ import annotations
 
@@ -48,17 +42,13 @@ from typing import Any, Iterable
 
 import numpy as np
 
-try:
-    import torch
-except ImportError:
-    raise ImportError("raftps.torch needs PyTorch: `bash cluster/setup.sh --torch` installs torch's CPU build "
-                      "(a plain `pip install torch` may fetch the CUDA build), then `pip install 'raftps[torch]'`") from None
+import torch
 
-from . import compress as codecs
-from . import jobs, optim
-from .client import Client, newest
-from .errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, UnknownTensor
-from .ssp import SspMember
+from .. import compress as codecs
+from .. import jobs, optim
+from ..client import Client, newest
+from ..errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, UnknownTensor
+from ..ssp import SspMember
 
 MODES = ("sync", "async", "ssp", "easgd")
 STORED_AS = {torch.float32: np.float32, torch.float64: np.float64,
@@ -101,21 +91,22 @@ def _load(dst: torch.Tensor, arr: np.ndarray) -> None:
         dst.copy_(src)
 
 
-class DistributedOptimizer:
-    """Trains ``model``'s parameters against a raftps cluster; see the module docstring.
+class Worker:
+    """One training worker's link to the store: creates and resumes the job's tensors, and per
+    mode sends a step's gradients and brings the model up to date; see the module docstring.
+    ``DistributedOptimizer`` (optimizer.py) is the torch optimizer users hold; this is its engine.
 
-    ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.
-    ``optimizer``: the store's optimizer spec (raftps.optim: sgd, momentum, adagrad, adam, ...).
-    ``rank`` / ``world_size``: default torchrun's RANK / WORLD_SIZE, else 0 / 1.
-    ``compress``: None, "fp16" or "topk:F" (async modes). ``token``: else $RAFTPS_TOKEN(_FILE).
+    ``specs``: id(parameter) -> the store spec its tensor is created with (the parameters trained);
+    ``local_step``: the wrapped torch optimizer's own step (easgd runs it on the worker's copy),
+    else easgd steps with ``specs``' optimizer in numpy.
     """
 
-    def __init__(self, model: torch.nn.Module, cluster: str | Iterable[str] | Client | None = None,
-                 optimizer: dict | None = None, mode: str = "async", n_push: int = 1, n_fetch: int = 1,
-                 staleness_aware: bool = False, compress: str | None = None, prefix: str = "job",
+    def __init__(self, model: torch.nn.Module, specs: dict[int, dict], cluster: str | Iterable[str] | Client | None = None,
+                 mode: str = "async", n_push: int = 1, n_fetch: int = 1,
+                 compress: str | None = None, prefix: str = "job",
                  rank: int | None = None, world_size: int | None = None, ssp_staleness: int | None = 2,
                  easgd_alpha: float | None = None, step_timeout: float = 10.0, ssp_timeout: float = 10.0,
-                 token: str | None = None, timeout: float = 60.0):
+                 token: str | None = None, timeout: float = 60.0, local_step: Any = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         for what, n in (("n_push", n_push), ("n_fetch", n_fetch)):
@@ -132,17 +123,15 @@ class DistributedOptimizer:
         if self.compress_method != "none" and mode == "sync":
             raise ValueError("compress works in the async modes; a sync step averages dense contributions")
         self._topk = codecs.TopK(fraction) if self.compress_method == "topk" else None
-        spec = dict(optimizer or {"name": "sgd", "lr": 0.01})
-        if staleness_aware:
-            spec["staleness_aware"] = True
-        self.local_spec = optim.normalize(spec, f"{prefix}/*")      # refuse a bad spec before any I/O
-        self.store_spec = ELASTIC if mode == "easgd" else self.local_spec
-        self.lr = float(self.local_spec.get("lr", 0.0))             # the replica's own steps
+        self.local_step = local_step
         self.easgd_alpha = easgd_alpha if easgd_alpha is not None else 0.9 / self.world_size
 
         sparse = {id(m.weight) for m in model.modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
-        self.params = self._slots(model.named_parameters(), "parameter", trainable=True, sparse=sparse)
+        self.params = self._slots(((n, p) for n, p in model.named_parameters() if id(p) in specs), "parameter",
+                                  trainable=True, sparse=sparse)
+        # store name -> the spec its tensor is created with (easgd: the worker's own, the store's is elastic)
+        self.specs = {s.store_name: specs[id(s.tensor)] for s in self.params}
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
         self.group = jobs.group(prefix)
 
@@ -171,8 +160,12 @@ class DistributedOptimizer:
         self._pending: dict[str, torch.Tensor] = {}
         self._touched: dict[str, torch.Tensor] = {}     # sparse table -> rows in the last push
         self._since_push = self._since_fetch = 0
-        self._easgd_state = {s.store_name: optim.init_state(self.local_spec, _as_numpy(s.tensor, s.dtype))
-                             for s in self.params} if mode == "easgd" else {}
+        self._easgd_state = {s.store_name: optim.init_state(self.specs[s.store_name], _as_numpy(s.tensor, s.dtype))
+                             for s in self.params} if mode == "easgd" and local_step is None else {}
+        self._hyper: dict[str, dict] = {}          # this step's hyperparameters (tensor -> values)
+        self._lrs: dict[str, float] = {}           # this step's lr per tensor (Downpour's own steps)
+        self._clip_norm: float | None = None       # sync: the store clips this step's mean gradient
+        self.last_grad_norm: float | None = None   # sync with clipping: the mean gradient's norm
         self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}    # what -> [calls, seconds]
         self._dtypes = {s.store_name: s.dtype for s in self.params}
 
@@ -194,7 +187,8 @@ class DistributedOptimizer:
 
     def _create(self) -> None:
         """Create every tensor (a no-op for those that exist: the first creator's values win)."""
-        tensors = {s.store_name: (_as_numpy(s.tensor, s.dtype), self.store_spec) for s in self.params}
+        tensors = {s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC if self.mode == "easgd" else self.specs[s.store_name])
+                   for s in self.params}
         tensors.update({s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC) for s in self.buffers})
         for counter in self.counters.values():
             tensors[counter] = (np.zeros(1, np.float64), ELASTIC)
@@ -243,18 +237,15 @@ class DistributedOptimizer:
 
     # ---- the optimizer API ------------------------------------------------------------------
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for s in self.params:
-            if s.tensor.grad is not None:
-                if set_to_none:
-                    s.tensor.grad = None
-                else:
-                    s.tensor.grad.detach_().zero_()
-
     @torch.no_grad()
-    def step(self) -> int:
+    def step(self, hyper: dict[str, dict] | None = None, lrs: dict[str, float] | None = None,
+             clip_norm: float | None = None) -> int:
         """Send this step's gradients (per the mode) and bring the replica up to date; returns
-        the store version the replica now holds (or last pushed to, between pulls)."""
+        the store version the replica now holds (or last pushed to, between pulls).
+        ``hyper``: tensor -> this step's hyperparameters (those that differ from its stored spec);
+        ``lrs``: tensor -> this step's lr (Downpour's own steps); ``clip_norm``: sync mode's
+        store-side clipping of the step's mean gradient."""
+        self._hyper, self._lrs, self._clip_norm = hyper or {}, lrs or {}, clip_norm
         {"sync": self._step_sync, "easgd": self._step_easgd}.get(self.mode, self._step_async)()
         self.step_count += 1
         return self.version
@@ -295,12 +286,6 @@ class DistributedOptimizer:
         if self._owns_client:
             self.client.close()
 
-    def __enter__(self) -> "DistributedOptimizer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     # ---- modes ------------------------------------------------------------------------------
 
     def _step_sync(self) -> None:
@@ -311,8 +296,12 @@ class DistributedOptimizer:
         # answered once the step is applied; a rank that died is left out step_timeout seconds
         # after the step's first contribution
         result = self.client.push_step(grads, step, self.world_size, group=self.group, rank=self.rank,
-                                       timeout=self.step_timeout, pull=True)
+                                       timeout=self.step_timeout, pull=True, hyper=self._hyper or None,
+                                       clip_norm=self._clip_norm)
         self._timed("push", t0)
+        self.last_grad_norm = result.get("grad_norm")
+        if result.get("late"):     # the step was applied without us (we were away): rejoin at the job's step
+            self.step_count = max(self.step_count, self.client.sync_applied(self.group))
         tensors = result.get("tensors") or {}
         if set(self._pulled_names()) <= set(tensors):     # the step's values came with the answer
             self._install(tensors, result["version"])
@@ -330,7 +319,7 @@ class DistributedOptimizer:
             else:   # kept past this step() only when n_push > 1: then zero_grad() must not clear it
                 self._pending[s.store_name] = g.detach().clone() if self.n_push > 1 else g.detach()
             if self.n_fetch > 1:               # Downpour: the replica takes its own step meanwhile
-                s.tensor.add_(g.to(s.tensor.dtype), alpha=-self.lr)
+                s.tensor.add_(g.to(s.tensor.dtype), alpha=-self._lrs.get(s.store_name, self.specs[s.store_name]["lr"]))
         self._since_push += 1
         self._since_fetch += 1
         if self._since_push >= self.n_push:
@@ -341,12 +330,16 @@ class DistributedOptimizer:
             self._pull(self.pushed)
 
     def _step_easgd(self) -> None:
-        for s in self.params:                     # local optimizer step on this worker's copy
+        if self.local_step is not None:           # the wrapped torch optimizer, on this worker's copy
+            with torch.enable_grad():
+                self.local_step()
+        for s in self.params if self.local_step is None else ():     # the spec's optimizer, in numpy
             if s.tensor.grad is None:
                 continue
             x = _as_numpy(s.tensor, s.dtype)
+            spec = optim.with_hyperparameters(self.specs[s.store_name], self._hyper.get(s.store_name), s.store_name)
             new, self._easgd_state[s.store_name] = optim.step(
-                self.local_spec, x, _as_numpy(self._dense_grad(s), s.dtype), self._easgd_state[s.store_name])
+                spec, x, _as_numpy(self._dense_grad(s), s.dtype), self._easgd_state[s.store_name])
             _load(s.tensor, new)
         self._since_push += 1
         if self._since_push < self.n_push:
@@ -397,11 +390,12 @@ class DistributedOptimizer:
         if not grads:
             self._since_push = 0
             return
+        hyper = {k: v for k, v in self._hyper.items() if k in grads} if self.mode != "easgd" else {}
         t0 = time.perf_counter()
         while True:
             try:
                 self.pushed = self.client.push(grads, base_version=self.version, encoding=encoding,
-                                               ssp=self.ssp.field() if self.ssp else None)
+                                               ssp=self.ssp.field() if self.ssp else None, hyper=hyper or None)
                 break
             except StalenessBound:        # too far ahead after all: wait for the slowest, send again
                 self.ssp.wait_turn()

@@ -1,0 +1,241 @@
+"""``DistributedOptimizer``: the user's torch optimizer, moved onto the store.
+
+The result is an instance of the wrapped optimizer's own class (a class made at run time that
+subclasses it, as Horovod does), holding the same ``param_groups`` dicts, so LR schedulers,
+``GradScaler`` and ``isinstance`` checks work unchanged. Its ``step()`` reads each group's current
+hyperparameters and hands the gradients to the ``Worker`` (worker.py), which sends them with
+those values; the optimizer itself runs in the store (optimizers.py says which run there).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from .. import optim
+from ..client import Client
+from . import optimizers
+from .worker import MODES, STORED_AS, Worker
+
+DEFAULT_SPEC = {"name": "sgd", "lr": 0.01}
+
+
+class _Distributed:
+    """What a wrapped optimizer adds to (or changes in) its torch class; see the module docstring."""
+
+    _raftps: Worker
+    _raftps_specs: list[dict]         # param group index -> the store spec its tensors were created with
+    _raftps_local: bool               # the torch class's own step runs on this worker (easgd)
+    _raftps_class: type               # the wrapped torch optimizer's class
+
+    # ---- torch.optim.Optimizer's API --------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> int:
+        """Send this step's gradients with each param group's current hyperparameters (an LR
+        scheduler's lr among them) and bring the model up to date; returns the store version."""
+        if closure is not None:
+            raise ValueError("step(closure) is not supported: the store applies the step, so a closure could not be "
+                             "re-evaluated on its result; call loss.backward() before step()")
+        hyper, lrs = {}, {}
+        for group, stored, names in zip(self.param_groups, self._raftps_specs, self._group_names()):
+            now = (optimizers.store_spec(self._raftps_class, group) if not self._raftps_shorthand
+                   else _shorthand_spec(stored, group))
+            changed = optimizers.step_hyperparameters(now, stored)
+            for name in names:
+                lrs[name] = now["lr"]
+                if changed:
+                    hyper[name] = changed
+        clip, self._raftps_clip = self._raftps_clip, None
+        return self._raftps.step(hyper, lrs, clip)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_raftps", None) is None:       # torch's own __init__ adding the first groups
+            return super().add_param_group(param_group)  # type: ignore[misc]
+        raise ValueError("add_param_group after wrapping is not supported: the job's tensors are created when "
+                         "DistributedOptimizer is made; give every group to the torch optimizer before wrapping it")
+
+    def state_dict(self) -> dict:
+        """A torch state_dict of this optimizer's class, its state read linearizably from the store:
+        ``torch.optim.<Class>(params).load_state_dict(opt.state_dict())`` continues where the store is."""
+        if self._raftps_local:
+            return super().state_dict()   # type: ignore[misc]
+        exported = self._raftps.client.export(self._raftps.prefix + "/", state=True)
+        states, index, groups = {}, 0, []
+        for group, stored, names in zip(self.param_groups, self._raftps_specs, self._group_names()):
+            ids = []
+            for name in names:
+                torch_state = optimizers.to_torch_state(stored, exported["states"][name])
+                if torch_state:
+                    states[index] = torch_state
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": states, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Seed the store from a torch state_dict of this class: every parameter's optimizer state
+        and the model's current parameter values, in one write per Raft group; the groups'
+        hyperparameters (lr, ...) are taken as torch does. Refused before any write if the groups,
+        the parameter count or a shape differ."""
+        if self._raftps_local:
+            return super().load_state_dict(state_dict)   # type: ignore[misc]
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, list) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError("load_state_dict needs a torch optimizer state_dict: {'state': ..., 'param_groups': ...}")
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"the state_dict has {len(saved)} param groups, this optimizer {len(self.param_groups)}")
+        values, states, index = {}, {}, 0
+        slots = {s.store_name: s for s in self._raftps.params}
+        for i, (group, mine, names) in enumerate(zip(saved, self.param_groups, self._group_names())):
+            if len(group.get("params", ())) != len(mine["params"]):
+                raise ValueError(f"param group {i} of the state_dict has {len(group.get('params', ()))} parameters, "
+                                 f"this optimizer's {len(mine['params'])}")
+            stored = self._raftps_specs[i]
+            # torch's bias corrections use the saved group's betas: so do the store's beta products
+            spec = stored if self._raftps_shorthand else {
+                **optimizers.store_spec(self._raftps_class, {**mine, **{k: v for k, v in group.items() if k != "params"}}),
+                "name": stored["name"], "amsgrad": stored.get("amsgrad")}
+            for saved_id, name in zip(group["params"], names):
+                slot = slots[name]
+                like = np.empty(tuple(slot.tensor.shape), slot.dtype)
+                states[name] = optimizers.to_store_state(spec, state_dict["state"].get(saved_id, {}), like,
+                                                         f"parameter {index} ({name})")
+                values[name] = slot.tensor.detach().to(device="cpu", dtype=torch.from_numpy(like).dtype).numpy()
+                index += 1
+        self._raftps.client.assign_state(values, states)
+        for group, mine in zip(saved, self.param_groups):
+            mine.update({k: v for k, v in group.items() if k != "params"})
+
+    # ---- beyond torch.optim ---------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip this step's gradient to ``max_norm`` as one process clipping the full batch would.
+        In sync mode the store clips the step's mean gradient (over every rank: what DDP clips;
+        ``opt.last_grad_norm`` is its norm after ``step()``) and this returns this rank's own
+        norm; in the other modes the gradient is clipped here (it is this worker's whole batch)."""
+        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
+            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        if norm_type != 2.0 and self._raftps.mode == "sync":
+            raise ValueError("sync mode clips the step's mean gradient by its L2 norm only (norm_type=2.0)")
+        params = [p for g in self.param_groups for p in g["params"]]
+        if self._raftps.mode != "sync":
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self._raftps_clip = float(max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+
+    def flush(self) -> None:
+        """Push the gradients of steps not pushed yet (async with n_push > 1); close() does."""
+        self._raftps.flush()
+
+    def close(self) -> None:
+        """Flush, leave the SSP group, close the client (if this optimizer made it)."""
+        self._raftps.close()
+
+    def pull_rows(self, param: torch.Tensor, rows: Any) -> int:
+        """Bring rows ``rows`` of a sparse embedding's weight up to date from the store."""
+        return self._raftps.pull_rows(param, rows)
+
+    def __enter__(self) -> "_Distributed":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # the worker's view, read-only here
+    start_step = property(lambda self: self._raftps.start_step, doc="the step to start at: where the store is")
+    step_count = property(lambda self: self._raftps.step_count, doc="steps taken, counting earlier runs'")
+    version = property(lambda self: self._raftps.version, doc="the store version the model holds")
+    client = property(lambda self: self._raftps.client, doc="the raftps Client this optimizer uses")
+    rank = property(lambda self: self._raftps.rank)
+    world_size = property(lambda self: self._raftps.world_size)
+    mode = property(lambda self: self._raftps.mode)
+    prefix = property(lambda self: self._raftps.prefix)
+    timings = property(lambda self: self._raftps.timings, doc="'push'/'pull' -> [calls, seconds]")
+    last_grad_norm = property(lambda self: self._raftps.last_grad_norm)
+    params = property(lambda self: self._raftps.params)
+    counters = property(lambda self: self._raftps.counters)
+
+    def _group_names(self) -> list[list[str]]:
+        return self._raftps_names
+
+
+def _shorthand_spec(stored: dict, group: dict) -> dict:
+    """The shorthand form's group holds the store spec's step hyperparameters; a scheduler moves
+    them there."""
+    return {**stored, **{k: float(group[k]) for k in optim.STEP_HYPERPARAMETERS if k in stored and k in group}}
+
+
+def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Module,
+                         cluster: str | Iterable[str] | Client | None = None, optimizer: dict | None = None,
+                         mode: str = "async", *, model: torch.nn.Module | None = None,
+                         staleness_aware: bool = False, **options: Any) -> torch.optim.Optimizer:
+    """The torch optimizer ``optimizer_or_model`` (with ``model=`` for its parameters' names),
+    running against a raftps cluster; see the package docstring.
+
+    The shorthand ``DistributedOptimizer(model, optimizer={...store spec...})`` gives a
+    ``torch.optim.Optimizer`` with one param group holding the spec's hyperparameters.
+    ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.
+    ``options``: the Worker's (worker.py): n_push, n_fetch, compress, prefix, rank, world_size,
+    ssp_staleness, easgd_alpha, step_timeout, ssp_timeout, token, timeout.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(optimizer_or_model, torch.nn.Module):
+        if model is not None:
+            raise ValueError("give the model once: DistributedOptimizer(model, optimizer={...}) or "
+                             "DistributedOptimizer(torch_optimizer, model=model)")
+        model = optimizer_or_model
+        spec = dict(optimizer or DEFAULT_SPEC)
+        if staleness_aware:
+            spec["staleness_aware"] = True
+        spec = optim.normalize(spec, f"{options.get('prefix', 'job')}/*")     # refused before any I/O
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        base = torch.optim.Optimizer(params, {k: spec[k] for k in optim.STEP_HYPERPARAMETERS if k in spec})
+        specs, shorthand = [spec], True
+    elif isinstance(optimizer_or_model, torch.optim.Optimizer):
+        if optimizer is not None:
+            raise ValueError("optimizer= is the shorthand's store spec; with a torch optimizer, configure it there")
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError("DistributedOptimizer(torch_optimizer, model=model): the model names the parameters")
+        base, shorthand = optimizer_or_model, False
+        if isinstance(base, _Distributed):
+            raise ValueError("this optimizer is already a DistributedOptimizer")
+        specs = [optimizers.stored_spec(type(base), g) for g in base.param_groups]
+        if staleness_aware:
+            specs = [optim.normalize({**s, "staleness_aware": True}) for s in specs]
+    else:
+        raise TypeError("DistributedOptimizer takes a torch.optim.Optimizer (with model=) or an nn.Module (with "
+                        f"optimizer={{...store spec...}}), got {type(optimizer_or_model).__name__}")
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_param: dict[int, dict] = {}
+    for i, group in enumerate(base.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"param group {i} holds a tensor that is not a parameter of the model "
+                                 f"(shape {tuple(p.shape)})")
+            if id(p) in by_param:
+                raise ValueError(f"parameter {names[id(p)]!r} is in two param groups")
+            if p.dtype not in STORED_AS:
+                raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}: raftps stores float32/float64 "
+                                "(float16 and bfloat16 are kept in float32)")
+            by_param[id(p)] = specs[i]
+
+    cls = type(base)
+    wrapped = type(cls.__name__, (_Distributed, cls), {"__module__": cls.__module__,
+                                                        "__doc__": f"{cls.__name__} running on raftps."})
+    opt = object.__new__(wrapped)
+    opt.__dict__.update(base.__dict__)          # the same param_groups dicts: a scheduler on `base` still acts
+    opt._raftps = None
+    opt._raftps_specs, opt._raftps_shorthand, opt._raftps_clip = specs, shorthand, None
+    opt._raftps_local = mode == "easgd" and not shorthand
+    opt._raftps_class = cls
+    local_step = (lambda: cls.step(opt)) if opt._raftps_local else None
+    opt._raftps = Worker(model, by_param, cluster, mode=mode, local_step=local_step, **options)
+    opt._raftps_names = [[f"{opt._raftps.prefix}/{names[id(p)]}" for p in g["params"]] for g in opt.param_groups]
+    return opt
