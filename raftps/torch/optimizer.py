@@ -212,6 +212,8 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
         raise TypeError("DistributedOptimizer takes a torch.optim.Optimizer (with model=) or an nn.Module (with "
                         f"optimizer={{...store spec...}}), got {type(optimizer_or_model).__name__}")
 
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):   # torch.compile's wrapper: the model's names
+        model = model._orig_mod
     names = {id(p): n for n, p in model.named_parameters()}
     by_param: dict[int, dict] = {}
     for i, group in enumerate(base.param_groups):

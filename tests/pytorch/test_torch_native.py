@@ -1,0 +1,313 @@
+"""A PyTorch user's loop on raftps, unchanged: DistributedOptimizer wrapping torch.optim's own
+optimizers (param groups, LR schedulers, clipping, accumulation, GradScaler, autocast,
+state_dicts in and out), against a real 3-node cluster, compared with the same loop on plain
+torch in one process."""
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import raftps.torch as rpt  # noqa: E402
+from raftps import InvalidRequest  # noqa: E402
+
+from tests.conftest import start_cluster  # noqa: E402
+
+BASE_PORT = 23300
+STEPS = 30
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = start_cluster(tmp_path_factory.mktemp("native") / "run", BASE_PORT)
+    yield cl
+    cl.wipe()
+
+
+class Net(torch.nn.Module):
+    """Linear layers with biases and a LayerNorm: two param groups as nanoGPT makes them."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(10, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(256, 10, generator=g), torch.randint(0, 3, (256,), generator=g)
+    return [(x[idx], y[idx]) for idx in (torch.randint(0, 256, (BATCH,), generator=g) for _ in range(steps))]
+
+
+def warmup_cosine(step: int) -> float:
+    return (step + 1) / 5 if step < 5 else 0.5 * (1 + math.cos(math.pi * (step - 5) / STEPS))
+
+
+OPTIMIZERS = {
+    "adamw": lambda m: torch.optim.AdamW(groups(m, 0.1), lr=3e-2, betas=(0.9, 0.95)),
+    "sgd-nesterov": lambda m: torch.optim.SGD(groups(m, 1e-2), lr=0.1, momentum=0.9, nesterov=True),
+    "adam-amsgrad": lambda m: torch.optim.Adam(groups(m, 1e-3), lr=1e-2, amsgrad=True),
+    "adagrad": lambda m: torch.optim.Adagrad(groups(m, 0.0), lr=0.1),
+}
+CLIP = 0.5
+
+
+def train_step(model, opt, x, y, micro: int, clip=None) -> None:
+    """One optimizer step over ``micro`` accumulated micro-batches of (x, y), clipped, as a user writes it."""
+    opt.zero_grad(set_to_none=True)
+    for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+        (torch.nn.functional.cross_entropy(model(xs), ys) / micro).backward()
+    if clip is not None:
+        clip(model)
+    opt.step()
+
+
+def reference(name: str, data, steps: int = STEPS) -> torch.nn.Module:
+    model = Net()
+    opt = OPTIMIZERS[name](model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+    for x, y in data[:steps]:
+        train_step(model, opt, x, y, 2, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
+        sched.step()
+    return model
+
+
+def run_ranks(world: int, body) -> None:
+    """``body(rank)`` in one thread per rank; the first error re-raised."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            body(rank)
+        except BaseException as exc:      # re-raised below: a thread must not hide it
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish within 180 s"
+    if errors:
+        raise errors[0]
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_wrapped_torch_optimizer_equals_plain_torch(cluster, name, world):
+    """Two param groups, warm-up + cosine LambdaLR, clipping and two accumulated micro-batches:
+    K sync ranks on 1/K of each batch (clipping the step's mean through the store) equal one
+    process on the whole batch with torch.optim and clip_grad_norm_."""
+    data = batches(STEPS)
+    want = reference(name, data)
+    models = [Net() for _ in range(world)]
+    clipped = []
+
+    def body(rank: int) -> None:
+        model = models[rank]
+        opt = rpt.DistributedOptimizer(OPTIMIZERS[name](model), model=model, cluster=cluster.client(), mode="sync",
+                                       prefix=f"native-{name}-{world}", rank=rank, world_size=world)
+        assert isinstance(opt, type(OPTIMIZERS[name](Net()))) and isinstance(opt, torch.optim.Optimizer)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+        with opt:
+            for x, y in data:
+                part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+                train_step(model, opt, x[part], y[part], 2, lambda m: opt.clip_grad_norm_(CLIP))
+                sched.step()
+                if rank == 0:
+                    clipped.append(opt.last_grad_norm > CLIP)
+    run_ranks(world, body)
+    for model in models:
+        assert max_diff(model, want) < 1e-5, f"{name} x{world}: differs by {max_diff(model, want)}"
+    assert max_diff(want, Net()) > 1e-2                      # it trained
+    assert any(clipped) and not all(clipped), clipped         # clipping acted on some steps, not all
+
+
+def test_async_mode_carries_the_schedulers_lr(cluster):
+    """Async, one worker, pulling every step: each push's lr is the scheduler's, so SGD with a
+    StepLR on the store equals torch.optim.SGD with the same StepLR."""
+    data = batches(12)
+
+    def loop(model, opt):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        for x, y in data:
+            train_step(model, opt, x, y, 1)
+            sched.step()
+        return opt.param_groups[0]["lr"]
+
+    want = Net()
+    assert loop(want, torch.optim.SGD(want.parameters(), lr=0.5)) == 0.5 * 0.5 ** 4
+    got = Net()
+    with rpt.DistributedOptimizer(torch.optim.SGD(got.parameters(), lr=0.5), model=got, cluster=cluster.client(),
+                                  mode="async", prefix="native-async-sched") as opt:
+        loop(got, opt)
+    assert max_diff(got, want) < 1e-6
+
+
+def test_state_dict_leaves_for_plain_torch_and_arrives_from_it(cluster):
+    data = batches(16, seed=5)
+    model = Net()
+    opt = rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",
+                                   prefix="native-sd-out")
+    for x, y in data[:10]:
+        train_step(model, opt, x, y, 1)
+    sd = opt.state_dict()
+    assert sorted(sd["state"][0]) == ["exp_avg", "exp_avg_sq", "step"] and sd["state"][0]["step"].item() == 10
+    assert [len(g["params"]) for g in sd["param_groups"]] == [2, 4]
+    # leave: a plain AdamW continues from the store's state, as the store would
+    plain_model = copy.deepcopy(model)
+    plain = OPTIMIZERS["adamw"](plain_model)
+    plain.load_state_dict(sd)
+    for x, y in data[10:13]:
+        train_step(model, opt, x, y, 1)
+        train_step(plain_model, plain, x, y, 1)
+    assert max_diff(model, plain_model) < 1e-6
+    opt.close()
+
+    # arrive: torch trained 10 steps; its model and state_dict seed a new job, which continues as torch does
+    torch_model = Net(seed=7)
+    torch_opt = OPTIMIZERS["adamw"](torch_model)
+    for x, y in data[:10]:
+        train_step(torch_model, torch_opt, x, y, 1)
+    arriving = copy.deepcopy(torch_model)
+    opt = rpt.DistributedOptimizer(OPTIMIZERS["adamw"](arriving), model=arriving, cluster=cluster.client(),
+                                   mode="sync", prefix="native-sd-in")
+    opt.load_state_dict(torch_opt.state_dict())
+    for x, y in data[10:14]:
+        train_step(arriving, opt, x, y, 1)
+        train_step(torch_model, torch_opt, x, y, 1)
+    assert max_diff(arriving, torch_model) < 1e-6
+    opt.close()
+
+
+def test_a_mismatched_state_dict_is_refused_and_the_store_unchanged(cluster):
+    model = Net()
+    opt = rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",
+                                   prefix="native-sd-bad")
+    x, y = batches(1)[0]
+    train_step(model, opt, x, y, 1)
+    good = opt.state_dict()
+    before = opt.client.export("native-sd-bad/")["digest"]
+    one_group = {"state": good["state"], "param_groups": [dict(good["param_groups"][0], params=list(range(6)))]}
+    short = copy.deepcopy(good)
+    short["param_groups"][1]["params"] = short["param_groups"][1]["params"][:-1]
+    wrong_shape = copy.deepcopy(good)
+    wrong_shape["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    extra = copy.deepcopy(good)
+    extra["state"][0]["momentum_buffer"] = torch.zeros(16, 10)
+    for bad, message in ((one_group, "1 param groups"), (short, "has 3 parameters"),
+                         (wrong_shape, "has shape (3, 3)"), (extra, "'momentum_buffer'"), ({"state": {}}, "torch")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            opt.load_state_dict(bad)
+    assert opt.client.export("native-sd-bad/")["digest"] == before
+    assert opt.param_groups[0]["lr"] == good["param_groups"][0]["lr"]
+    opt.close()
+
+
+def test_grad_scaler_skips_a_step_with_an_inf_gradient_and_the_store_is_unchanged(cluster):
+    model = Net()
+    opt = rpt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model=model,
+                                   cluster=cluster.client(), mode="sync", prefix="native-scaler")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x, y = batches(1)[0]
+    versions = lambda: opt.client.export("native-scaler/")["tensor_versions"]   # noqa: E731
+    before = versions()
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    model.fc1.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert versions() == before and scaler.get_scale() == 2.0 ** 7
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    scaler.step(opt)                     # a finite step is applied, unscaled
+    scaler.update()
+    assert all(v == before[k] + 1 for k, v in versions().items())
+    opt.close()
+
+
+def test_autocast_bfloat16_and_a_compiled_model_train_as_plain_torch(cluster):
+    data = batches(6, seed=9)
+
+    def loop(model, opt):
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+
+    want = Net()
+    loop(want, torch.optim.AdamW(want.parameters(), lr=1e-2))
+    got = Net()
+    compiled = torch.compile(got, backend="eager")
+    with rpt.DistributedOptimizer(torch.optim.AdamW(compiled.parameters(), lr=1e-2), model=compiled,
+                                  cluster=cluster.client(), mode="sync", prefix="native-amp") as opt:
+        loop(compiled, opt)
+        names = sorted(opt.client.export("native-amp/")["tensors"])
+    assert names == sorted(f"native-amp/{n}" for n, _ in Net().named_parameters())   # the uncompiled names
+    assert max_diff(got, want) < 1e-5
+
+
+def test_ranks_with_different_hyperparameters_are_refused_by_name(cluster):
+    c = cluster.client()
+    c.create("native-hyper/w", np.zeros(4, np.float32), {"name": "sgd", "lr": 0.1})
+    answers: dict[int, object] = {}
+    clients = [cluster.client(), cluster.client()]       # one per rank: a Client sends one request at a time
+
+    def rank(r: int) -> None:
+        try:
+            answers[r] = clients[r].push_step({"native-hyper/w": np.ones(4, np.float32)}, 0, 2, group="native-hyper", rank=r,
+                                     timeout=5.0, hyper={"native-hyper/w": {"lr": 0.1 * (r + 1)}})
+        except InvalidRequest as exc:
+            answers[r] = exc
+    run_ranks(2, rank)      # whichever arrives second is refused; the first applies alone after its timeout
+    for client in clients:
+        client.close()
+    refused = [a for a in answers.values() if isinstance(a, InvalidRequest)]
+    assert len(refused) == 1 and "lr" in str(refused[0]) and "same LR scheduler" in str(refused[0]), answers
+
+
+def test_bad_input_is_refused_clearly_before_any_io(cluster):
+    model = Net()
+    with pytest.raises(ValueError, match="SGD, Adam, AdamW, Adagrad.*RMSprop.*diloco"):
+        rpt.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), model=model, cluster=cluster.client())
+    with pytest.raises(ValueError, match="lr_decay"):
+        rpt.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr_decay=0.1), model=model,
+                                 cluster=cluster.client())
+    with pytest.raises(ValueError, match="model="):
+        rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), cluster=cluster.client())
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        rpt.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), model=model, cluster=cluster.client())
+    with pytest.raises(TypeError, match="nn.Module"):
+        rpt.DistributedOptimizer("model", cluster=cluster.client())
+    opt = rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
+                                   cluster=cluster.client(), mode="sync", prefix="native-bad")
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(ValueError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm_(0)
+    opt.param_groups[0]["nesterov"] = True
+    with pytest.raises(ValueError, match="nesterov"):
+        opt.step()
+    opt.close()
