@@ -4,7 +4,7 @@ A runnable example is a ```python block of README.md or docs/**/*.md whose fence
 the line `<!-- runnable -->` (an HTML comment: nothing shows on GitHub or on the site). Each runs
 in a fresh namespace against a real 3-node LocalCluster, found as a reader finds theirs after
 `cluster/start.sh`: its addresses in RAFTPS_CLUSTER, its token in RAFTPS_TOKEN_FILE. The store's
-tensors are deleted after each block, so every block starts from an empty store.
+tensors are deleted after each block, so every block starts with no tensors.
 """
 import os
 import re
