@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Make .venv with raftps installed from this checkout. `--test` adds what the test suite needs:
-# pytest, the trainer's extras, torch's CPU build (raftps.torch), Debian's iptables
-# (network-partition tests) and openssl (TLS tests). `--torch` adds torch alone. Every mode installs
-# the `ops` extra (safetensors, rich: the operator's commands).
+# pytest, the trainer's extras, torch's CPU build (raftps.torch), the `docs` extra (mkdocs: the
+# site's build test), Debian's iptables (network-partition tests) and openssl (TLS tests). `--torch`
+# adds torch alone. Every mode installs the `ops` extra (safetensors, rich: the operator's commands).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -24,7 +24,7 @@ need() {
 with_torch=0
 case "${1:-}" in
   --test)
-    extras="test,train,torch,ops"; with_torch=1
+    extras="test,train,torch,ops,docs"; with_torch=1
     need iptables iptables "the network-partition tests"
     need openssl openssl "the TLS tests (cluster/make-certs.sh)" ;;
   --torch) extras="train,torch,ops"; with_torch=1 ;;
