@@ -234,7 +234,7 @@ def import_(args: argparse.Namespace) -> int:
     from .models import import_model, parse_optimizer
 
     def run() -> int:
-        spec = parse_optimizer(args.optimizer)
+        spec = parse_optimizer(args.optimizer) if args.optimizer is not None else None
         with _client(args, timeout=args.timeout, attempt_timeout=30.0) as client:
             out = import_model(client, args.file, args.prefix, spec)
         print(f"imported {out['tensors']} tensors ({out['bytes']} bytes) from {args.file} under "
@@ -430,11 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     _client_options(p)
     p.set_defaults(func=export)
 
-    p = sub.add_parser("import", help="create PREFIX/<name> for every tensor of a safetensors or npz file")
+    p = sub.add_parser("import", help="create PREFIX/<name> for every tensor of a safetensors, npz or torch (export --format torch) file")
     p.add_argument("file", help="a safetensors file or an npz archive (told apart by content)")
     p.add_argument("--prefix", required=True, help="create tensors named PREFIX/<name>")
-    p.add_argument("--optimizer", required=True,
-                   help='the tensors\' optimizer: JSON (\'{"name": "adam", "lr": 0.001}\') or adam,lr=0.001')
+    p.add_argument("--optimizer", default=None,
+                   help='the tensors\' optimizer: JSON (\'{"name": "adam", "lr": 0.001}\') or adam,lr=0.001 '
+                        '(a torch checkpoint from `export --format torch` names its own)')
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the cluster")
     _client_options(p)
     p.set_defaults(func=import_)

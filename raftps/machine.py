@@ -44,7 +44,7 @@ from .tensor import (TENSOR_DTYPES, Tensor, check_finite, check_fits, check_grou
 log = logging.getLogger("raftps.machine")
 # Optimizers whose step is per coordinate given scalar state, so it can run on a slice of rows.
 # AdaRevision's window of whole-tensor gradient sums has no row-sparse form.
-ROW_OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "elastic")
+ROW_OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "adamw", "elastic")
 # 2: sync steps per group, with the ranks that contributed; 3: moves (frozen tensors, tombstones,
 # installs, the placement table: moves.py). restore() still reads formats 1 and 2.
 SNAPSHOT_FORMAT = 3

@@ -23,7 +23,7 @@ from .client import Client
 from .errors import InvalidOptimizer, RaftpsError
 from .tensor import NAME_RE, check_finite
 
-FORMATS = ("safetensors", "npz")
+FORMATS = ("safetensors", "npz", "torch")     # torch: {"model", "optimizer"} state_dicts (raftps.torch.checkpoint)
 NPZ_METADATA = "__metadata__"          # the npz member holding the metadata (JSON in a 0-d str array)
 INTERNAL = "_raftps/"                  # raftps.torch's step counters live under PREFIX/_raftps/
 STORED = (np.dtype(np.float32), np.dtype(np.float64))
@@ -97,6 +97,8 @@ def export_model(client: Client, prefix: str, fmt: str, path: str) -> dict:
     (version, digest, tensors, bytes). The file appears whole or not at all."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    if fmt == "torch":
+        return _torch_checkpoint().export_torch(client, prefix, path)
     root = prefix_root(prefix)
     out = client.export(root)
     tensors = {name[len(root):]: arr for name, arr in out["tensors"].items()
@@ -187,10 +189,40 @@ def _read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]
         raise UsageError(f"{path} is neither an npz archive nor a readable safetensors file: {exc}") from None
 
 
-def import_model(client: Client, path: str, prefix: str, optimizer: dict) -> dict:
+def _torch_checkpoint() -> Any:
+    try:
+        from .torch import checkpoint
+    except ImportError:
+        raise UsageError("the torch format needs PyTorch: bash cluster/setup.sh --torch") from None
+    return checkpoint
+
+
+def _is_torch_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) != b"PK":
+                return False
+    except OSError:
+        return False
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist())
+    except zipfile.BadZipFile:
+        return False
+
+
+def import_model(client: Client, path: str, prefix: str, optimizer: dict | None) -> dict:
     """Create ``P/<name>`` for every tensor in ``path`` with ``optimizer``. Checked whole first
     (names, dtypes, NaN/Inf, spec); like create, tensors that exist with the same shape, dtype
-    and optimizer are left as they are, so running it again is a no-op. Returns a summary."""
+    and optimizer are left as they are, so running it again is a no-op. Returns a summary.
+    A torch checkpoint (``export --format torch``) also brings its optimizer state, and the
+    store specs it names (``optimizer`` may then be None)."""
+    if _is_torch_file(path):
+        return _torch_checkpoint().import_torch(client, path, prefix,
+                                                _checked_spec(optimizer) if optimizer is not None else None)
+    if optimizer is None:
+        raise UsageError(f"{path}: give --optimizer (only a torch checkpoint from raftps export names its own)")
     root = prefix_root(prefix)
     spec = _checked_spec(optimizer)
     tensors, metadata = read_model(path)

@@ -137,13 +137,13 @@ def to_store_state(spec: dict, torch_state: dict, like: np.ndarray, what: str) -
         else:
             out = {"velocity": array("momentum_buffer"), "step": 1}
     elif name in ("adam", "adamw"):
-        expected = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if spec["amsgrad"] else set())
+        expected = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if spec.get("amsgrad") else set())
         if not torch_state:
             expected, out = set(), dict(optim.init_state(spec, like))
         else:
             out = {"m": array("exp_avg"), "v": array("exp_avg_sq"), "step": steps,
                    "beta1_t": spec["beta1"] ** steps, "beta2_t": spec["beta2"] ** steps}
-            if spec["amsgrad"]:
+            if spec.get("amsgrad"):
                 out["v_max"] = array("max_exp_avg_sq")
     elif name == "adagrad":
         expected = {"step", "sum"}

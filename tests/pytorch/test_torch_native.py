@@ -311,3 +311,48 @@ def test_bad_input_is_refused_clearly_before_any_io(cluster):
     with pytest.raises(ValueError, match="nesterov"):
         opt.step()
     opt.close()
+
+
+def test_export_format_torch_loads_in_plain_torch_and_imports_back(cluster, tmp_path):
+    """`raftps export --format torch` writes {"model", "optimizer"} that torch.load(weights_only=True)
+    reads and a plain AdamW continues from; `raftps import` of it seeds a new job with that state."""
+    import os
+    import subprocess
+    import sys
+    from raftps.models import import_model
+
+    model = Net()
+    with rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",
+                                  prefix="native-ckpt") as opt:
+        for x, y in batches(4, seed=11):
+            train_step(model, opt, x, y, 1)
+    path = tmp_path / "job.pt"
+    env = {**os.environ, **cluster.client_env}
+    done = subprocess.run([sys.executable, "-m", "raftps", "export", str(path), "--prefix", "native-ckpt",
+                           "--format", "torch"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ckpt = torch.load(path, weights_only=True)
+    assert sorted(ckpt["model"]) == sorted(n for n, _ in model.named_parameters())
+    groups_ = ckpt["optimizer"]["param_groups"]
+    assert sorted(g["weight_decay"] for g in groups_) == [0.0, 0.1] and ckpt["raftps"]["class"] == "AdamW"
+    plain_model = Net(seed=3)
+    plain_model.load_state_dict(ckpt["model"])
+    by_name = dict(plain_model.named_parameters())
+    plain = torch.optim.AdamW([{"params": [by_name[n] for n in g["param_names"]]} for g in groups_])
+    plain.load_state_dict(ckpt["optimizer"])
+    assert max_diff(plain_model, model) == 0.0
+    x, y = batches(1, seed=12)[0]
+    with rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",
+                                  prefix="native-ckpt") as opt:
+        train_step(model, opt, x, y, 1)
+    train_step(plain_model, plain, x, y, 1)
+    assert max_diff(plain_model, model) < 1e-6
+
+    with cluster.client() as c:
+        summary = import_model(c, str(path), "native-ckpt-copy", None)
+        assert summary["states"] == 6 and summary["created"] == 6
+        copied = c.export("native-ckpt-copy/", state=True)
+        original = torch.load(path, weights_only=True)
+        for short, value in original["model"].items():
+            assert np.array_equal(copied["tensors"][f"native-ckpt-copy/{short}"], value.numpy())
+            assert copied["states"][f"native-ckpt-copy/{short}"]["step"] == 4
