@@ -82,13 +82,60 @@ def _as_numpy(t: torch.Tensor, dtype: type) -> np.ndarray:
     return t.detach().to(device="cpu", dtype=want).contiguous().numpy()
 
 
-def _load(dst: torch.Tensor, arr: np.ndarray) -> None:
-    """Copy a pulled array into a parameter's storage (one copy, cast if dst is half precision)."""
+class _PinnedStage:
+    """Pinned host buffers for tensors on a GPU, one per tensor name, reused every step: device
+    to host copies of a step's gradients all start before one synchronisation, and pulled values
+    go back by non-blocking copies, again with one synchronisation (pageable memory would make
+    every copy wait on its own). CPU tensors pass straight through."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def _buffer(self, kind: str, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get((kind, name))
+        if buf is None or buf.shape != like.shape or buf.dtype != dtype:
+            buf = self._buffers[(kind, name)] = torch.empty(like.shape, dtype=dtype, pin_memory=True)
+        return buf
+
+    def to_host(self, named: dict[str, torch.Tensor], dtypes: dict[str, type]) -> dict[str, np.ndarray]:
+        staged, waiting = {}, False
+        for name, t in named.items():
+            if t.is_cuda:
+                buf = self._buffer("out", name, t, torch.float64 if dtypes[name] is np.float64 else torch.float32)
+                buf.copy_(t.detach(), non_blocking=True)
+                staged[name], waiting = buf, True
+            else:
+                staged[name] = t
+        if waiting:
+            torch.cuda.synchronize()
+        return {name: _as_numpy(t, dtypes[name]) for name, t in staged.items()}
+
+    def load(self, pairs: list[tuple[str, torch.Tensor, np.ndarray]]) -> None:
+        waiting = False
+        for name, dst, arr in pairs:
+            if dst.is_cuda:
+                src = _from_numpy(arr)
+                buf = self._buffer("in", name, dst, src.dtype)
+                buf.copy_(src)
+                with torch.no_grad():
+                    dst.copy_(buf, non_blocking=True)
+                waiting = True
+            else:
+                _load(dst, arr)
+        if waiting:          # the next pull reuses these buffers: the copies out of them must be done
+            torch.cuda.synchronize()
+
+
+def _from_numpy(arr: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
-        src = torch.from_numpy(arr)
+        return torch.from_numpy(arr)
+
+
+def _load(dst: torch.Tensor, arr: np.ndarray) -> None:
+    """Copy a pulled array into a parameter's storage (one copy, cast if dst is half precision)."""
     with torch.no_grad():
-        dst.copy_(src)
+        dst.copy_(_from_numpy(arr))
 
 
 class Worker:
@@ -135,6 +182,8 @@ class Worker:
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
         self.group = jobs.group(prefix)
 
+        self._stage = _PinnedStage()
+        self._dtypes = {s.store_name: s.dtype for s in self.params}
         self._owns_client = not isinstance(cluster, Client)
         self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
         # Async modes: this rank's step counter in each Raft group holding the job's tensors
@@ -167,7 +216,6 @@ class Worker:
         self._clip_norm: float | None = None       # sync: the store clips this step's mean gradient
         self.last_grad_norm: float | None = None   # sync with clipping: the mean gradient's norm
         self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}    # what -> [calls, seconds]
-        self._dtypes = {s.store_name: s.dtype for s in self.params}
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -228,9 +276,8 @@ class Worker:
         return [s.store_name for s in self.params + self.buffers if not s.sparse or self.mode in ("sync", "easgd")]
 
     def _install(self, tensors: dict[str, np.ndarray], version: int) -> None:
-        for s in self.params + self.buffers:
-            if s.store_name in tensors:
-                _load(s.tensor, tensors[s.store_name])
+        self._stage.load([(s.store_name, s.tensor, tensors[s.store_name])
+                          for s in self.params + self.buffers if s.store_name in tensors])
         # What the store held at this version: a buffer's change since then is this worker's.
         self._buffer_base = {s.store_name: np.array(tensors[s.store_name]) for s in self.buffers}
         self.version = self.pushed = version
@@ -289,7 +336,7 @@ class Worker:
     # ---- modes ------------------------------------------------------------------------------
 
     def _step_sync(self) -> None:
-        grads = {s.store_name: _as_numpy(self._dense_grad(s), s.dtype) for s in self.params}
+        grads = self._stage.to_host({s.store_name: self._dense_grad(s) for s in self.params}, self._dtypes)
         grads.update(self._buffer_drift(1))
         step = self.step_count
         t0 = time.perf_counter()
@@ -362,7 +409,7 @@ class Worker:
         return g.to_dense() if g.is_sparse else g
 
     def _push_pending(self) -> None:
-        dense = {k: _as_numpy(g, self._dtypes[k]) for k, g in self._pending.items() if not g.is_sparse}
+        dense = self._stage.to_host({k: g for k, g in self._pending.items() if not g.is_sparse}, self._dtypes)
         grads, encoding = codecs.encode_push(dense, self.compress_method, self._topk)
         grads, encoding = dict(grads), dict(encoding or {})
         for name, g in self._pending.items():
