@@ -21,6 +21,7 @@ rendezvous at B+470 + run number (< 30). gloo also opens ephemeral ports.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -146,12 +147,19 @@ def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: A
     model = mod.CNN() if example == "cnn_digits" else mod.GPT(len(mod.VOCAB), 64, 4, 4, 160)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3       # a fixed gradient; the store's Adam applies it each time
-    spec = {"name": "adam", "lr": 1e-4}
+    spec = {"name": "adamw", "lr": 1e-4}
     tag = f"{os.getpid()}-{time.monotonic_ns()}"          # fresh names each time
     raw_prefix, ad_prefix = f"bench-raw-{example}-{tag}", f"bench-adapter-{example}-{tag}"
+    wrapped_prefix = f"bench-wrapped-{example}-{tag}"
     raw_t: list[float] = []
     ad_t: list[float] = []
     fields_t: list[float] = []
+    wrapped_t: list[float] = []
+    # The wrapped form: torch.optim.AdamW (the same store optimizer) with an LR scheduler that
+    # changes lr every step, so every push carries its hyperparameters (the wrapper's worst case).
+    twin = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = p.grad.clone()
     with cluster.client() as c:
         names = {n: f"{raw_prefix}/{n}" for n, _ in model.named_parameters()}
         for n, p in model.named_parameters():
@@ -160,6 +168,10 @@ def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: A
         c.create(counter, np.zeros(1, np.float64), {"name": "elastic"})
         opt = rpt.DistributedOptimizer(model, cluster=cluster.addresses, optimizer=spec, mode="async",
                                        prefix=ad_prefix, rank=0, world_size=1)
+        wrapped = rpt.DistributedOptimizer(torch.optim.AdamW(twin.parameters(), lr=1e-4), model=twin,
+                                           cluster=cluster.addresses, mode="async", prefix=wrapped_prefix,
+                                           rank=0, world_size=1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(wrapped, lambda k: 1.0 / (1 + k))
         retries = {"raw": 0, "adapter": 0}        # 'behind' replies: a node had not applied the push yet
         for who, client in (("raw", c), ("adapter", opt.client)):
             def counted(address: str, message: dict, timeout: float, _call=client._call, _who=who) -> dict:
@@ -177,6 +189,10 @@ def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: A
                 t = time.perf_counter()
                 opt.step()
                 ad_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                wrapped.step()
+                wrapped_t.append(time.perf_counter() - t)
+                schedule.step()
                 t = time.perf_counter()              # raw, with what the adapter's push carries besides
                 grads = {names[n]: p.grad.numpy() for n, p in model.named_parameters()}
                 grads[counter] = np.ones(1)
@@ -185,20 +201,24 @@ def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: A
                 fields_t.append(time.perf_counter() - t)
         finally:
             opt.close()
+            wrapped.close()
             _delete_prefix(c, raw_prefix)
             _delete_prefix(c, ad_prefix)
+            _delete_prefix(c, wrapped_prefix)
     raw, ad, fields = statistics.median(raw_t), statistics.median(ad_t), statistics.median(fields_t)
+    wrapped_s = statistics.median(wrapped_t)
     inside = {k: round(1e3 * v[1] / max(1, v[0]), 2) for k, v in opt.timings.items()}   # the adapter's own split
     mb = sum(p.numel() * 4 for p in model.parameters()) / 1e6
     log(f"torch overhead {example}: {mb:.2f} MB of parameters; raw push+pull {raw * 1e3:.2f} ms, "
         f"opt.step() {ad * 1e3:.2f} ms (median of {len(raw_t)}): {ad / raw:.3f}x; raw with base_version and "
         f"the step counter {fields * 1e3:.2f} ms; inside opt.step() push {inside['push']} ms, pull {inside['pull']} ms; "
-        f"'behind' retries: raw client {retries['raw']} (2 pulls per step), adapter {retries['adapter']}")
+        f"'behind' retries: raw client {retries['raw']} (2 pulls per step), adapter {retries['adapter']}; "
+        f"wrapped torch.optim.AdamW with a per-step lr {wrapped_s * 1e3:.2f} ms: {wrapped_s / ad:.3f}x the dict-spec opt.step()")
     return {"example": example, "param_mb": mb, "raw_push_pull_ms": raw * 1e3, "opt_step_ms": ad * 1e3,
             "ratio": ad / raw, "samples": len(raw_t), "raw_mean_ms": statistics.mean(raw_t) * 1e3,
             "opt_step_mean_ms": statistics.mean(ad_t) * 1e3, "raw_same_fields_ms": fields * 1e3,
             "ratio_same_fields": ad / fields, "opt_step_push_ms": inside["push"], "opt_step_pull_ms": inside["pull"],
-            "behind_retries": retries}
+            "behind_retries": retries, "wrapped_step_ms": wrapped_s * 1e3, "wrapped_ratio": wrapped_s / ad}
 
 
 def _fmt(x: Any, digits: int = 2) -> str:
@@ -231,6 +251,11 @@ def targets(runs: list[dict[str, Any]], overhead: list[dict[str, Any]]) -> list[
             out.append({"example": o["example"], "target": "opt.step() <= 1.10x raw push + pull",
                         "value": f"{o['ratio']:.3f}x ({o['opt_step_ms']:.1f} vs {o['raw_push_pull_ms']:.1f} ms)",
                         "met": o["ratio"] <= 1.10})
+            if "wrapped_ratio" in o:
+                out.append({"example": o["example"],
+                            "target": "wrapped torch AdamW opt.step() (lr changing every step) <= 1.05x the dict-spec opt.step()",
+                            "value": f"{o['wrapped_ratio']:.3f}x ({o['wrapped_step_ms']:.1f} vs {o['opt_step_ms']:.1f} ms)",
+                            "met": o["wrapped_ratio"] <= 1.05})
     return out
 
 

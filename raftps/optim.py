@@ -8,6 +8,7 @@ so every replica computes the same bits from the same log.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,28 @@ def with_hyperparameters(spec: dict, hyper: Any, tensor: str = "?") -> dict:
     if refused:
         raise InvalidOptimizer(f"tensor {tensor!r}: a step of optimizer {spec['name']!r} cannot set "
                                f"{', '.join(refused)} (it may set {takes})")
+    # Every tensor of a push usually carries the same values: validated once. The key holds each
+    # value's type, since True == 1 == 1.0 in Python and only one of them is a valid lr: a cache
+    # hit must give what a miss would on a replica that never saw the other (replicas diverge else).
+    try:
+        return dict(_merged(_key(spec), _key(hyper)))
+    except InvalidOptimizer:
+        pass          # raised again below, naming this tensor
+    except TypeError:
+        pass          # an unhashable value: normalize names it
+    return dict(_merged_uncached(spec, hyper, tensor))
+
+
+def _key(d: dict) -> tuple:
+    return tuple(sorted((k, type(v).__name__, v) for k, v in d.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _merged(spec: tuple, hyper: tuple) -> tuple:
+    return tuple(sorted(_merged_uncached({k: v for k, _, v in spec}, {k: v for k, _, v in hyper}, "?").items()))
+
+
+def _merged_uncached(spec: dict, hyper: dict, tensor: str) -> dict:
     # lr 0 is a step (torch takes it: a warm-up's first lr), though no stored spec has it
     zero_lr = hyper.get("lr") == 0 and not isinstance(hyper.get("lr"), bool)
     out = normalize({**spec, **hyper, **({"lr": spec["lr"]} if zero_lr else {})}, tensor)

@@ -120,3 +120,13 @@ def test_assign_state_refuses_a_mismatched_state_and_changes_nothing(state, mess
     # u, checked first and valid, was not assigned either: the write applies whole or not at all
     for t in log.store.tensors.values():
         assert t.version == 0 and not t.data.any() and t.state["step"] == 0 and not t.state["m"].any()
+
+
+def test_hyper_validation_does_not_depend_on_what_was_validated_before():
+    """True == 1 in Python: a replica that validated lr=1 must still refuse lr=True, as a fresh
+    replica does, or the replicas' answers (and states) would differ."""
+    spec = optim.normalize({"name": "sgd", "lr": 0.5})
+    assert optim.with_hyperparameters(spec, {"lr": 1})["lr"] == 1.0
+    with pytest.raises(Exception, match="finite number"):
+        optim.with_hyperparameters(spec, {"lr": True})
+    assert optim.with_hyperparameters(spec, {"lr": 0})["lr"] == 0.0
