@@ -23,3 +23,15 @@ def step_counter(prefix: str, rank: int, raft_group: int = 0, groups: int = 1) -
 def group(prefix: str) -> str:
     """The job's sync group (its step sequence) and SSP group."""
     return f"{prefix}/_raftps/group"
+
+
+def diloco_group(prefix: str, fragment: int, fragments: int) -> str:
+    """The round sequence (sync group) of fragment ``fragment`` of ``fragments`` in a DiLoCo job
+    (diloco.py): F names a layout, so a job resumed with another F starts new round counters."""
+    return f"{prefix}/_raftps/diloco.f{fragment}of{fragments}"
+
+
+def diloco_rounds(prefix: str, rank: int, fragments: int) -> str:
+    """Rank ``rank``'s count of applied rounds per fragment (asynchronous DiLoCo), pushed with the
+    pseudo-gradients it counts."""
+    return f"{prefix}/_raftps/diloco.rounds.rank{rank}.of{fragments}"

@@ -1,0 +1,311 @@
+"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105) with its outer step in the replicated store.
+
+Each rank runs its own inner optimizer for H (``sync_every``) steps; then its pseudo-gradient
+(the global parameters at the round's start minus its own) goes to the store, whose tensors hold
+the global parameters with the outer optimizer (default Nesterov momentum SGD, lr 0.7, momentum
+0.9), and the rank continues from the new global parameters. The outer state lives once, in the
+store, applied once per round whatever dies. This module works on numpy arrays and imports no
+torch: trainer/ and raftps.torch both drive it.
+
+    d = DiLoCo(client, "job", params, rank=r, world_size=K, sync_every=H)   # checks only: no I/O
+    d.create()                          # the job's tensors; the first create wins, others are no-ops
+    start, params = d.resume()          # the step to start at and the global parameters
+    for step in range(start, steps):
+        params = inner_step(params)                      # the rank's own optimizer, locally
+        new = d.after_inner_step(step, params)           # None, or {name: array} for synced tensors
+        if new is not None:
+            params.update(new)                           # the inner optimizer's state is kept
+
+``params`` maps names (``named_parameters()`` order) to float32/float64 arrays; the store names
+them ``PREFIX/<name>`` (jobs.tensor). ``after_inner_step`` returns writeable arrays of the new
+global values; ``rounds`` lists what the last call synced (fragment, round, count, late, bytes),
+``bytes_sent`` totals the pseudo-gradient bytes sent.
+
+Synchronous (default): the round's end is the H-th step of a round (it takes its inner step,
+then syncs). Every rank sends its pseudo-gradient with ``Client.push_step`` in the job's round
+sequence (jobs.diloco_group), ranked, ``pull=True``: the leader sums the K contributions and
+replicates the round once, the store applies the outer optimizer to their mean, and each answer
+carries the new values. A rank that has not arrived ``step_timeout`` seconds after the round's
+first contribution is left out (push_step's semantics); a rank whose contribution comes after its
+round applied (``late``) loses that round's work and rejoins at the store's next round.
+
+Asynchronous (``asynchronous=True``, the Downpour of outer steps): each rank's pseudo-gradient is
+applied when it arrives, by ``Client.push`` with ``base_version`` = the version of the globals its
+round started from, then the rank pulls the new globals; nobody waits. The outer spec gets
+``staleness_aware: True`` unless it says otherwise, so the store divides lr by max(1, tau), tau =
+updates to the tensor since that version. A push carries the pseudo-gradient times c = d / K,
+d = K - 1 (at least 1) with staleness_aware, 1 without: d is the divisor the store applies when the
+K ranks run at one pace (each push then finds the other K - 1 since its pull), so K pushes of a
+round add up to one synchronous round's step on the mean; a staler push counts less. Each rank
+counts its applied rounds per fragment in a tensor of its own (jobs.diloco_rounds) that rides in
+the same atomic push (exact on a cluster of one Raft group; with several, a push is atomic per
+group, so a crash between groups' parts may count a round the other group did not apply).
+
+Streaming (``fragments=F``, Douillard et al. 2025, arXiv 2501.18512): the tensors are split, in
+order and whole, into F contiguous fragments balanced by bytes; fragment f has its own round
+sequence and syncs every H steps at offset f*H//F: its round r ends after inner step
+(r+1)*H + f*H//F (its first round is the longer by its offset), so a round's bytes are spread
+over the interval. Only the fragment's tensors are replaced after its sync.
+
+Restarts: ``resume`` reads where the store is (each fragment's applied round; asynchronous: the
+rank's own counters) and returns the step after the latest round end among the fragments, with
+the global parameters: a restarted rank resumes at the store's round. Its inner optimizer starts
+fresh: its moments are re-estimated within a few inner steps. The alternative,
+keeping each rank's inner state in the store at every round end, would add the inner state's
+bytes to every round: for AdamW, 2x the parameters per rank (exp_avg, exp_avg_sq: 10,229,972
+bytes for examples/char_gpt.py's 1,278,720-parameter model, against its 5,114,880-byte
+pseudo-gradient: ``python -m bench.diloco_state``), so 3x a round's traffic and 2K model-sized
+arrays more in the store, to save a few inner steps of moment warm-up.
+
+Compression: ``compress="fp16"`` sends pseudo-gradients as float16 with a power-of-two scale
+(raftps.compress) in asynchronous mode; synchronous rounds go through push_step, which takes no
+encoding today, so it is refused there.
+
+Bad input (H < 1, F outside [1, number of tensors], an outer spec the store would refuse, a rank
+outside [0, K), a non-float parameter) raises before any I/O: the constructor sends nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import jobs, optim
+from .aggregate import MAX_STEP_TIMEOUT
+from .client import Client
+from .compress import encode_fp16
+from .errors import InvalidOptimizer
+from .schema import NAME_PATTERN
+
+DEFAULT_OUTER = {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+CREATE_CHUNK_BYTES = 64 << 20          # creates are split so that no frame carries more
+COUNTER_SPEC = {"name": "sgd", "lr": 1.0}   # a push of -1 adds one
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Round:
+    """One fragment's sync, as ``after_inner_step`` did it."""
+    fragment: int
+    round: int
+    count: int          # contributions in the applied round (asynchronous: 1)
+    late: bool          # the round had applied without this rank's pseudo-gradient
+    bytes: int          # pseudo-gradient bytes sent
+
+
+def split_fragments(sizes: list[int], fragments: int) -> list[range]:
+    """``fragments`` contiguous, non-empty runs of tensor indices whose byte sizes are as even as
+    possible: each cut falls where the running total is nearest k/F of the whole (ties: earlier)."""
+    if not 1 <= fragments <= len(sizes):
+        raise ValueError(f"fragments must be in [1, {len(sizes)}] (the number of tensors), got {fragments}")
+    total = sum(sizes)
+    running = [0]
+    for size in sizes:
+        running.append(running[-1] + size)
+    cuts = [0]
+    for k in range(1, fragments):
+        lo, hi = cuts[-1] + 1, len(sizes) - (fragments - k)
+        cuts.append(min(range(lo, hi + 1), key=lambda i: (abs(running[i] * fragments - k * total), i)))
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def outer_spec(outer: Any, asynchronous: bool) -> dict:
+    """The store spec of the global tensors, complete and checked (InvalidOptimizer as the store
+    would answer it), with staleness_aware on by default in asynchronous mode."""
+    spec = dict(DEFAULT_OUTER) if outer is None else dict(outer) if isinstance(outer, dict) else outer
+    if isinstance(spec, dict) and spec.get("name") == "elastic":
+        raise InvalidOptimizer("DiLoCo's outer optimizer cannot be 'elastic' (it adds the push to the "
+                               "parameters; a pseudo-gradient is subtracted): for plain averaging use "
+                               "{'name': 'sgd', 'lr': 1.0}")
+    if asynchronous and isinstance(spec, dict) and "staleness_aware" not in spec \
+            and "staleness_aware" in optim.SPECS.get(spec.get("name"), {}):
+        spec["staleness_aware"] = True
+    return optim.normalize(spec, "DiLoCo outer optimizer")
+
+
+class DiLoCo:
+    """One rank's DiLoCo rounds against the store; see the module docstring."""
+
+    def __init__(self, client: Client, prefix: str, params: Mapping[str, np.ndarray], rank: int = 0,
+                 world_size: int = 1, sync_every: int = 100, outer: dict | None = None, fragments: int = 1,
+                 asynchronous: bool = False, step_timeout: float = 10.0, compress: str | None = None):
+        for what, value, low in (("sync_every (H)", sync_every, 1), ("world_size", world_size, 1),
+                                 ("fragments", fragments, 1)):
+            if type(value) is not int or value < low:
+                raise ValueError(f"DiLoCo: {what} must be an int >= {low}, got {value!r}")
+        if type(rank) is not int or not 0 <= rank < world_size:
+            raise ValueError(f"DiLoCo: rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) \
+                or not (math.isfinite(step_timeout) and 0 <= step_timeout <= MAX_STEP_TIMEOUT):
+            raise ValueError(f"DiLoCo: step_timeout must be seconds in [0, {MAX_STEP_TIMEOUT:g}], got {step_timeout!r}")
+        if compress not in (None, "none", "fp16"):
+            raise ValueError(f"DiLoCo: compress must be None or 'fp16', got {compress!r}")
+        if compress == "fp16" and not asynchronous:
+            raise ValueError("DiLoCo: compress='fp16' works in asynchronous mode only: synchronous rounds go "
+                             "through push_step, which takes no encoding")
+        self.outer = outer_spec(outer, bool(asynchronous))
+        self.init = _checked_params(prefix, params)
+        names = list(self.init)
+        if fragments > len(names):
+            raise ValueError(f"DiLoCo: fragments={fragments} exceeds the {len(names)} tensors: a fragment "
+                             "is one or more whole tensors")
+        self.client, self.prefix, self.rank, self.world_size = client, prefix, rank, world_size
+        self.sync_every, self.asynchronous, self.step_timeout = sync_every, bool(asynchronous), float(step_timeout)
+        self.compress = compress if compress == "fp16" else None
+        self.fragments = [[names[i] for i in part]
+                          for part in split_fragments([self.init[n].nbytes for n in names], fragments)]
+        self.groups = [jobs.diloco_group(prefix, f, fragments) for f in range(fragments)]
+        self.counter = jobs.diloco_rounds(prefix, rank, fragments)
+        scale = max(1, world_size - 1) if self.outer.get("staleness_aware") else 1
+        self.push_scale = scale / world_size        # asynchronous: see the module docstring
+        self.next_round = [0] * fragments           # per fragment: the round this rank contributes to next
+        self.anchor: dict[str, np.ndarray] = {}     # global values at the start of each fragment's round
+        self.base: list[Any] = [None] * fragments   # asynchronous: store version of each fragment's anchor
+        self.rounds: list[Round] = []               # what the last after_inner_step synced
+        self.bytes_sent = 0
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def offset(self, fragment: int) -> int:
+        return fragment * self.sync_every // len(self.fragments)
+
+    def round_start(self, fragment: int, round_: int) -> int:
+        """Inner steps taken before round ``round_`` of ``fragment`` begins."""
+        return 0 if round_ == 0 else round_ * self.sync_every + self.offset(fragment)
+
+    def due(self, step: int) -> list[int]:
+        """The fragments whose round ends with inner step ``step`` (0-based)."""
+        taken = step + 1
+        return [f for f in range(len(self.fragments))
+                if taken - self.offset(f) >= self.sync_every and (taken - self.offset(f)) % self.sync_every == 0]
+
+    def store_name(self, name: str) -> str:
+        return jobs.tensor(self.prefix, name)
+
+    # ---- I/O -----------------------------------------------------------------------------------
+
+    def create(self) -> list[str]:
+        """Create the job's global tensors from the constructor's ``params`` (and, asynchronous,
+        this rank's round counter); tensors that exist are left as they are. Returns the names
+        created."""
+        todo = {self.store_name(n): (a, self.outer) for n, a in self.init.items()}
+        if self.asynchronous:
+            todo[self.counter] = (np.zeros(len(self.fragments), np.float64), COUNTER_SPEC)
+        created: list[str] = []
+        chunk: dict[str, tuple[np.ndarray, dict]] = {}
+        for name, (arr, spec) in todo.items():
+            if chunk and sum(a.nbytes for a, _ in chunk.values()) + arr.nbytes > CREATE_CHUNK_BYTES:
+                created += self._create(chunk)
+                chunk = {}
+            chunk[name] = (arr, spec)
+        return created + self._create(chunk)
+
+    def _create(self, chunk: dict[str, tuple[np.ndarray, dict]]) -> list[str]:
+        result = self.client.create_result({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
+        return list(result.get("created", []))
+
+    def resume(self) -> tuple[int, dict[str, np.ndarray]]:
+        """Where this rank starts: (the inner step to start at, the global parameters by name).
+        The rounds applied are read before the parameters, so the parameters are never older
+        than the rounds they count (if a round applies in between, this rank's contribution to
+        it is answered late and it rejoins at the next)."""
+        if self.asynchronous:
+            tensors, _ = self.client.pull([self.counter])
+            self.next_round = [int(x) for x in tensors[self.counter]]
+        else:
+            self.next_round = [self.client.sync_applied(g) + 1 for g in self.groups]
+        names = [n for part in self.fragments for n in part]
+        tensors, version = self.client.pull([self.store_name(n) for n in names])
+        self.anchor = {n: tensors[self.store_name(n)] for n in names}
+        self.base = [version] * len(self.fragments)
+        start = max(self.round_start(f, r) for f, r in enumerate(self.next_round))
+        return start, {n: np.array(a) for n, a in self.anchor.items()}
+
+    def after_inner_step(self, step: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Call after inner step ``step`` (0-based, as counted from ``resume``'s start). At a round's
+        end, sync the fragment(s) due and return their new global values (writeable arrays by
+        name); otherwise None and no I/O."""
+        due = self.due(step)
+        self.rounds = []
+        if not due:
+            return None
+        if not self.anchor:
+            raise RuntimeError("DiLoCo: call resume() before the first inner step")
+        out: dict[str, np.ndarray] = {}
+        for f in due:
+            out.update(self._sync_async(f, params) if self.asynchronous else self._sync(f, params))
+        return out
+
+    def _sync(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = self.fragments[f]
+        grads = {self.store_name(n): _pseudo_gradient(self.anchor[n], params[n], n) for n in names}
+        sent = sum(g.nbytes for g in grads.values())
+        round_ = self.next_round[f]
+        answer = self.client.push_step(grads, round_, self.world_size, group=self.groups[f], rank=self.rank,
+                                       timeout=self.step_timeout, pull=True)
+        late = bool(answer.get("late"))
+        tensors = answer.get("tensors") or {}
+        if late:        # left out: rejoin at the store's next round, from the newest values
+            self.next_round[f] = self.client.sync_applied(self.groups[f]) + 1
+            tensors, _ = self.client.pull(list(grads))
+        else:
+            self.next_round[f] = round_ + 1
+            if not set(grads) <= set(tensors):           # a contribution sent again: read them
+                tensors, _ = self.client.pull(list(grads), min_version=answer["version"], linearizable=False)
+        self.rounds.append(Round(f, round_, int(answer.get("count", 0)), late, sent))
+        self.bytes_sent += sent
+        return self._install(names, tensors)
+
+    def _sync_async(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = self.fragments[f]
+        grads: dict[str, np.ndarray] = {}
+        encoding: dict[str, dict] = {}
+        for n in names:
+            g = _pseudo_gradient(self.anchor[n], params[n], n)
+            g = np.multiply(g, g.dtype.type(self.push_scale), out=g) if self.push_scale != 1 else g
+            if self.compress == "fp16":
+                g, encoding[self.store_name(n)] = encode_fp16(g)
+            grads[self.store_name(n)] = g
+        sent = sum(g.nbytes for g in grads.values())
+        count = np.zeros(len(self.fragments), np.float64)
+        count[f] = -1.0                                  # the counter's sgd lr 1 adds one
+        version = self.client.push({**grads, self.counter: count}, base_version=self.base[f],
+                                   encoding=encoding or None)
+        tensors, self.base[f] = self.client.pull(list(grads), min_version=version)
+        self.rounds.append(Round(f, self.next_round[f], 1, False, sent))
+        self.next_round[f] += 1
+        self.bytes_sent += sent
+        return self._install(names, tensors)
+
+    def _install(self, names: list[str], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for n in names:
+            self.anchor[n] = tensors[self.store_name(n)]
+        return {n: np.array(self.anchor[n]) for n in names}
+
+
+def _pseudo_gradient(anchor: np.ndarray, local: np.ndarray, name: str) -> np.ndarray:
+    local = np.asarray(local)
+    if local.shape != anchor.shape or local.dtype != anchor.dtype:
+        raise ValueError(f"DiLoCo: parameter {name!r} is {local.dtype}{list(local.shape)}, its global value "
+                         f"{anchor.dtype}{list(anchor.shape)}")
+    return np.subtract(anchor, local)
+
+
+def _checked_params(prefix: Any, params: Any) -> dict[str, np.ndarray]:
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"DiLoCo: prefix must be a non-empty string, got {prefix!r}")
+    if not isinstance(params, Mapping) or not params:
+        raise ValueError("DiLoCo: params must be a non-empty mapping of names to float32/float64 arrays")
+    out = {}
+    for name, arr in params.items():
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(jobs.tensor(prefix, name)):
+            raise ValueError(f"DiLoCo: {prefix!r}/{name!r} is not a store name (1-200 characters from "
+                             "[A-Za-z0-9_.:/-])")
+        arr = np.asarray(arr)
+        if arr.dtype not in DTYPES:
+            raise ValueError(f"DiLoCo: parameter {name!r} is {arr.dtype}; the store holds float32 or float64")
+        out[name] = arr
+    return out
