@@ -19,7 +19,8 @@ torch: trainer/ and raftps.torch both drive it.
 ``params`` maps names (``named_parameters()`` order) to float32/float64 arrays; the store names
 them ``PREFIX/<name>`` (jobs.tensor). ``after_inner_step`` returns writeable arrays of the new
 global values; ``rounds`` lists what the last call synced (fragment, round, count, late, bytes),
-``bytes_sent`` totals the pseudo-gradient bytes sent.
+``bytes_sent`` totals the pseudo-gradient bytes sent, ``version`` is the newest store version
+the rank has seen.
 
 Synchronous (default): the round's end is the H-th step of a round (it takes its inner step,
 then syncs). Every rank sends its pseudo-gradient with ``Client.push_step`` in the job's round
@@ -166,6 +167,7 @@ class DiLoCo:
         self.base: list[Any] = [None] * fragments   # asynchronous: store version of each fragment's anchor
         self.rounds: list[Round] = []               # what the last after_inner_step synced
         self.bytes_sent = 0
+        self.version: Any = None                    # the newest store version this rank has seen
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -221,6 +223,7 @@ class DiLoCo:
         tensors, version = self.client.pull([self.store_name(n) for n in names])
         self.anchor = {n: tensors[self.store_name(n)] for n in names}
         self.base = [version] * len(self.fragments)
+        self.version = version
         start = max(self.round_start(f, r) for f, r in enumerate(self.next_round))
         return start, {n: np.array(a) for n, a in self.anchor.items()}
 
@@ -248,9 +251,10 @@ class DiLoCo:
                                        timeout=self.step_timeout, pull=True)
         late = bool(answer.get("late"))
         tensors = answer.get("tensors") or {}
+        self.version = answer["version"]
         if late:        # left out: rejoin at the store's next round, from the newest values
             self.next_round[f] = self.client.sync_applied(self.groups[f]) + 1
-            tensors, _ = self.client.pull(list(grads))
+            tensors, self.version = self.client.pull(list(grads))
         else:
             self.next_round[f] = round_ + 1
             if not set(grads) <= set(tensors):           # a contribution sent again: read them
@@ -275,6 +279,7 @@ class DiLoCo:
         version = self.client.push({**grads, self.counter: count}, base_version=self.base[f],
                                    encoding=encoding or None)
         tensors, self.base[f] = self.client.pull(list(grads), min_version=version)
+        self.version = self.base[f]
         self.rounds.append(Round(f, self.next_round[f], 1, False, sent))
         self.next_round[f] += 1
         self.bytes_sent += sent

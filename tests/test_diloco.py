@@ -247,3 +247,14 @@ def test_bad_input_is_refused_before_any_io(cluster, kwargs, error, match):
     with Client("127.0.0.1:9", timeout=0.5) as nowhere:
         with pytest.raises(error, match=match):
             DiLoCo(nowhere, "bad", **args)
+
+
+def test_trainer_mode_diloco_trains_the_mlp(cluster, tmp_path):
+    from tests.trainer.trainer_helpers import metric_rows, run_trainer
+    out = str(tmp_path / "diloco")
+    summary = run_trainer(["--cluster", cluster.addresses, "--mode", "diloco", "--workers", "2", "--model", "mlp",
+                           "--hidden", "64", "--steps", "40", "--sync-every", "5", "--seed", "3",
+                           "--prefix", "trainer"], out, env=cluster.client_env)
+    losses = [float(r["test_loss"]) for r in metric_rows(out)]
+    assert summary["updates"] == 8 and summary["worker_restarts"] == 0 and summary["sync_short_steps"] == 0
+    assert losses[-1] < 0.5 * losses[0] and summary["final_test_acc"] > 0.8, (losses, summary["final_test_acc"])

@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--cluster", help="client addresses host:port,... (default: $RAFTPS_CLUSTER)")
     t.add_argument("--local", action="store_true", help="one process, no cluster: the baseline")
     t.add_argument("--mode", choices=MODES, default="async",
-                   help="async (Downpour), sync (averaged steps), ssp (bounded staleness), easgd (elastic averaging)")
+                   help="async (Downpour), sync (averaged steps), ssp (bounded staleness), easgd (elastic averaging), "
+                        "diloco (local steps, the store's outer step every --sync-every)")
     t.add_argument("--workers", type=int, default=4)
     t.add_argument("--model", choices=["mlp", "softmax"], default="mlp")
     t.add_argument("--hidden", type=_widths, default=(1000, 1000), help="MLP widths, e.g. 1000,1000 (1.08M params)")
@@ -59,7 +60,15 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=0,
                    help="async: workers 1.. start after rank 0 alone has made this many updates (Downpour warm start)")
     t.add_argument("--step-timeout", type=float, default=10.0,
-                   help="sync: seconds a step waits for its last worker after its first arrived; then it applies without it")
+                   help="sync, diloco: seconds a step (round) waits for its last worker after its first arrived; then it applies without it")
+    t.add_argument("--sync-every", type=int, default=20, metavar="H", help="diloco: inner steps per round")
+    t.add_argument("--fragments", type=int, default=1,
+                   help="diloco: sync F parts of the model, each every H steps at staggered offsets (streaming)")
+    t.add_argument("--diloco-async", action="store_true",
+                   help="diloco: the store applies each worker's pseudo-gradient on arrival (staleness-aware lr)")
+    t.add_argument("--outer-lr", type=float, default=0.7, help="diloco: the store's outer learning rate")
+    t.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="diloco: the outer Nesterov momentum (0: plain SGD; with --outer-lr 1: averaging)")
     t.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead worker")
     t.add_argument("--max-time", type=float, default=1800.0, help="abort the run after this many seconds")
     t.add_argument("--evals-per-epoch", type=int, default=2)
@@ -105,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         return demo(args)
     if args.kill_leader_at is not None and not args.run_dir:
         parser().error("--kill-leader-at needs --run-dir (where the cluster's pid files are)")
-    if args.workers < 1 or args.batch < 1 or args.epochs < 1 or args.n_fetch < 1 or args.n_push < 1:
-        parser().error("--workers, --batch, --epochs, --n-fetch and --n-push must be >= 1")
+    if args.workers < 1 or args.batch < 1 or args.epochs < 1 or args.n_fetch < 1 or args.n_push < 1 \
+            or args.sync_every < 1 or args.fragments < 1:
+        parser().error("--workers, --batch, --epochs, --n-fetch, --n-push, --sync-every and --fragments must be >= 1")
     if args.compress != "none" and (args.mode not in ("async", "ssp") or args.local):
         parser().error("--compress works with --mode async or ssp on a cluster")
     try:
@@ -123,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                  staleness=args.staleness, ssp_on_bound=args.ssp_on_bound, ssp_timeout=args.ssp_timeout,
                  easgd_alpha=args.easgd_alpha, compress=args.compress,
                  n_fetch=args.n_fetch, n_push=args.n_push, warmup=args.warmup, fresh_pull=args.fresh_pull, step_timeout=args.step_timeout,
+                 sync_every=args.sync_every, fragments=args.fragments, diloco_async=args.diloco_async,
+                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  max_restarts=args.max_restarts, max_time=args.max_time, evals_per_epoch=args.evals_per_epoch,
                  prefix=args.prefix, out=args.out, kill_leader_at=args.kill_leader_at, run_dir=args.run_dir)
     from .run import train

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from .data import steps_per_epoch
 
 DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adagrad": 0.05, "adam": 0.001, "adarevision": 0.05}
-MODES = ("async", "sync", "ssp", "easgd")
+MODES = ("async", "sync", "ssp", "easgd", "diloco")
 
 
 @dataclass
 class Config:
     cluster: str | None = None          # "host:port,..."; None means RAFTPS_CLUSTER
     local: bool = False
-    mode: str = "async"                 # async | sync | ssp | easgd
+    mode: str = "async"                 # async | sync | ssp | easgd | diloco
     workers: int = 4
     model: str = "mlp"
     hidden: tuple[int, ...] = (1000, 1000)
@@ -36,7 +36,12 @@ class Config:
     fresh_pull: bool = False            # async: linearizable pulls (leader) instead of any up-to-date node
     warmup: int = 0                     # async: other workers start once rank 0 has pushed this many updates
     n_push: int = 1                     # async: push the summed gradient every n_push local steps
-    step_timeout: float = 10.0          # sync: a step waits this long for its last worker (aggregate.py)
+    step_timeout: float = 10.0          # sync, diloco: a step (round) waits this long for its last worker
+    sync_every: int = 20                # diloco: inner steps per round (H)
+    fragments: int = 1                  # diloco: fragments synced at staggered offsets (streaming)
+    diloco_async: bool = False          # diloco: apply each worker's pseudo-gradient on arrival
+    outer_lr: float = 0.7               # diloco: the store's outer step (Nesterov momentum SGD) ...
+    outer_momentum: float = 0.9         # ... 0: plain SGD (with outer_lr 1.0: averaging)
     client_timeout: float = 30.0
     max_restarts: int = 3               # per worker
     max_time: float = 1800.0            # the whole run, in seconds
@@ -52,10 +57,19 @@ class Config:
         """The store's optimizer for the run's tensors (EASGD: the elastic centre)."""
         if self.mode == "easgd" and not self.local:
             return {"name": "elastic"}
+        if self.mode == "diloco" and not self.local:
+            from raftps.diloco import outer_spec
+            return outer_spec(self.outer_spec(), self.diloco_async)     # as the workers' DiLoCo creates them
         return self.local_spec()
 
+    def outer_spec(self) -> dict:
+        """DiLoCo's outer optimizer, applied by the store to the pseudo-gradients."""
+        if self.outer_momentum == 0:
+            return {"name": "sgd", "lr": self.outer_lr}
+        return {"name": "momentum", "lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": True}
+
     def local_spec(self) -> dict:
-        """The update rule itself: the store's for async/sync/ssp, each EASGD worker's own."""
+        """The update rule itself: the store's for async/sync/ssp, each EASGD and DiLoCo worker's own."""
         spec = {"name": self.optimizer, "lr": self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]}
         if self.optimizer == "momentum":
             spec["momentum"] = self.momentum
@@ -75,16 +89,28 @@ class Config:
         from .data import async_shard
         per_epoch = steps_per_epoch(len(async_shard(n_train, 0, self.workers)), self.batch)
         total = self.epochs * per_epoch
+        if self.diloco:             # every worker takes --steps inner steps: the run's progress
+            return total if self.steps is None else min(total, self.steps)
         return total if self.steps is None else min(total, -(-self.steps // self.workers))
 
+    @property
+    def diloco(self) -> bool:
+        return self.mode == "diloco" and not self.local
+
     def total_updates(self, n_train: int) -> int:
-        """Applied updates the whole run makes (sync and --local: steps; async: all workers' pushes)."""
+        """The run's progress at its end (sync and --local: steps; async: all workers' pushes;
+        diloco: one worker's inner steps, the store applying one outer step per round)."""
+        if self.diloco:
+            return self.worker_steps(n_train)
         if self.asynchronous:
             return self.workers * (-(-self.worker_steps(n_train) // self.n_push))
         total = self.epochs * steps_per_epoch(n_train, self.batch)
         return total if self.steps is None else min(total, self.steps)
 
     def updates_per_epoch(self, n_train: int) -> float:
+        if self.diloco:
+            from .data import async_shard
+            return float(steps_per_epoch(len(async_shard(n_train, 0, self.workers)), self.batch))
         if self.asynchronous:
             from .data import async_shard
             return self.workers * steps_per_epoch(len(async_shard(n_train, 0, self.workers)), self.batch) / self.n_push

@@ -116,7 +116,7 @@ class Coordinator:
 
     def progress(self) -> int:
         """Applied updates as the workers report them (between polls of the store)."""
-        if self.cfg.mode == "sync":
+        if self.cfg.mode in ("sync", "diloco"):        # diloco: the furthest worker's inner steps
             return max(self.last_step.values()) + 1
         return sum(s + 1 for s in self.last_step.values()) // self.cfg.n_push
 
@@ -154,7 +154,7 @@ class Coordinator:
                 continue
             if self.workers.restarts[rank] < self.cfg.max_restarts:
                 self.workers.restarts[rank] += 1
-                start = 0 if self.cfg.mode == "sync" else self.last_step[rank] + 1
+                start = 0 if self.cfg.mode in ("sync", "diloco") else self.last_step[rank] + 1
                 self.rec.event(f"worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}; restarted",
                                self.progress())
                 self.workers.start(rank, start)

@@ -39,7 +39,8 @@ def run_worker(cfg: Config, rank: int, conn: Connection, start_step: int) -> Non
         data = load_dataset(cfg.dataset)
         model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
         with Client(cfg.cluster, timeout=cfg.client_timeout) as client:
-            loop = {"sync": sync_loop, "async": async_loop, "ssp": async_loop, "easgd": easgd_loop}[cfg.mode]
+            loop = {"sync": sync_loop, "async": async_loop, "ssp": async_loop, "easgd": easgd_loop,
+                    "diloco": diloco_loop}[cfg.mode]
             loop(cfg, rank, conn, start_step, client, data, model)
         conn.send(("done", rank))
     except BaseException:
@@ -201,3 +202,34 @@ def easgd_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
             pushed = client.push(send, base_version=version)
             acked, sent = 1, push_bytes(send)
         conn.send(("step", rank, step, loss, pushed, 0, acked, sent, 0))
+
+
+def diloco_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
+    """DiLoCo (raftps/diloco.py): the worker's own optimizer (--optimizer, --lr) on its shard for
+    --sync-every steps, then its pseudo-gradient to the store, whose outer step (Nesterov momentum
+    SGD, --outer-lr, --outer-momentum) is applied to the round's mean, or to each on arrival with
+    --diloco-async; --fragments F syncs F parts of the model at staggered steps. A restarted
+    worker resumes at the store's round (``start_step`` is not used) with a fresh inner optimizer."""
+    from raftps import optim
+    from raftps.diloco import DiLoCo
+    shard = async_shard(len(data.x_train), rank, cfg.workers)
+    total = cfg.worker_steps(len(data.x_train))
+    diloco = DiLoCo(client, cfg.prefix, model.init(cfg.seed), rank=rank, world_size=cfg.workers,
+                    sync_every=cfg.sync_every, outer=cfg.outer_spec(), fragments=cfg.fragments,
+                    asynchronous=cfg.diloco_async, step_timeout=cfg.step_timeout)
+    diloco.create()                 # the coordinator created them: a no-op but for asynchronous counters
+    start, params = diloco.resume()
+    spec = optim.normalize(cfg.local_spec())
+    state = {k: optim.init_state(spec, v) for k, v in params.items()}
+    closed = 0
+    for step in range(start, total):
+        idx = async_batch(shard, cfg.batch, step, cfg.seed, rank)
+        loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
+        for k in params:
+            params[k], state[k] = optim.step(spec, params[k], grads[k], state[k])
+        new = diloco.after_inner_step(step, params)
+        if new is not None:
+            params.update(new)
+            closed += sum(r.count < cfg.workers for r in diloco.rounds) if not cfg.diloco_async else 0
+        sent = sum(r.bytes for r in diloco.rounds)
+        conn.send(("step", rank, step, loss, diloco.version, closed, len(diloco.rounds), sent, 0))
