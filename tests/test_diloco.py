@@ -109,7 +109,7 @@ def wait_until(predicate, timeout, what):
 
 
 def test_a_rank_killed_mid_round_is_left_out_and_resumes_at_the_stores_round(cluster, tmp_path):
-    h, rounds, timeout = 4, 4, 4.0
+    h, rounds, timeout = 4, 4, 6.0     # the restarted rank has 6 s to start and reach round 2's end
     group = jobs.diloco_group("killrank", 0, 1)
     logs = [str(tmp_path / f"rank{r}.log") for r in range(3)]
     env = {**os.environ, **cluster.client_env}
@@ -140,6 +140,27 @@ def test_a_rank_killed_mid_round_is_left_out_and_resumes_at_the_stores_round(clu
     restarted = read_log(logs[2])
     assert [e["start"] for e in restarted if "start" in e] == [0, 2 * h]      # resumed at round 2
     assert [(e["round"], e["late"]) for e in restarted if "round" in e] == [(0, False), (2, False), (3, False)]
+
+
+def test_a_late_rank_loses_its_round_and_rejoins_at_the_stores_next(cluster):
+    init = {"w": np.zeros(3, F32)}
+    with cluster.client() as c0, cluster.client() as c1:
+        ranks = [DiLoCo(c, "late", init, rank=r, world_size=2, sync_every=1, step_timeout=0.3,
+                        outer={"name": "sgd", "lr": 1.0}) for r, c in enumerate((c0, c1))]
+        ranks[0].create()
+        for d in ranks:
+            d.resume()
+        for step in (0, 1):             # two rounds applied without rank 1
+            alone = ranks[0].after_inner_step(step, {"w": np.full(3, step + 1.0, F32)})
+            assert ranks[0].rounds[0].count == 1 and alone["w"].tolist() == [step + 1.0] * 3
+        lost = ranks[1].after_inner_step(0, {"w": np.full(3, 5.0, F32)})
+        assert ranks[1].rounds[0].late and lost["w"].tolist() == [2.0] * 3     # its work is not applied
+        assert ranks[1].next_round == [2]                                      # the store's next round
+        both = in_threads(lambda: ranks[0].after_inner_step(2, {"w": np.full(3, 3.0, F32)}),
+                          lambda: ranks[1].after_inner_step(1, {"w": np.full(3, 4.0, F32)}))
+        assert [(d.rounds[0].round, d.rounds[0].count) for d in ranks] == [(2, 2), (2, 2)]
+        assert both[0]["w"].tolist() == [3.5] * 3 and both[1]["w"].tolist() == [3.5] * 3
+        assert versions(c0, "late", ["w"]) == {"w": 3}
 
 
 def test_a_round_held_by_a_killed_leader_applies_once_with_every_rank(cluster):
