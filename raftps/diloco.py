@@ -44,14 +44,15 @@ group, so a crash between groups' parts may count a round the other group did no
 
 Streaming (``fragments=F``, Douillard et al. 2025, arXiv 2501.18512): the tensors are split, in
 order and whole, into F contiguous fragments balanced by bytes; fragment f has its own round
-sequence and syncs every H steps at offset f*H//F: its round r ends after inner step
-(r+1)*H + f*H//F (its first round is the longer by its offset), so a round's bytes are spread
+sequence and syncs every H steps at offset f*H//F: its round r ends once (r+1)*H + f*H//F inner
+steps are taken (its first round is the longer by its offset), so a round's bytes are spread
 over the interval. Only the fragment's tensors are replaced after its sync.
 
 Restarts: ``resume`` reads where the store is (each fragment's applied round; asynchronous: the
 rank's own counters) and returns the step after the latest round end among the fragments, with
-the global parameters: a restarted rank resumes at the store's round. Its inner optimizer starts
-fresh: its moments are re-estimated within a few inner steps. The alternative,
+the global parameters: a restarted rank resumes at the store's round (with fragments, the rounds
+of the others that began earlier are shorter for it). Its inner optimizer starts fresh (the
+caller makes a new one): its moments are re-estimated within a few inner steps. The alternative,
 keeping each rank's inner state in the store at every round end, would add the inner state's
 bytes to every round: for AdamW, 2x the parameters per rank (exp_avg, exp_avg_sq: 10,229,972
 bytes for examples/char_gpt.py's 1,278,720-parameter model, against its 5,114,880-byte
