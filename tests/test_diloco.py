@@ -218,30 +218,35 @@ def test_asynchronous_rounds_apply_on_arrival_with_staleness_aware_lr(cluster):
         assert versions(c, "async", ["w"]) == {"w": 4}
 
 
-def test_fragments_sync_their_own_tensors_at_their_own_offsets(cluster):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_fragments_sync_their_own_tensors_at_their_own_offsets(cluster, asynchronous):
     init = {"a": np.ones(8, F32), "b": np.ones(4, F32), "c": np.ones(4, F32)}
     assert [list(r) for r in split_fragments([32, 16, 16], 2)] == [[0], [1, 2]]
+    prefix = "fragasync" if asynchronous else "frag"
     with cluster.client() as c:
-        d = DiLoCo(c, "frag", init, sync_every=4, fragments=2)
+        d = DiLoCo(c, prefix, init, sync_every=4, fragments=2, asynchronous=asynchronous)
         assert d.fragments == [["a"], ["b", "c"]]
         d.create()
         start, params = d.resume()
         changed: dict[str, list[int]] = {n: [] for n in init}
-        before = versions(c, "frag", init)
+        before = versions(c, prefix, init)
         for step in range(start, 12):
             params = {k: v * F32(0.9) for k, v in params.items()}
             new = d.after_inner_step(step, params)
             if new is not None:
                 assert sorted(new) in (["a"], ["b", "c"])
                 params.update(new)
-            now = versions(c, "frag", init)
+            now = versions(c, prefix, init)
             for n in init:
                 if now[n] != before[n]:
                     changed[n].append(step + 1)       # inner steps taken when it changed
             before = now
         assert changed == {"a": [4, 8, 12], "b": [6, 10], "c": [6, 10]}
-        assert [c.sync_applied(jobs.diloco_group("frag", f, 2)) for f in (0, 1)] == [2, 1]
-        assert DiLoCo(c, "frag", init, sync_every=4, fragments=2).resume()[0] == 12
+        if not asynchronous:
+            assert [c.sync_applied(jobs.diloco_group(prefix, f, 2)) for f in (0, 1)] == [2, 1]
+        else:           # each rank's own round counters, per fragment
+            assert c.pull([jobs.diloco_rounds(prefix, 0, 2)])[0][jobs.diloco_rounds(prefix, 0, 2)].tolist() == [3, 2]
+        assert DiLoCo(c, prefix, init, sync_every=4, fragments=2, asynchronous=asynchronous).resume()[0] == 12
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
