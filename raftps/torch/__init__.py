@@ -14,7 +14,8 @@ and the store runs the optimizer in its replicated state machine (one linearizab
 bit-identical on every node), so a worker, a node or every worker can die and training goes on
 from the store. ``state_dict()`` / ``load_state_dict()`` move the optimizer's state between the
 store and plain torch. Which torch optimizers and options run in the store: optimizers.py. The
-worker's side of each mode (sync, async, ssp, easgd): worker.py. The shorthand
+worker's side of each mode (sync, async, ssp, easgd): worker.py; DiLoCo (``mode="diloco"``,
+any torch optimizer as the inner one, the outer step in the store): diloco.py. The shorthand
 ``DistributedOptimizer(model, optimizer={"name": "adam", "lr": 1e-3})`` names a store optimizer
 instead of a torch one.
 """
@@ -24,8 +25,8 @@ except ImportError:
     raise ImportError("raftps.torch needs PyTorch: `bash cluster/setup.sh --torch` installs torch's CPU build "
                       "(a plain `pip install torch` may fetch the CUDA build), then `pip install 'raftps[torch]'`") from None
 
-from .optimizer import DistributedOptimizer
+from .optimizer import MODES, DistributedOptimizer
 from .optimizers import SUPPORTED
-from .worker import MODES, Worker
+from .worker import Worker
 
 __all__ = ["DistributedOptimizer", "MODES", "SUPPORTED", "Worker"]

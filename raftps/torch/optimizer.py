@@ -16,17 +16,21 @@ import torch
 from .. import optim
 from ..client import Client
 from . import optimizers
-from .worker import MODES, STORED_AS, Worker
+from .diloco import DilocoWorker
+from .worker import MODES as STORE_MODES, STORED_AS, Worker
 
 DEFAULT_SPEC = {"name": "sgd", "lr": 0.01}
+DILOCO_MODES = ("diloco", "diloco-async")
+MODES = STORE_MODES + DILOCO_MODES
 
 
 class _Distributed:
     """What a wrapped optimizer adds to (or changes in) its torch class; see the module docstring."""
 
-    _raftps: Worker
+    _raftps: Worker | DilocoWorker
     _raftps_specs: list[dict]         # param group index -> the store spec its tensors were created with
-    _raftps_local: bool               # the torch class's own step runs on this worker (easgd)
+    _raftps_local: bool               # the torch class's own step runs on this worker (easgd, diloco):
+                                      # its state_dict is this worker's, as in plain torch
     _raftps_class: type               # the wrapped torch optimizer's class
 
     # ---- torch.optim.Optimizer's API --------------------------------------------------------
@@ -38,6 +42,8 @@ class _Distributed:
         if closure is not None:
             raise ValueError("step(closure) is not supported: the store applies the step, so a closure could not be "
                              "re-evaluated on its result; call loss.backward() before step()")
+        if self._raftps.mode in DILOCO_MODES:     # the inner step is torch's own; the store's part is the round
+            return self._raftps.step()
         hyper, lrs = {}, {}
         for group, stored, names in zip(self.param_groups, self._raftps_specs, self._group_names()):
             now = (optimizers.store_spec(self._raftps_class, group) if not self._raftps_shorthand
@@ -157,6 +163,8 @@ class _Distributed:
     last_grad_norm = property(lambda self: self._raftps.last_grad_norm)
     params = property(lambda self: self._raftps.params)
     counters = property(lambda self: self._raftps.counters)
+    bytes_sent = property(lambda self: getattr(self._raftps, "bytes_sent", None),
+                          doc="diloco: the pseudo-gradient bytes this worker sent")
 
     def _group_names(self) -> list[list[str]]:
         return self._raftps_names
@@ -175,6 +183,10 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     """The torch optimizer ``optimizer_or_model`` (with ``model=`` for its parameters' names),
     running against a raftps cluster; see the package docstring.
 
+    ``mode``: "sync", "async", "ssp", "easgd" (the store runs the optimizer, or holds EASGD's
+    centre), or "diloco" / "diloco-async" (the torch optimizer, any class, is DiLoCo's inner one;
+    options ``sync_every`` (H), ``outer`` (a store spec; default Nesterov momentum, lr 0.7,
+    momentum 0.9), ``fragments``, ``compress``, ``step_timeout``: raftps/diloco.py).
     The shorthand ``DistributedOptimizer(model, optimizer={...store spec...})`` gives a
     ``torch.optim.Optimizer`` with one param group holding the spec's hyperparameters.
     ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.
@@ -183,6 +195,9 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode in DILOCO_MODES and not isinstance(optimizer_or_model, torch.optim.Optimizer):
+        raise ValueError(f"mode={mode!r} needs a torch optimizer to run as the inner one: "
+                         "DistributedOptimizer(torch.optim.AdamW(...), model=model, mode='diloco')")
     if isinstance(optimizer_or_model, torch.nn.Module):
         if model is not None:
             raise ValueError("give the model once: DistributedOptimizer(model, optimizer={...}) or "
@@ -205,7 +220,8 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
         base, shorthand = optimizer_or_model, False
         if isinstance(base, _Distributed):
             raise ValueError("this optimizer is already a DistributedOptimizer")
-        specs = [optimizers.stored_spec(type(base), g) for g in base.param_groups]
+        specs = [optimizers.stored_spec(type(base), g) if mode not in DILOCO_MODES else {}
+                 for g in base.param_groups]
         if staleness_aware:
             specs = [optim.normalize({**s, "staleness_aware": True}) for s in specs]
     else:
@@ -235,9 +251,12 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     opt.__dict__.update(base.__dict__)          # the same param_groups dicts: a scheduler on `base` still acts
     opt._raftps = None
     opt._raftps_specs, opt._raftps_shorthand, opt._raftps_clip = specs, shorthand, None
-    opt._raftps_local = mode == "easgd" and not shorthand
+    opt._raftps_local = (mode == "easgd" and not shorthand) or mode in DILOCO_MODES
     opt._raftps_class = cls
     local_step = (lambda: cls.step(opt)) if opt._raftps_local else None
-    opt._raftps = Worker(model, by_param, cluster, mode=mode, local_step=local_step, **options)
+    if mode in DILOCO_MODES:
+        opt._raftps = DilocoWorker(model, set(by_param), local_step, cluster, mode=mode, **options)
+    else:
+        opt._raftps = Worker(model, by_param, cluster, mode=mode, local_step=local_step, **options)
     opt._raftps_names = [[f"{opt._raftps.prefix}/{names[id(p)]}" for p in g["params"]] for g in opt.param_groups]
     return opt

@@ -1,0 +1,88 @@
+"""The worker of ``mode="diloco"`` and ``"diloco-async"``: the wrapped torch optimizer, whatever
+its class, is the inner optimizer and steps on this worker's replica; every ``sync_every`` steps
+the round's pseudo-gradient goes to the store, which applies the outer optimizer once
+(raftps/diloco.py has the rounds, fragments and restarts), and the model continues from the new
+global parameters. The inner optimizer's state stays here across rounds; a restarted worker
+starts it fresh (raftps/diloco.py says why).
+
+Buffers (BatchNorm's running statistics) stay local to each worker, as in torchft's DiLoCo.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..client import Client
+from ..diloco import DiLoCo
+from .worker import STORED_AS, _as_numpy, _env_int, _PinnedStage
+
+
+class DilocoWorker:
+    """See the module docstring. ``local_step``: the wrapped torch optimizer's own step."""
+
+    def __init__(self, model: torch.nn.Module, trained: set[int], local_step: Callable[[], Any],
+                 cluster: str | Iterable[str] | Client | None = None, mode: str = "diloco", prefix: str = "job",
+                 rank: int | None = None, world_size: int | None = None, sync_every: int = 100,
+                 outer: dict | None = None, fragments: int = 1, step_timeout: float = 10.0,
+                 compress: str | None = None, token: str | None = None, timeout: float = 60.0):
+        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
+        self.mode, self.prefix, self.local_step = mode, prefix, local_step
+        self.tensors = {n: p for n, p in model.named_parameters() if id(p) in trained}
+        self.dtypes = {n: STORED_AS[p.dtype] for n, p in self.tensors.items()}
+        host = {n: _as_numpy(p, self.dtypes[n]) for n, p in self.tensors.items()}
+        client = cluster if isinstance(cluster, Client) else None
+        # every argument is checked here, before any connection is made
+        self.rounds = DiLoCo(client, prefix, host, rank=self.rank,    # type: ignore[arg-type]  (set below)
+                             world_size=self.world_size, sync_every=sync_every, outer=outer, fragments=fragments,
+                             asynchronous=mode == "diloco-async", step_timeout=step_timeout, compress=compress)
+        self._owns_client = client is None
+        self.client = client or Client(cluster, timeout=timeout, token=token)
+        self.rounds.client = self.client
+        self._stage = _PinnedStage()
+        self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}
+        self.last_grad_norm = None
+        self.params: list = []
+        self.counters: dict = {}
+        try:
+            self.rounds.create()
+            self.start_step, values = self.rounds.resume()
+        except BaseException:
+            self.close()
+            raise
+        self._stage.load([(n, self.tensors[n], values[n]) for n in self.tensors])
+        self.step_count = self.start_step
+        self.version = self.rounds.version
+
+    @torch.no_grad()
+    def step(self, hyper: Any = None, lrs: Any = None, clip_norm: Any = None) -> Any:
+        """The inner step; at a round's end, the round's sync and the new global parameters."""
+        with torch.enable_grad():
+            self.local_step()
+        if self.rounds.due(self.step_count):
+            t0 = time.perf_counter()
+            host = self._stage.to_host(self.tensors, self.dtypes)
+            new = self.rounds.after_inner_step(self.step_count, host)
+            self._stage.load([(n, self.tensors[n], a) for n, a in (new or {}).items()])
+            self.version = self.rounds.version
+            self.timings["push"][0] += 1
+            self.timings["push"][1] += time.perf_counter() - t0
+        self.step_count += 1
+        return self.version
+
+    @property
+    def bytes_sent(self) -> int:
+        """Pseudo-gradient bytes this worker sent to the store."""
+        return self.rounds.bytes_sent
+
+    def flush(self) -> None:
+        """Nothing to flush: a round's work is sent at its end."""
+
+    def close(self) -> None:
+        if self._owns_client and getattr(self, "client", None) is not None:
+            self.client.close()
+
+    def pull_rows(self, param: torch.Tensor, rows: Any) -> int:
+        raise ValueError("pull_rows works in the async modes: DiLoCo syncs whole tensors at round ends")
