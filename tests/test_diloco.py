@@ -17,8 +17,7 @@ import pytest
 
 from raftps import Client, InvalidOptimizer, jobs
 from raftps.diloco import DiLoCo, split_fragments
-from raftps.localcluster import LocalCluster
-from tests.conftest import wait_converged
+from tests.conftest import start_cluster, wait_converged
 
 BASE_PORT = 22600          # raft 22601-22603, clients 22701-22703, data plane 22801-22803
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,12 +26,9 @@ F32 = np.float32
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cl = LocalCluster(str(tmp_path_factory.mktemp("diloco")), nodes=3, base_port=BASE_PORT)
-    try:
-        cl.start(timeout=60)
-        yield cl
-    finally:
-        cl.wipe()           # stops every node it started, by PID, and deletes their data
+    cl = start_cluster(tmp_path_factory.mktemp("diloco"), BASE_PORT)
+    yield cl
+    cl.wipe()           # stops every node it started, by PID, and deletes their data
 
 
 def nesterov(param, velocity, grad, lr=0.7, momentum=0.9):

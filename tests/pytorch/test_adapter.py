@@ -16,6 +16,7 @@ import raftps.torch as rpt  # noqa: E402
 from raftps import InvalidOptimizer  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
+from tests.pytorch.ranks import run_ranks  # noqa: E402
 
 BASE_PORT = 23000
 STEPS = 50
@@ -51,29 +52,17 @@ def loss_fn(model, x, y):
 def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data, world: int = 2) -> list:
     """``world`` sync workers in threads, each on its 1/world of every batch; their models."""
     models = [copy.deepcopy(model) for _ in range(world)]
-    errors: list[BaseException] = []
 
     def worker(rank: int) -> None:
-        try:
-            with rpt.DistributedOptimizer(models[rank], cluster=cluster.client(), optimizer=spec, mode="sync",
-                                          prefix=prefix, rank=rank, world_size=world) as opt:
-                assert opt.start_step == 0
-                for x, y in data:
-                    part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
-                    opt.zero_grad()
-                    loss_fn(models[rank], x[part], y[part]).backward()
-                    opt.step()
-        except BaseException as exc:          # re-raised below: a thread must not hide it
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a sync worker did not finish within 120 s"
-    if errors:
-        raise errors[0]
+        with rpt.DistributedOptimizer(models[rank], cluster=cluster.client(), optimizer=spec, mode="sync",
+                                      prefix=prefix, rank=rank, world_size=world) as opt:
+            assert opt.start_step == 0
+            for x, y in data:
+                part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+                opt.zero_grad()
+                loss_fn(models[rank], x[part], y[part]).backward()
+                opt.step()
+    run_ranks(world, worker, timeout=120)
     return models
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import raftps.torch as rpt  # noqa: E402
 from raftps import InvalidRequest  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
+from tests.pytorch.ranks import run_ranks  # noqa: E402
 
 BASE_PORT = 23300
 STEPS = 30
@@ -85,25 +85,6 @@ def reference(name: str, data, steps: int = STEPS) -> torch.nn.Module:
         train_step(model, opt, x, y, 2, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
         sched.step()
     return model
-
-
-def run_ranks(world: int, body) -> None:
-    """``body(rank)`` in one thread per rank; the first error re-raised."""
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            body(rank)
-        except BaseException as exc:      # re-raised below: a thread must not hide it
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish within 180 s"
-    if errors:
-        raise errors[0]
 
 
 def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
