@@ -4,7 +4,11 @@ export RAFTPS_RUN_DIR="${RAFTPS_RUN_DIR:-$ROOT/cluster/run}"
 export RAFTPS_BASE_PORT="${RAFTPS_BASE_PORT:-7100}"
 # The client token the nodes were started with (made by `raftps cluster start`, mode 600).
 export RAFTPS_TOKEN_FILE="${RAFTPS_TOKEN_FILE:-$RAFTPS_RUN_DIR/token}"
-if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="${PYTHON:-python3}"; fi
+if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else
+  PY="${PYTHON:-python3}"
+  "$PY" -c "import msgpack, numpy, pysyncobj" 2>/dev/null \
+    || { echo "$(basename "$0"): $PY lacks raftps's dependencies: run cluster/setup.sh first" >&2; exit 2; }
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Start the local cluster's nodes that are down, print start.sh's status table on stdout and export

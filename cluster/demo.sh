@@ -3,6 +3,7 @@
 # SIGKILL the leader, push again (the client fails over), show status, stop; then train an MLP with
 # 4 async workers while the leader is SIGKILLed halfway, print the test accuracy and the plot path.
 set -euo pipefail
+[ $# -eq 0 ] || { echo "usage: $0 (no arguments; env: RAFTPS_RUN_DIR, RAFTPS_BASE_PORT, RAFTPS_DEMO_OUT)" >&2; exit 2; }
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$HERE/setup.sh"
 export RAFTPS_RUN_DIR="${RAFTPS_RUN_DIR:-$(mktemp -d /tmp/raftps-demo.XXXXXX)}"

@@ -6,8 +6,10 @@
 # Keys are mode 600; the CA key (DIR/ca.key) can be moved offline once the node cert is made.
 # An existing DIR/ca.pem is reused, so running it again with more names adds a fresh node cert.
 set -euo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 DIR [IP_OR_NAME ...]" >&2; exit 2; }
 command -v openssl >/dev/null || { echo "make-certs: openssl not found (apt-get install openssl)" >&2; exit 1; }
-DIR="${1:?usage: make-certs.sh DIR [IP_OR_NAME ...]}"
+trap 'echo "make-certs: openssl failed (line $LINENO of $0)" >&2' ERR
+DIR="$1"
 shift
 NAMES=("${@:-127.0.0.1}")
 mkdir -p "$DIR"

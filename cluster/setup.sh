@@ -23,6 +23,10 @@ need() {
 
 with_torch=0
 case "${1:-}" in
+  ""|--test|--torch) [ $# -le 1 ] || { echo "setup: one option at most; usage: cluster/setup.sh [--test | --torch]" >&2; exit 2; } ;;
+  *) echo "setup: unknown option ${1}; usage: cluster/setup.sh [--test | --torch]" >&2; exit 2 ;;
+esac
+case "${1:-}" in
   --test)
     extras="test,train,torch,ops,docs"; with_torch=1
     need iptables iptables "the network-partition tests"

@@ -14,6 +14,15 @@ from typing import Callable
 from . import auth, codec
 from .client import Client
 from .errors import RaftpsError
+from .localcluster import ClusterError, LocalCluster
+from .models import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """A wrong argument in one line (argparse prints its whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _status_table(rows: list[dict]) -> str:
@@ -91,9 +100,20 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:                  # e.g. a data dir of the other durability mode
         print(f"raftps serve: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:                     # an unwritable data dir, the data-plane port taken
+        where = "%s:%d" % config.bind(config.data_offset)
+        print(f"raftps serve: {_os_error(exc, f'cannot listen on {where} (the data plane)')}", file=sys.stderr)
+        return 1
     node = replicas[min(replicas)]             # its metrics and status stand for the node
-    server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer, layout=layout,
-                          client_offset=config.client_offset)
+    try:
+        server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer, layout=layout,
+                              client_offset=config.client_offset)
+    except OSError as exc:
+        where = "%s:%d" % config.bind(config.client_offset)
+        print(f"raftps serve: {_os_error(exc, f'cannot listen on {where} (clients)')}", file=sys.stderr)
+        for replica in replicas.values():
+            replica.stop()
+        return 1
     metrics_at = config.metrics_bind()
     if metrics_at is not None:
         from . import metrics
@@ -123,9 +143,8 @@ def _cluster(args: argparse.Namespace):
     """The local cluster of RUN_DIR. Its Raft groups and durability are fixed when it is first
     started (recorded in RUN_DIR/cluster.json): a later start without the flags keeps them; other
     values are refused."""
-    from .localcluster import LocalCluster
     run_dir = args.run_dir or os.environ.get("RAFTPS_RUN_DIR") or os.path.join(os.getcwd(), "cluster", "run")
-    base = args.base_port or int(os.environ.get("RAFTPS_BASE_PORT", "7100"))
+    base = args.base_port
     recorded_file = os.path.join(run_dir, "cluster.json")
     recorded = json.load(open(recorded_file)) if os.path.exists(recorded_file) else {}
     chosen = {"groups": args.groups or recorded.get("groups", 1),
@@ -142,16 +161,22 @@ def _cluster(args: argparse.Namespace):
 
 
 def cluster(args: argparse.Namespace) -> int:
+    """A stopped cluster or node is named in one line (exit 1), a node the cluster never had too
+    (exit 2); stop and wipe of a stopped cluster succeed, saying nothing was running."""
     try:
         cl = _cluster(args)
     except ValueError as exc:
-        print(f"raftps cluster: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
+    up = [n for n in cl.known_nodes() if cl.is_up(n)]
     if args.action == "start":
         addresses = cl.start(timeout=args.timeout)
         print(_status_table(cl.status()))
         print(f"RAFTPS_TOKEN_FILE={cl.token_file}")
         print(f"RAFTPS_CLUSTER={addresses}")
+    elif args.action in ("stop", "wipe") and not up:
+        if args.action == "wipe":
+            cl.wipe()
+        print(f"no node of {cl.run_dir} was running" + ("; deleted it and its payloads" if args.action == "wipe" else ""))
     elif args.action == "stop":
         cl.stop()
         print(f"stopped the nodes of {cl.run_dir}")
@@ -159,23 +184,46 @@ def cluster(args: argparse.Namespace) -> int:
         cl.wipe()
         print(f"stopped the nodes and deleted {cl.run_dir} and their payloads")
     elif args.action == "kill":
+        known = cl.known_nodes()
+        if args.node not in known:
+            raise UsageError(f"the cluster in {cl.run_dir} has no node {args.node} "
+                             + (f"(its nodes: {_ranges(known)})" if known else "(no node was ever started there)"))
         pid = cl.pid(args.node)
-        cl.kill(args.node)
+        cl.kill(args.node)                     # NodeNotRunning if it is down
         print(f"node {args.node} (pid {pid}) killed with SIGKILL")
-    elif args.action == "status":
+    elif not up:
+        raise ClusterError(f"no node of {cl.run_dir} is running (cluster/start.sh starts them)")
+    else:
         print(_status_table(cl.status()))
     return 0
 
 
+def _ranges(nodes: list[int]) -> str:
+    """'1..3' for consecutive node numbers, else '1, 2, 5'."""
+    if nodes and nodes == list(range(nodes[0], nodes[-1] + 1)) and len(nodes) > 1:
+        return f"{nodes[0]}..{nodes[-1]}"
+    return ", ".join(map(str, nodes))
+
+
 def _client(args: argparse.Namespace, **kwargs) -> Client:
     token = auth.read_secret_file(args.token_file) if args.token_file else None
-    return Client(args.cluster, token=token, tls=args.tls_ca, **kwargs)
+    try:
+        return Client(args.cluster, token=token, tls=args.tls_ca, **kwargs)
+    except ValueError as exc:                  # no or malformed cluster addresses
+        raise UsageError(str(exc)) from None
+
+
+def _os_error(exc: OSError, doing: str) -> str:
+    """An OSError in one line: the file it names, or what was being done."""
+    if exc.strerror is None:                   # raised with a message of ours (TimeoutError)
+        return str(exc)
+    why = exc.strerror
+    return f"{why}: {exc.filename}" if exc.filename else f"{doing}: {why}"
 
 
 def _run(name: str, fn: Callable[[], int]) -> int:
-    """Run a client command: a refused request or file says why on stderr (exit 2 for bad input
-    or files, 1 for the cluster's errors) instead of a traceback."""
-    from .models import UsageError
+    """Run a command: an expected failure says why in one line on stderr instead of a traceback:
+    exit 2 for bad input or files, 1 for a cluster that is down or refuses, 130 for Ctrl-C."""
     try:
         return fn()
     except UsageError as exc:
@@ -184,12 +232,24 @@ def _run(name: str, fn: Callable[[], int]) -> int:
     except RaftpsError as exc:
         print(f"raftps {name}: {exc.code}: {exc}", file=sys.stderr)
         return 1
+    except ClusterError as exc:
+        print(f"raftps {name}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:                     # a file that cannot be read or written; a network failure
+        print(f"raftps {name}: {_os_error(exc, 'failed')}", file=sys.stderr)
+        return 2 if exc.filename else 1
+    except KeyboardInterrupt:
+        print(f"raftps {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 def status(args: argparse.Namespace) -> int:
     def run() -> int:
         with _client(args) as client:
             rows = client.status()
+        if all(r["role"] == "down" for r in rows):
+            raise ClusterError("no node answers at " + ", ".join(r["address"] for r in rows)
+                               + ": is the cluster running?")
         if args.output == "json":
             print(json.dumps(rows, indent=1, sort_keys=True))
         else:
@@ -256,7 +316,6 @@ def snapshot(args: argparse.Namespace) -> int:
             return 0
         dirs = list(args.data_dir or [])
         if args.run_dir:
-            from .localcluster import LocalCluster
             dirs += [LocalCluster(args.run_dir, nodes=args.nodes).data_dir(n) for n in range(1, args.nodes + 1)]
         out = backup.restore(args.file, dirs, args.peers.split(",") if args.peers else None)
         print(f"seeded {len(dirs)} data dir(s) with the store at version {_versions(out)} ({out['tensors']} "
@@ -320,13 +379,8 @@ def _client_options(p: argparse.ArgumentParser) -> None:
 
 def tensors(args: argparse.Namespace) -> int:
     """One line per tensor the token may read (under --prefix): name, dtype, shape, version, optimizer."""
-    token = auth.read_secret_file(args.token_file) if args.token_file else None
-    try:
-        with Client(args.cluster, token=token, tls=args.tls_ca) as client:
-            rows = client.tensors(prefix=args.prefix)
-    except RaftpsError as exc:
-        print(f"raftps tensors: {exc.code}: {exc}", file=sys.stderr)
-        return 1
+    with _client(args, timeout=args.timeout) as client:
+        rows = client.tensors(prefix=args.prefix)
     for t in rows:
         print(f"{t['name']}\t{t['dtype']}\t{tuple(t['shape'])}\tversion {t['version']}\t{t['optimizer']['name']}")
     return 0
@@ -346,7 +400,7 @@ def token_hash(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .models import FORMATS
     from .node import READ_MODES, NodeConfig
-    parser = argparse.ArgumentParser(prog="raftps", description=__doc__)
+    parser = _Parser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run one node")
@@ -452,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file", help="the backup file")
     p.add_argument("--data-dir", action="append", help="restore: an empty data dir of a new node (repeat per node)")
     p.add_argument("--run-dir", default=None, help="restore: seed RUN_DIR/node1..N of a local cluster (--nodes N)")
-    p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
+    p.add_argument("--nodes", type=int, default=_env_int(parser, "RAFTPS_NODES", 3))
     p.add_argument("--peers", default=None, help="restore: the new cluster's --peers (recorded in the seed)")
     p.add_argument("--timeout", type=float, default=120.0, help="save: seconds to wait for the cluster")
     _client_options(p)
@@ -468,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("tensors", help="list the tensors (under --prefix) the token may read")
     p.add_argument("--prefix", default=None, help="only names that start with this (a job's prefix)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the cluster")
     _client_options(p)
     p.set_defaults(func=tensors)
 
@@ -478,20 +533,28 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
     p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])
     p.add_argument("node", type=int, nargs="?", help="node number for kill")
-    p.add_argument("--nodes", type=int, default=int(os.environ.get("RAFTPS_NODES", "3")))
-    p.add_argument("--groups", type=int, default=int(os.environ.get("RAFTPS_GROUPS", "0")) or None,
+    p.add_argument("--nodes", type=int, default=_env_int(parser, "RAFTPS_NODES", 3))
+    p.add_argument("--groups", type=int, default=_env_int(parser, "RAFTPS_GROUPS", 0) or None,
                    help="Raft groups to shard tensors over (start: fixed for the cluster's life; default 1)")
     p.add_argument("--durability", choices=("none", "fsync"), default=os.environ.get("RAFTPS_DURABILITY") or None,
                    help="start: fsync (survives power loss) or none (default; fixed for the cluster's life)")
     p.add_argument("--run-dir", default=None)
-    p.add_argument("--base-port", type=int, default=None)
+    p.add_argument("--base-port", type=int, default=_env_int(parser, "RAFTPS_BASE_PORT", 7100))
     p.add_argument("--timeout", type=float, default=60.0)
     p.set_defaults(func=cluster)
 
     args = parser.parse_args(argv)
     if getattr(args, "action", None) == "kill" and args.node is None:
         parser.error("cluster kill needs a node number")
-    return args.func(args)
+    name = args.command + (f" {args.action}" if args.command in ("cluster", "snapshot", "member") else "")
+    return _run(name, lambda: args.func(args))
+
+
+def _env_int(parser: argparse.ArgumentParser, variable: str, default: int) -> int:
+    value = os.environ.get(variable) or str(default)
+    if not value.strip().isdigit():
+        parser.error(f"${variable} must be a whole number, not {value!r}")
+    return int(value)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,26 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X") and b"raftps" in cmdline
 
 
-class NodeExited(RuntimeError):
+def _last_line(path: str) -> str:
+    """The last non-empty line of a log file ("" if none): why a node exited."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+class ClusterError(RuntimeError):
+    """An expected state of a local cluster that stops an action: the operator gets its message."""
+
+
+class NodeNotRunning(ClusterError):
+    pass
+
+
+class NodeExited(ClusterError):
     def __init__(self, nodes: list[int], message: str):
         super().__init__(message)
         self.nodes = nodes
@@ -130,6 +149,13 @@ class LocalCluster:
             return None
         return pid
 
+    def known_nodes(self) -> list[int]:
+        """The nodes this run dir has ever started (a data dir or a pid file), in order."""
+        names = os.listdir(self.run_dir)
+        found = {int(n[4:].split(".")[0]) for n in names
+                 if n.startswith("node") and n[4:].split(".")[0].isdigit() and (n.endswith(".pid") or "." not in n)}
+        return sorted(found)
+
     def is_up(self, node: int) -> bool:
         proc = self._procs.get(node)
         if proc is not None:
@@ -181,7 +207,9 @@ class LocalCluster:
             while time.monotonic() < deadline:
                 dead = [n for n in want if not self.is_up(n)]
                 if dead:
-                    raise NodeExited(dead, f"node(s) {dead} exited during start; see {self.log_file(dead[0])}")
+                    said = _last_line(self.log_file(dead[0]))
+                    raise NodeExited(dead, f"node(s) {dead} exited during start" + (f": {said}" if said else "")
+                                     + f" (log: {self.log_file(dead[0])})")
                 last = client.status(timeout=1.0)
                 answering = {s["node"] for s in last if s["role"] != "down"}
                 led = {s.get("group", 0) for s in last if s["role"] == "leader"}
@@ -194,7 +222,7 @@ class LocalCluster:
     def send_signal(self, node: int, sig: int) -> None:
         pid = self.pid(node)
         if pid is None or not self.is_up(node):
-            raise RuntimeError(f"node {node} is not running")
+            raise NodeNotRunning(f"node {node} is not running")
         os.kill(pid, sig)
 
     def kill(self, node: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:

@@ -94,3 +94,79 @@ def test_top_shows_rates_lag_and_staleness(make_cluster):
     assert {int(r["node"]): r["role"] for r in down}[follower] == "down"
     bad = raftps(cl, "top", "--count", "0")
     assert bad.returncode == 2 and "--count must be >= 1" in bad.stderr
+
+
+def run_cli(*args, env=None, timeout=60, stdin=None):
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "raftps", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, input=stdin)
+
+
+def one_line(done) -> str:
+    """The one stderr line a refused command prints (no traceback, no usage block)."""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_commands_against_a_down_cluster_say_so_in_one_line(tmp_path):
+    """Nothing listens on these ports: every client command names the problem in one line."""
+    down = {"RAFTPS_CLUSTER": f"127.0.0.1:{BASE + 91},127.0.0.1:{BASE + 92}", "RAFTPS_TOKEN": "t" * 32}
+    status = run_cli("status", env=down)
+    assert status.returncode == 1 and "no node answers" in one_line(status)
+    assert f"127.0.0.1:{BASE + 91}" in one_line(status)
+    for args in (["tensors", "--timeout", "2"], ["member", "list", "--timeout", "2"],
+                 ["move", "w", "--to", "1", "--timeout", "2"],
+                 ["export", str(tmp_path / "m.npz"), "--prefix", "m", "--format", "npz", "--timeout", "2"],
+                 ["snapshot", "save", str(tmp_path / "b.rps"), "--timeout", "2"]):
+        done = run_cli(*args, env=down)
+        assert done.returncode == 1 and "Unavailable" in one_line(done), (args, done.stderr)
+    assert not (tmp_path / "m.npz").exists() and not (tmp_path / "b.rps").exists()
+
+
+def test_wrong_arguments_and_files_are_one_line(tmp_path):
+    env = {"RAFTPS_CLUSTER": f"127.0.0.1:{BASE + 91}"}
+    cases = [
+        (["status"], {"RAFTPS_CLUSTER": ""}, "no cluster addresses"),
+        (["status"], {"RAFTPS_CLUSTER": "nowhere"}, "'nowhere'"),
+        (["status", "--token-file", str(tmp_path / "missing")], env, str(tmp_path / "missing")),
+        (["status"], {**env, "RAFTPS_TOKEN_FILE": str(tmp_path / "missing")}, str(tmp_path / "missing")),
+        (["token-hash", "--token-file", str(tmp_path / "missing")], {}, str(tmp_path / "missing")),
+        (["move", "w", "--to", "one"], env, "'one'"),
+        (["snapshot", "restore", str(tmp_path / "missing.rps"), "--data-dir", str(tmp_path / "d")], {},
+         "missing.rps"),
+        (["cluster", "kill"], {}, "node number"),
+        (["nosuchcommand"], {}, "nosuchcommand"),
+        (["serve", "--id", "4", "--peers", "127.0.0.1:1,127.0.0.1:2", "--data-dir", str(tmp_path / "d")], {},
+         "--id 4"),
+    ]
+    for args, extra, named in cases:
+        done = run_cli(*args, env=extra)
+        assert done.returncode == 2 and named in one_line(done), (args, done.stderr)
+    assert not (tmp_path / "d").exists()
+
+
+def test_cluster_commands_name_a_wrong_node_and_a_missing_cluster(tmp_path):
+    run = ["--run-dir", str(tmp_path / "run"), "--base-port", str(BASE + 40)]
+    status = run_cli("cluster", "status", *run)
+    assert status.returncode == 1 and "no node" in one_line(status)
+    kill = run_cli("cluster", "kill", "9", *run)
+    assert kill.returncode == 2 and "node 9" in one_line(kill)
+    stop = run_cli("cluster", "stop", *run)
+    assert stop.returncode == 0 and "no node" in stop.stdout
+
+
+def test_serve_names_a_port_in_use(tmp_path):
+    """A node whose client port is taken exits at once with one line naming the address."""
+    import socket
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", BASE + 60 + 100 + 1))        # node 1's client port (Raft port + 100)
+        taken.listen()
+        done = run_cli("serve", "--id", "1", "--peers", f"127.0.0.1:{BASE + 61}", "--data-dir",
+                       str(tmp_path / "d"), "--secret-file", str(secret), "--metrics-port", "0", timeout=60)
+    finally:
+        taken.close()
+    assert done.returncode == 1 and f"127.0.0.1:{BASE + 161}" in one_line(done)
