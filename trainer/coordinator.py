@@ -215,7 +215,7 @@ class Coordinator:
         restarts = sum(self.workers.restarts.values())
         self.rec.progress.show(elapsed=self.rec.elapsed(), done=self.progress(), total=self.total,
                                epoch=self.progress() / self.per_epoch, loss=self.rec.last_loss,
-                               acc=self.rec.last["test_acc"], rate=self.rate, version=self.version,
+                               acc=self.rec.last.get("test_acc"), rate=self.rate, version=self.version,
                                leader=self.leader, note=f"restarts {restarts}" if restarts else "")
 
     def run(self) -> dict:

@@ -54,10 +54,12 @@ class Progress:
         if not force and now - self._last < self.every:
             return
         self._last = now
-        line = (f"[{f.get('elapsed', 0):6.1f}s] step {f.get('done', 0)}/{f.get('total', 0)} "
-                f"epoch {f.get('epoch', 0):.2f} | loss {f.get('loss', float('nan')):.4f} "
-                f"| acc {f.get('acc', float('nan')):.4f} | {f.get('rate', 0):6.1f} push/s "
-                f"| version {f.get('version', '-')} | leader {f.get('leader', '-')}")
+        # no loss before a worker reported one, no accuracy before the first evaluation
+        line = " | ".join([f"[{f.get('elapsed', 0):6.1f}s] step {f.get('done', 0)}/{f.get('total', 0)} "
+                           f"epoch {f.get('epoch', 0):.2f}"]
+                          + [f"{key} {f[key]:.4f}" for key in ("loss", "acc") if f.get(key) is not None]
+                          + [f"{f.get('rate', 0):6.1f} push/s", f"version {f.get('version', '-')}",
+                             f"leader {f.get('leader', '-')}"])
         if f.get("note"):
             line += f" | {f['note']}"
         if self.tty:

@@ -32,8 +32,8 @@ class Recorder:
         self.progress = Progress()
         self.t0 = time.monotonic()
         self.losses: list[float] = []
-        self.last_loss = float("nan")     # the latest training loss a worker reported, for the progress line
-        self.last = {"test_acc": float("nan"), "test_loss": float("nan")}
+        self.last_loss: float | None = None   # the latest training loss a worker reported, for the progress line
+        self.last: dict = {}                     # the latest evaluation's metrics.csv row
         self.reached: dict | None = None
         self.first_step_s: float | None = None
 
@@ -72,7 +72,8 @@ class Recorder:
         updates = int(self.last.get("updates", 0))
         summary = {"mode": mode, "model": cfg.model, "parameters": self.model.parameters(),
                    "workers": 1 if cfg.local else cfg.workers, "optimizer": cfg.optimizer_spec(),
-                   "final_test_acc": self.last["test_acc"], "final_test_loss": self.last["test_loss"],
+                   "final_test_acc": self.last.get("test_acc", float("nan")),
+                   "final_test_loss": self.last.get("test_loss", float("nan")),
                    "updates": updates, "wall_s": round(wall, 3),
                    "updates_per_s": round(updates / wall, 2) if wall > 0 else None,
                    "steady_updates_per_s": steady_rate(self.metrics.rows),
@@ -131,6 +132,6 @@ def train_local(cfg: Config) -> dict:
         if (step + 1) % every == 0 or step + 1 == total:
             rec.evaluate(params, step + 1, step + 1, (step + 1) / per_epoch)
         rec.progress.show(elapsed=rec.elapsed(), done=step + 1, total=total, epoch=(step + 1) / per_epoch,
-                          loss=loss, acc=rec.last["test_acc"], rate=(step + 1) / max(rec.elapsed(), 1e-9),
+                          loss=loss, acc=rec.last.get("test_acc"), rate=(step + 1) / max(rec.elapsed(), 1e-9),
                           version=step + 1, leader="local")
     return rec.finish(params, {})

@@ -44,6 +44,9 @@ def test_sync_four_workers_equals_local_full_batch_sgd(cluster, tmp_path):
                            "--steps", "50", "--seed", "5", "--prefix", "parity"], out, env=cluster.client_env)
     assert summary["updates"] == 50 and summary["worker_restarts"] == 0
     assert summary["sync_short_steps"] == 0         # every step had all 4 contributions
+    progress = [line for line in summary["log"].splitlines() if "push/s" in line]
+    assert progress and "loss" not in progress[0]   # drawn before any worker reported a loss
+    assert not [line for line in progress if "nan" in line]
     diff = max_abs_diff(out, local_baseline(tmp_path, 50))
     assert diff < 1e-5, diff
 

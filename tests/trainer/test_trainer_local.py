@@ -53,6 +53,15 @@ def test_progress_line_fields():
         assert part in line
 
 
+def test_progress_line_before_any_loss_or_evaluation_shows_neither():
+    stream = io.StringIO()
+    Progress(stream, every=0).show(elapsed=0.1, done=0, total=10, epoch=0.0, loss=None, acc=None, rate=0.0,
+                                   version=0, leader=1)
+    line = stream.getvalue()
+    assert "step 0/10" in line and "version 0" in line and "leader 1" in line
+    assert "loss" not in line and "acc" not in line and "nan" not in line
+
+
 def test_cli_rejects_bad_sync_batch(tmp_path):
     import pytest
     from trainer.cli import main
