@@ -243,13 +243,17 @@ def _run(name: str, fn: Callable[[], int]) -> int:
         return 130
 
 
+def _answering(rows: list[dict]) -> list[dict]:
+    """Status rows, or ClusterError when no node answered (a down node's row says "down")."""
+    if all(r["role"] == "down" for r in rows):
+        raise ClusterError("no node answers at " + ", ".join(r["address"] for r in rows) + ": is the cluster running?")
+    return rows
+
+
 def status(args: argparse.Namespace) -> int:
     def run() -> int:
         with _client(args) as client:
-            rows = client.status()
-        if all(r["role"] == "down" for r in rows):
-            raise ClusterError("no node answers at " + ", ".join(r["address"] for r in rows)
-                               + ": is the cluster running?")
+            rows = _answering(client.status())
         if args.output == "json":
             print(json.dumps(rows, indent=1, sort_keys=True))
         else:
@@ -270,6 +274,7 @@ def top(args: argparse.Namespace) -> int:
 
     def run() -> int:
         with _client(args, timeout=5.0) as client:
+            _answering(client.status())        # a cluster that is down: one line, not a table of "down"
             try:
                 return live.run(client, args.count, args.interval)
             except KeyboardInterrupt:

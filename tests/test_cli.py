@@ -115,6 +115,8 @@ def test_commands_against_a_down_cluster_say_so_in_one_line(tmp_path):
     status = run_cli("status", env=down)
     assert status.returncode == 1 and "no node answers" in one_line(status)
     assert f"127.0.0.1:{BASE + 91}" in one_line(status)
+    top = run_cli("top", "--count", "1", env=down)
+    assert top.returncode == 1 and "no node answers" in one_line(top)
     for args in (["tensors", "--timeout", "2"], ["member", "list", "--timeout", "2"],
                  ["move", "w", "--to", "1", "--timeout", "2"],
                  ["export", str(tmp_path / "m.npz"), "--prefix", "m", "--format", "npz", "--timeout", "2"],
