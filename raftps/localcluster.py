@@ -64,10 +64,12 @@ class LocalCluster:
     def __init__(self, run_dir: str, nodes: int = 3, base_port: int = 7100, hosts: list[str] | None = None,
                  command_prefix: Callable[[int], list[str]] | None = None, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, tls_dir: str | None = None, groups: int = 1,
-                 durability: str = "none"):
+                 durability: str = "none", node_module: str = "raftps"):
         """``tls_dir``: a directory made by cluster/make-certs.sh (ca.pem, node.pem, node.key);
         the nodes then serve their client ports over TLS only. ``groups``: Raft groups the
-        tensors are sharded over (serve --groups; groups.py). ``durability``: serve --durability."""
+        tensors are sharded over (serve --groups; groups.py). ``durability``: serve --durability.
+        ``node_module``: what ``python -m`` runs a node with: raftps, or a test tool that wraps
+        its command line (raftps.chaos.simdisk_node: a node on a simulated disk)."""
         self.run_dir = os.path.abspath(run_dir)
         self.nodes = nodes
         self.base_port = base_port
@@ -75,6 +77,7 @@ class LocalCluster:
         if len(self.hosts) != nodes:
             raise ValueError(f"{nodes} nodes need {nodes} hosts, got {self.hosts}")
         self.command_prefix = command_prefix
+        self.node_module = node_module
         self.groups = groups
         self.durability = durability
         self.extra_args = (extra_args or []) + (["--groups", str(groups)] if groups > 1 else []) \
@@ -171,7 +174,7 @@ class LocalCluster:
     def start_node(self, node: int) -> int:
         if self.is_up(node):
             return self.pid(node)
-        argv = [sys.executable, "-m", "raftps", "serve", "--id", str(node), "--peers", ",".join(self.peers),
+        argv = [sys.executable, "-m", self.node_module, "serve", "--id", str(node), "--peers", ",".join(self.peers),
                 "--data-dir", self.data_dir(node), "--secret-file", self.secret_file,
                 "--token-file", self.token_file, *self._tls_args(), *self.extra_args]
         if self.command_prefix is not None:

@@ -33,7 +33,7 @@ from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore, digest_of
 from .raft import NotApplied, NotReady, RaftSettings, ReplicatedLog, SnapshotMeta
-from .raft.storage import OSStorage, storage_from_env, unsafe_skip_fsync
+from .raft.storage import OSStorage, process_storage, unsafe_skip_fsync
 
 log = logging.getLogger("raftps.node")
 # How long an applier waits for a payload the leader is still sending before asking a peer.
@@ -179,8 +179,8 @@ class RaftNode:
         payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
                                              else default_payload_dir(config.data_dir))
         # durable: the journal, payloads and snapshots share one file layer, which a test may
-        # replace by a simulated disk (RAFTPS_SIMDISK) to cut the power under all three at once
-        self.storage = storage_from_env() if durable else OSStorage()
+        # replace by a simulated disk (raftps/chaos/simdisk_node.py) to cut the power under all three at once
+        self.storage = process_storage() if durable else OSStorage()
         # durable: payloads on disk; every collected file is kept as a spare (up to the budget that
         # forces a snapshot) so that new payloads overwrite allocated blocks (payloads.py)
         self.payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), storage=self.storage,

@@ -7,8 +7,9 @@ import time
 
 import numpy as np
 
+from raftps.chaos.simdisk import SimulatedDisk
 from raftps.payloads import SPARE_SUFFIX, PayloadStore, payload_id
-from raftps.raft.storage import OSStorage, SimulatedDisk
+from raftps.raft.storage import OSStorage
 
 
 def payload(seq: int, n: int = 1 << 16) -> tuple[str, dict]:

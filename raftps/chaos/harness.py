@@ -19,11 +19,11 @@ from typing import Any, Sequence
 
 from raftps.groups import group_of
 from raftps.localcluster import LocalCluster
-from raftps.raft.storage import power_cut
 
 from .checker import Result, check
 from .history import first_ack_after
 from .netns import Net
+from .simdisk import SIMDISK_ENV, power_cut
 from .workload import Workload, settle
 
 
@@ -43,18 +43,19 @@ class Harness:
     def __init__(self, case: str, run_dir: str, base_port: int, nodes: int = 3, netns: bool = False,
                  node_args: Sequence[str] = (), subnet: str = "10.77.0", groups: int = 1, durability: str = "none",
                  env: dict[str, str] | None = None, power_cuts: bool = False, **workload: Any) -> None:
-        """``power_cuts``: durable nodes whose journals are on the simulated disk
-        (raftps/raft/storage.py, a state dir per node), so ``power_cut`` can cut them."""
+        """``power_cuts``: durable nodes whose files are on the simulated disk (simdisk.py, a
+        state dir per node, the nodes run by simdisk_node.py), so ``power_cut`` can cut them."""
         self.case, self.nodes, self.groups = case, nodes, groups
         self.simdisk = os.path.join(run_dir, "simdisk") if power_cuts else None
         if power_cuts:
             durability = "fsync"
-            env = {**(env or {}), "RAFTPS_SIMDISK": os.path.join(self.simdisk, "node{node}")}
+            env = {**(env or {}), SIMDISK_ENV: os.path.join(self.simdisk, "node{node}")}
         self.net = Net(nodes, prefix=f"rps{base_port % 1000:03d}", subnet=subnet) if netns else None
         self.cluster = LocalCluster(run_dir, nodes=nodes, base_port=base_port,
                                     hosts=self.net.hosts() if self.net else None,
                                     command_prefix=self.net.command_prefix if self.net else None,
-                                    extra_args=list(node_args), groups=groups, durability=durability, env=env)
+                                    extra_args=list(node_args), groups=groups, durability=durability, env=env,
+                                    node_module="raftps.chaos.simdisk_node" if power_cuts else "raftps")
         self.workload_args = workload
         self.workload: Workload | None = None         # group 0's (the only one with one group)
         self.workloads: list[Workload] = []

@@ -89,7 +89,7 @@ class RaftSettings:
     # "fsync": the log, term and vote are fsynced before they count (a follower's acknowledgement,
     # the leader's own vote in the commit count, a granted vote); "none": never fsynced.
     durability: str = "none"
-    # The file layer of the durable journal and snapshots (None: storage_from_env()), shared with
+    # The file layer of the durable journal and snapshots (None: process_storage()), shared with
     # the payload store so that a simulated disk logs all of a node's files in one order.
     storage: Storage | None = None
 

@@ -116,7 +116,7 @@ Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syn
    not pickle them into snapshots.
 
 For raftps/node.py: ``SyncObjConf(journalFile=None, ...)``; ``journal = DurableJournal(
-os.path.join(data_dir, "raft.wal"), storage=storage_from_env(), fsync=durability == "fsync")``
+os.path.join(data_dir, "raft.wal"), storage=process_storage(), fsync=durability == "fsync")``
 before ``super().__init__``; ``install_durable_journal(self, journal)`` as the first call after it
 (before ``install_pysyncobj_fixes``, which wraps the transport and is independent of these
 wrappers: its ``follower_hint`` rewrites the queued acks when they are finally sent); an existing

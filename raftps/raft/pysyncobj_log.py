@@ -29,7 +29,7 @@ from .journal import DurableJournal, import_file_journal
 from .journal_hook import install_durable_journal, install_durable_snapshots
 from .peer_mac import PeerMac
 from .pysyncobj_fixes import install as install_fixes
-from .storage import Storage, storage_from_env, unsafe_skip_fsync
+from .storage import Storage, process_storage, unsafe_skip_fsync
 from .pysyncobj_fixes import (LeasePromise, install_read_probes, lease_clock, limit_peer_reads,
                               limit_unknown_connections, send_read_probe)
 
@@ -131,7 +131,7 @@ def _open_journal(data_dir: str, durable: bool, storage: Storage | None) -> Dura
         return None
     # RAFTPS_UNSAFE_JOURNAL_NO_FSYNC=1 (tests only): the durable journal's format, never fsynced, so
     # the power-cut test shows what it catches (tests/durability/test_power_cut.py)
-    journal = DurableJournal(durable_dir, storage=storage or storage_from_env(), fsync=not unsafe_skip_fsync("journal"))
+    journal = DurableJournal(durable_dir, storage=storage or process_storage(), fsync=not unsafe_skip_fsync("journal"))
     if os.path.isfile(plain) and len(journal) == 0:
         copied = import_file_journal(plain, journal)
         os.replace(plain, plain + ".imported")

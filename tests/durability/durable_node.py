@@ -2,7 +2,7 @@
 
     python durable_node.py SELF PEER PEER JOURNAL_DIR FSYNC(0|1)
 
-With RAFTPS_SIMDISK=<state dir> its files go through a SimulatedDisk (raftps/raft/storage.py), so
+With RAFTPS_SIMDISK=<state dir> its files go through a SimulatedDisk (raftps/chaos/simdisk.py), so
 the test can SIGKILL it and cut the power. Commands (one a line): ``load N TAG`` submits N pipelined
 pushes ``TAG-i`` and prints ``ACK TAG-i`` for each one this node saw committed and applied;
 ``status`` prints ``STATUS {json}``; ``dump`` prints ``DUMP [values...]``.
@@ -18,7 +18,7 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 
 from raftps.raft.journal import DurableJournal
 from raftps.raft.journal_hook import install_durable_journal
-from raftps.raft.storage import storage_from_env
+from raftps.chaos.simdisk import storage_from_env
 
 _out = threading.Lock()
 

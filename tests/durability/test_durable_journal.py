@@ -11,7 +11,7 @@ import pytest
 from pysyncobj.journal import Journal
 
 from raftps.raft.journal import RECORD, DurableJournal, JournalCorrupt, encode_record
-from raftps.raft.storage import SimulatedDisk
+from raftps.chaos.simdisk import SimulatedDisk
 
 
 def entries(n: int, first: int = 1, term: int = 1, size: int = 40) -> list[tuple[bytes, int, int]]:

@@ -2,7 +2,7 @@
 
 Three node processes (tests/durability/durable_node.py) on 127.0.0.1:28100-28159, each on its own
 SimulatedDisk (RAFTPS_SIMDISK). Under pipelined load every node is SIGKILLed, the power of each is
-cut (raftps.raft.storage.power_cut), the cluster restarts, and every push the leader reported
+cut (raftps.chaos.simdisk.power_cut), the cluster restarts, and every push the leader reported
 committed must be in the new leader's state exactly once. The same run with fsync=False must lose
 acknowledged pushes (so the check can fail). Also, in one process, the two invariants the hook
 exists for, checked on every message and every tick of a live cluster.
@@ -25,7 +25,7 @@ from pysyncobj import SyncObj, SyncObjConf, replicated
 
 from raftps.raft.journal import DurableJournal
 from raftps.raft.journal_hook import install_durable_journal
-from raftps.raft.storage import SIMDISK_ENV, SimulatedDisk, power_cut
+from raftps.chaos.simdisk import SIMDISK_ENV, SimulatedDisk, power_cut
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -1,4 +1,5 @@
-"""raftps.raft.storage: the real file layer and SimulatedDisk's power-cut semantics, on real files."""
+"""raftps.raft.storage (the real file layer) and raftps.chaos.simdisk (SimulatedDisk's power-cut
+semantics), on real files."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import textwrap
 
 import pytest
 
-from raftps.raft.storage import (SIMDISK_ENV, OSStorage, PowerLost, SimulatedDisk, load_model,
-                                 power_cut, storage_from_env, write_atomic)
+from raftps.chaos.simdisk import SIMDISK_ENV, PowerLost, SimulatedDisk, load_model, power_cut, storage_from_env
+from raftps.raft.storage import OSStorage, write_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -205,7 +206,8 @@ def test_operation_log_torn_tail_is_ignored(disk, tmp_path):
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
-    from raftps.raft.storage import storage_from_env, write_atomic
+    from raftps.chaos.simdisk import storage_from_env
+    from raftps.raft.storage import write_atomic
     data = sys.argv[1]
     s = storage_from_env()
     f = s.open(os.path.join(data, "log"))
@@ -361,3 +363,54 @@ def test_seeded_snapshot_survives_a_power_cut(disk, tmp_path):
     meta, machine = snapshot_file.read(snapshot_file.path(data))
     assert meta.index == 2 and meta.members == ["127.0.0.1:1"]
     assert not os.path.exists(snapshot_file.path(data) + ".tmp")
+
+
+def test_the_product_never_imports_the_disk_simulator():
+    """The simulator is a test tool (raftps/chaos/): no module of raftps outside raftps/chaos/
+    imports it, and a node's process gets it only from simdisk_node.py, through use_storage."""
+    import ast
+    package = os.path.join(ROOT, "raftps")
+    importers = []
+    for folder, _, files in os.walk(package):
+        if os.path.relpath(folder, package).split(os.sep)[0] == "chaos":
+            continue
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] + [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+                if any("chaos" in m or "simdisk" in m for m in modules):
+                    importers.append(os.path.relpath(path, ROOT))
+    assert importers == []
+    code = ("import sys, raftps.cli, raftps.node, raftps.server, raftps.raft.pysyncobj_log; "
+            "print(sorted(m for m in sys.modules if 'chaos' in m or 'simdisk' in m))")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_simdisk_node_runs_the_command_line_on_the_simulated_disk(tmp_path):
+    """python -m raftps.chaos.simdisk_node takes raftps's arguments; without a state dir it refuses."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop(SIMDISK_ENV, None)
+    refused = subprocess.run([sys.executable, "-m", "raftps.chaos.simdisk_node", "token-hash"], env=env,
+                             capture_output=True, text=True, timeout=60, input="x\n")
+    assert refused.returncode != 0 and SIMDISK_ENV in refused.stderr
+    env[SIMDISK_ENV] = str(tmp_path / "state")
+    done = subprocess.run([sys.executable, "-m", "raftps.chaos.simdisk_node", "token-hash"], env=env,
+                          capture_output=True, text=True, timeout=60, input="x\n")
+    assert done.returncode == 0 and len(done.stdout.strip()) == 64
+    assert os.path.exists(tmp_path / "state" / "ops.log")    # the disk was made and handed in
+
+
+def test_use_storage_hands_the_process_storage_to_durable_writers(tmp_path):
+    from raftps.raft import storage
+    before = storage.process_storage()
+    assert isinstance(before, OSStorage)
+    disk = SimulatedDisk(str(tmp_path / "state"))
+    try:
+        storage.use_storage(disk)
+        assert storage.process_storage() is disk
+    finally:
+        storage.use_storage(before)
+        disk.close()

@@ -1,6 +1,6 @@
 """Simulated power loss of whole raftps nodes under load (issue 15).
 
-Every node runs with --durability fsync and its files on a simulated disk (raftps/raft/storage.py,
+Every node runs with --durability fsync and its files on a simulated disk (raftps/chaos/simdisk.py,
 one state dir per node): every write and fsync of its journal, payloads and snapshots is logged,
 so after SIGKILLing nodes the test can cut every file back to what was fsynced ("synced"), or keep
 a seeded-random part of the rest ("torn", as a page cache may). The nodes restart and the one-hot
