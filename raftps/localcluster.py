@@ -163,8 +163,8 @@ class LocalCluster:
         proc = self._procs.get(node)
         if proc is not None:
             # Our child: its exit status is the truth. /proc/PID/cmdline is empty while a
-            # process is inside execve (176 of 24.7k samples of `ip netns exec python ...`
-            # starting), so reading it made live nodes look dead during start.
+            # process is inside execve (`ip netns exec python ...` starting), so reading it
+            # made live nodes look dead during start.
             return proc.poll() is None
         pid = self.pid(node)
         return pid is not None and _alive(pid)

@@ -7,17 +7,17 @@ the file stays until a snapshot of this node covers the entry, because a lagging
 need it.
 
 Files of collected payloads are kept as spares (up to ``spare_bytes``) and overwritten by the next
-payloads: in tmpfs a new file costs page allocation and zeroing, 4.9 ms per 4 MiB against 1.6 ms
-for overwriting a spare (measured here, under load). A spare is never a valid payload id, and a
+payloads: in tmpfs a new file costs page allocation and zeroing, which overwriting a spare does
+not. A spare is never a valid payload id, and a
 payload appears under its id only once completely written (rename), as with a new file.
 
 Durable mode (``fsync``, payloads on the data dir's disk): a payload is fdatasynced, renamed into
 place and its directory fsynced before ``put`` returns; puts that rename while a directory fsync
-runs share the next one. On this ext4 disk 4 MiB written into a new file and synced ran 450 MB/s
-with three writers, into a spare (allocated blocks, fdatasync) 750 MB/s: a new file allocates
-blocks, and with the ``discard`` mount option an unlinked one is trimmed in a journal commit that
-every fsync on the file system waits for. So the node keeps every collected file as a spare (up
-to the payload budget) and picks the spare whose size fits best.
+runs share the next one. On disk a new file allocates blocks, and with the ``discard`` mount
+option an unlinked one is trimmed in a journal commit that every fsync on the file system waits
+for, while a spare's blocks are allocated already (fdatasync writes its data and nothing else).
+So the node keeps every collected file as a spare (up to the payload budget) and picks the spare
+whose size fits best.
 
 A payload's id names its content (``content_hash``) through the digest the data plane's frame MAC
 takes over the blob (``codec.blob_hasher``, BLAKE3), so each byte is hashed once per node: the

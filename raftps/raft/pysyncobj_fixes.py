@@ -36,18 +36,18 @@ a follower with a divergent tail could commit and apply it. ``commit_guard`` kee
 from raising the commit index.
 
 Also snapshot streaming (``SnapshotStream``; a follower failed forever with ``truncated frame`` on a
-64 MiB snapshot under load). The leader streams its snapshot file in 1 MiB chunks
+large snapshot under load). The leader streams its snapshot file in 1 MiB chunks
 ({'serialized': (data, isFirst, isLast)}, syncobj.py L1308-1329), the follower appends each to its
 one open ``.1.tmp`` and installs it on isLast (serializer.py setTransmissionData). Nothing checks
 that the chunks are contiguous, and:
 * the follower answers no chunk but the last, so the leader reads nothing from it during a
   transfer and its TcpConnection closes after ``connectionTimeout`` (4 s) of no reads: any transfer
-  longer than that (64 MiB at ~10 MB/s on a loaded machine) is cut, every time;
+  longer than that (a large snapshot on a loaded machine) is cut, every time;
 * the chunks in the dead connection's write buffer are lost, but the leader cancels the transfer
   only if a send round finds the peer disconnected (L1258-1261). The leader redials at once
   (transport.py _onDisconnected) and, when the follower answers the handshake within the 0.1 s
   until the next round, the transfer goes on at its old offset on the new connection: the
-  follower's file misses MiBs (seen: 17 MiB), fails to load, and the transfer restarts, to be
+  follower's file misses whole chunks, fails to load, and the transfer restarts, to be
   cut again at 4 s.
 So: the follower acknowledges every chunk (a ``next_node_idx`` that is neither success nor reset,
 which a leader only counts as a response), which keeps the connection and the leader's quorum
@@ -157,7 +157,7 @@ class SnapshotStream:
                             offset, self.receiving[1])
                 self.receiving = None     # pysyncobj still holds its partial file; no chunk reaches it
             # Else a chunk of another stream: one whose first chunk we missed, or an old one still
-            # draining from a dead connection (seen) while the new one is assembled. Either way it
+            # draining from a dead connection while the new one is assembled. Either way it
             # is not written; the leader starts over only if it names its current stream.
             self.send(peer, {"type": RESTART_SNAPSHOT, "stream": stream})
             return dict(message, serialized=None)

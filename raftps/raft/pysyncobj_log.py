@@ -186,7 +186,7 @@ class SyncObjLog(ReplicatedLog):
             dynamicMembershipChange=True,                  # raftps member add/remove/replace
             serializer=self._save_snapshot,
             deserializer=self._load_snapshot,
-            appendEntriesUseBatch=False,                   # send at once: ~1 ms commits on loopback
+            appendEntriesUseBatch=False,                   # send at once, not at the next tick
             appendEntriesBatchSizeBytes=4 << 20,           # far above any entry: avoids the chunk-path bug
             appendEntriesPeriod=settings.heartbeat,
             raftMinTimeout=election[0],

@@ -3,8 +3,8 @@
 pysyncobj 0.3.17 sends every peer message as ``zlib.compress(pickle.dumps(message), 3)``
 (tcp_connection.py L144). Our messages are small (tensor bytes travel on the data plane) or
 already incompressible (inline float payloads), yet each call sets up a fresh deflate state:
-measured 85 us for a 200-byte message and 1.4 ms for 70 KB, and with 1 KiB pushes on 3 nodes
-that line was 38% of the leader's tick thread (bench/profile.py). A stored-block stream is
+with 1 KiB pushes on 3 nodes that line was 38% of the leader's tick thread (``python -m
+bench.profile --size 1024``). A stored-block stream is
 still a valid zlib stream (RFC 1950/1951), so any pysyncobj peer, patched or not, reads it
 with ``zlib.decompress``; building one costs a header, five bytes per 64 KiB and an Adler-32.
 
