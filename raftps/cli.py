@@ -146,7 +146,11 @@ def _cluster(args: argparse.Namespace):
     run_dir = args.run_dir or os.environ.get("RAFTPS_RUN_DIR") or os.path.join(os.getcwd(), "cluster", "run")
     base = args.base_port
     recorded_file = os.path.join(run_dir, "cluster.json")
-    recorded = json.load(open(recorded_file)) if os.path.exists(recorded_file) else {}
+    try:
+        recorded = json.load(open(recorded_file)) if os.path.exists(recorded_file) else {}
+    except ValueError as exc:
+        raise ValueError(f"{recorded_file} is not what `raftps cluster start` writes ({exc}): wipe the cluster "
+                         "(raftps cluster wipe: deletes its data) or fix the file") from None
     chosen = {"groups": args.groups or recorded.get("groups", 1),
               "durability": args.durability or recorded.get("durability", "none")}
     for key, value in chosen.items():

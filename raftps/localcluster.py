@@ -11,6 +11,7 @@ this one class, so there is one place that knows the run-directory layout:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,7 +52,7 @@ class ClusterError(RuntimeError):
 
 
 class NodeNotRunning(ClusterError):
-    pass
+    """A signal for a node whose process is gone (killed, stopped, never started)."""
 
 
 class NodeExited(ClusterError):
@@ -154,10 +155,8 @@ class LocalCluster:
 
     def known_nodes(self) -> list[int]:
         """The nodes this run dir has ever started (a data dir or a pid file), in order."""
-        names = os.listdir(self.run_dir)
-        found = {int(n[4:].split(".")[0]) for n in names
-                 if n.startswith("node") and n[4:].split(".")[0].isdigit() and (n.endswith(".pid") or "." not in n)}
-        return sorted(found)
+        found = (re.fullmatch(r"node(\d+)(\.pid)?", name) for name in os.listdir(self.run_dir))
+        return sorted({int(m[1]) for m in found if m})
 
     def is_up(self, node: int) -> bool:
         proc = self._procs.get(node)
