@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Callable
 
-from . import auth, codec
+from . import auth, codec, localcluster_cli
 from .client import Client
 from .errors import RaftpsError
 from .localcluster import ClusterError, LocalCluster
@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _status_table(rows: list[dict]) -> str:
+def status_table(rows: list[dict]) -> str:
     cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader", "metrics"]
     if any(r.get("group") for r in rows):          # several Raft groups: a row per node and group
         cols.insert(1, "group")
@@ -139,76 +139,6 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace):
-    """The local cluster of RUN_DIR. Its Raft groups and durability are fixed when it is first
-    started (recorded in RUN_DIR/cluster.json): a later start without the flags keeps them; other
-    values are refused."""
-    run_dir = args.run_dir or os.environ.get("RAFTPS_RUN_DIR") or os.path.join(os.getcwd(), "cluster", "run")
-    base = args.base_port
-    recorded_file = os.path.join(run_dir, "cluster.json")
-    try:
-        recorded = json.load(open(recorded_file)) if os.path.exists(recorded_file) else {}
-    except ValueError as exc:
-        raise ValueError(f"{recorded_file} is not what `raftps cluster start` writes ({exc}): wipe the cluster "
-                         "(raftps cluster wipe: deletes its data) or fix the file") from None
-    chosen = {"groups": args.groups or recorded.get("groups", 1),
-              "durability": args.durability or recorded.get("durability", "none")}
-    for key, value in chosen.items():
-        if key in recorded and recorded[key] != value:
-            raise ValueError(f"the cluster in {run_dir} runs with {key} {recorded[key]}, not {value}: "
-                             "wipe it first (raftps cluster wipe: deletes its data) to change it")
-    cl = LocalCluster(run_dir, nodes=args.nodes, base_port=base, **chosen)
-    if args.action == "start" and not recorded:
-        with open(recorded_file, "w") as f:
-            json.dump(chosen, f)
-    return cl
-
-
-def cluster(args: argparse.Namespace) -> int:
-    """A stopped cluster or node is named in one line (exit 1), a node the cluster never had too
-    (exit 2); stop and wipe of a stopped cluster succeed, saying nothing was running."""
-    try:
-        cl = _cluster(args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    up = [n for n in cl.known_nodes() if cl.is_up(n)]
-    if args.action == "start":
-        addresses = cl.start(timeout=args.timeout)
-        print(_status_table(cl.status()))
-        print(f"RAFTPS_TOKEN_FILE={cl.token_file}")
-        print(f"RAFTPS_CLUSTER={addresses}")
-    elif args.action in ("stop", "wipe") and not up:
-        if args.action == "wipe":
-            cl.wipe()
-        print(f"no node of {cl.run_dir} was running" + ("; deleted it and its payloads" if args.action == "wipe" else ""))
-    elif args.action == "stop":
-        cl.stop()
-        print(f"stopped the nodes of {cl.run_dir}")
-    elif args.action == "wipe":
-        cl.wipe()
-        print(f"stopped the nodes and deleted {cl.run_dir} and their payloads")
-    elif args.action == "kill":
-        known = cl.known_nodes()
-        if args.node not in known:
-            raise UsageError(f"the cluster in {cl.run_dir} has no node {args.node} "
-                             + (f"(its nodes: {_ranges(known)})" if known else "(no node was ever started there)"))
-        pid = cl.pid(args.node)
-        cl.kill(args.node)                     # NodeNotRunning if it is down
-        print(f"node {args.node} (pid {pid}) killed with SIGKILL")
-    elif not up:
-        raise ClusterError(f"no node of {cl.run_dir} is running (cluster/start.sh starts them)")
-    else:
-        print(_status_table(cl.status()))
-    return 0
-
-
-def _ranges(nodes: list[int]) -> str:
-    """'1..3' for consecutive node numbers, else '1, 2, 5'."""
-    if nodes and nodes == list(range(nodes[0], nodes[-1] + 1)) and len(nodes) > 1:
-        return f"{nodes[0]}..{nodes[-1]}"
-    return ", ".join(map(str, nodes))
-
-
 def _client(args: argparse.Namespace, **kwargs) -> Client:
     token = auth.read_secret_file(args.token_file) if args.token_file else None
     try:
@@ -261,7 +191,7 @@ def status(args: argparse.Namespace) -> int:
         if args.output == "json":
             print(json.dumps(rows, indent=1, sort_keys=True))
         else:
-            print(_status_table(rows))
+            print(status_table(rows))
         return 0
     return _run("status", run)
 
@@ -539,22 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-file", default=None, help="file holding the token (default: read one line from stdin)")
     p.set_defaults(func=token_hash)
 
-    p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
-    p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])
-    p.add_argument("node", type=int, nargs="?", help="node number for kill")
-    p.add_argument("--nodes", type=int, default=_env_int(parser, "RAFTPS_NODES", 3))
-    p.add_argument("--groups", type=int, default=_env_int(parser, "RAFTPS_GROUPS", 0) or None,
-                   help="Raft groups to shard tensors over (start: fixed for the cluster's life; default 1)")
-    p.add_argument("--durability", choices=("none", "fsync"), default=os.environ.get("RAFTPS_DURABILITY") or None,
-                   help="start: fsync (survives power loss) or none (default; fixed for the cluster's life)")
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--base-port", type=int, default=_env_int(parser, "RAFTPS_BASE_PORT", 7100))
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.set_defaults(func=cluster)
+    localcluster_cli.add_parser(sub, lambda variable, default: _env_int(parser, variable, default))
 
     args = parser.parse_args(argv)
-    if getattr(args, "action", None) == "kill" and args.node is None:
-        parser.error("cluster kill needs a node number")
     name = args.command + (f" {args.action}" if args.command in ("cluster", "snapshot", "member") else "")
     return _run(name, lambda: args.func(args))
 

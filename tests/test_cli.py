@@ -137,7 +137,7 @@ def test_wrong_arguments_and_files_are_one_line(tmp_path):
         (["move", "w", "--to", "one"], env, "'one'"),
         (["snapshot", "restore", str(tmp_path / "missing.rps"), "--data-dir", str(tmp_path / "d")], {},
          "missing.rps"),
-        (["cluster", "kill"], {}, "node number"),
+        (["cluster", "kill"], {}, "number of the node"),
         (["nosuchcommand"], {}, "nosuchcommand"),
         (["serve", "--id", "4", "--peers", "127.0.0.1:1,127.0.0.1:2", "--data-dir", str(tmp_path / "d")], {},
          "--id 4"),
