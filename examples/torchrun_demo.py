@@ -7,7 +7,6 @@ plot's path.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -18,11 +17,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))          # raftps from this checkout when run as a script
 
 from raftps.chaos.torchrun import TorchrunJob, train_through_kills  # noqa: E402
+from raftps.cli import OneLineParser  # noqa: E402
 from raftps.localcluster import LocalCluster  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])       # cluster/demo-torch.sh's flags
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300, help="global batches (char_gpt.py --steps)")
     ap.add_argument("--mode", default="async", help="raftps mode: async | sync | ssp | easgd")

@@ -18,7 +18,7 @@ from .localcluster import ClusterError, LocalCluster
 from .models import UsageError
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """A wrong argument in one line (argparse prints its whole usage block first)."""
 
     def error(self, message: str):
@@ -339,7 +339,7 @@ def token_hash(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .models import FORMATS
     from .node import READ_MODES, NodeConfig
-    parser = _Parser(prog="raftps", description=__doc__)
+    parser = OneLineParser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run one node")

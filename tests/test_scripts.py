@@ -86,3 +86,6 @@ def test_scripts_refuse_arguments_they_do_not_take(tmp_path):
         done = script(name, *args, env=env, timeout=30)
         assert done.returncode == 2 and "usage" in one_line(done).lower(), (name, done.stderr)
     assert not (tmp_path / "run").exists()
+    flag = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "torchrun_demo.py"), "--steps", "many"],
+                          env=env, capture_output=True, text=True, timeout=60)     # demo-torch.sh's flags, after setup
+    assert flag.returncode == 2 and "'many'" in one_line(flag)
