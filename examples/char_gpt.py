@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from typing import Callable
 
 import numpy as np
 import torch
@@ -68,21 +69,26 @@ class GPT(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0],
-                      dict(steps=300, batch=32, lr=2e-3, eval_every=25, target=2.0))
+DEFAULTS = dict(steps=300, batch=32, lr=2e-3, eval_every=25, target=2.0)
+BLOCK, LAYERS, HEADS, WIDTH = 64, 4, 4, 160
+
+
+def build(seed: int, batch: int) -> tuple[nn.Module, Callable, Callable, Callable]:
+    """The model (seeded: the same initial weights on every rank), ``batch_indices(g)``,
+    ``loss_on(model, idx)`` and ``val_loss(model)``: what ``train`` takes, and what other
+    training loops (bench/goodput_worker.py) reuse."""
     train_ids, val_ids = load_text()
-    block, layers, heads, d = 64, 4, 4, 160
-    torch.manual_seed(args.seed)                                  # same initial weights on every rank
-    model = GPT(len(VOCAB), block, layers, heads, d)
+    block = BLOCK
+    torch.manual_seed(seed)
+    model = GPT(len(VOCAB), block, LAYERS, HEADS, WIDTH)
     # validation: 64 fixed windows of the held-out text
     starts = np.random.default_rng(12345).integers(0, len(val_ids) - block - 1, 64)
     vx = torch.stack([val_ids[s:s + block] for s in starts])
     vy = torch.stack([val_ids[s + 1:s + block + 1] for s in starts])
 
     def batch_indices(g: int) -> np.ndarray:
-        """Global batch g: ``--batch`` random window starts, a function of (seed, g) only."""
-        return np.random.default_rng([args.seed, g]).integers(0, len(train_ids) - block - 1, args.batch)
+        """Global batch g: ``batch`` random window starts, a function of (seed, g) only."""
+        return np.random.default_rng([seed, g]).integers(0, len(train_ids) - block - 1, batch)
 
     def loss_on(m: nn.Module, idx: np.ndarray) -> torch.Tensor:
         x = torch.stack([train_ids[s:s + block] for s in idx])
@@ -93,6 +99,12 @@ def main() -> None:
     def val_loss(m: nn.Module) -> float:
         return F.cross_entropy(m(vx).flatten(0, 1), vy.flatten()).item()
 
+    return model, batch_indices, loss_on, val_loss
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], DEFAULTS)
+    model, batch_indices, loss_on, val_loss = build(args.seed, args.batch)
     train(args, "char_gpt", model, batch_indices, loss_on, val_loss, "val_loss", higher_is_better=False)
 
 

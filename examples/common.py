@@ -53,6 +53,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: 1 if several ranks, else torch's)")
     ap.add_argument("--out", default=None, help="directory for metrics.csv and summary.json (rank 0)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="ddp/local: a torch.save file of model, optimizer and step; loaded at start if it exists")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="ddp/local: global batches between checkpoints")
     return ap.parse_args()
 
 
@@ -73,6 +76,9 @@ class Backend:
     def __init__(self, args: argparse.Namespace, model: nn.Module, rank: int, world: int, prefix: str):
         self.kind, self.rank, self.world = args.backend, rank, world
         self.model, self.start_step, self.sharded = model, 0, True
+        self.checkpoint, self.checkpoint_every = args.checkpoint, args.checkpoint_every
+        if args.backend == "raftps" and (args.checkpoint or args.checkpoint_every):
+            raise SystemExit("--checkpoint is for ddp/local: raftps resumes from the store")
         if args.backend == "raftps":
             import raftps.torch as rpt
             self.opt = rpt.DistributedOptimizer(
@@ -82,15 +88,30 @@ class Backend:
             self.start_step = int(self.opt.start_step)
             self.sharded = args.mode == "sync"
             return
+        saved = None
+        if self.checkpoint and os.path.exists(self.checkpoint):
+            saved = torch.load(self.checkpoint, weights_only=True)
+            model.load_state_dict(saved["model"])
+            self.start_step = int(saved["step"])
         if args.backend == "ddp":
             import torch.distributed as dist
-            from datetime import timedelta
             if not dist.is_initialized():             # Ray Train, for one, has made one already
-                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+                init_gloo(rank, world)
             self.model = nn.parallel.DistributedDataParallel(model)   # broadcasts rank 0's parameters
         elif world != 1:
             raise SystemExit("--backend local is one process: run it without torchrun (or with --nproc-per-node 1)")
         self.opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        if saved is not None:
+            self.opt.load_state_dict(saved["optimizer"])
+
+    def save_checkpoint(self, step: int) -> None:
+        """Rank 0 writes model, optimizer and the next step; a rename, so a kill mid-write leaves the last one."""
+        if self.rank != 0 or not self.checkpoint or self.kind == "raftps":
+            return
+        tmp = self.checkpoint + ".tmp"
+        torch.save({"model": self.model.module.state_dict() if self.kind == "ddp" else self.model.state_dict(),
+                    "optimizer": self.opt.state_dict(), "step": step}, tmp)
+        os.replace(tmp, self.checkpoint)
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -104,6 +125,26 @@ class Backend:
         elif self.kind == "ddp":
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def init_gloo(rank: int, world: int) -> None:
+    """The gloo process group, on a store namespace of its own for each torchrun restart.
+
+    torchrun's agent keeps one TCPStore (MASTER_PORT) across ``--max-restarts`` restarts and the
+    workers write their gloo addresses into it unprefixed, so a restarted group can read the dead
+    group's addresses and fail with ``Gloo connectFullMesh failed ... Connection refused``
+    (torch 2.13 CPU, one worker SIGKILLed). A prefix per restart count avoids those keys."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    timeout = timedelta(seconds=120)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"restart{restart}", store), rank=rank, world_size=world,
+                            timeout=timeout)
 
 
 def my_batches(backend: Backend, steps: int) -> range:
@@ -217,8 +258,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
     rec = Metrics(args.out, metric, higher_is_better, args.target, meta, resumed=backend.start_step > 0) \
         if rank == 0 else None
     mine = my_batches(backend, args.steps)
-    if rank == 0:
-        print(f"[rank 0] {name}: {label}, {meta['parameters']:,} parameters, global batches "
+    if rank == 0 or backend.start_step:
+        print(f"[rank {rank}] {name}: {label}, {meta['parameters']:,} parameters, global batches "
               f"{mine.start}..{args.steps} (start_step {backend.start_step})", flush=True)
     ema = None
     if rec is not None:
@@ -229,6 +270,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
         loss = loss_on(backend.model, idx)
         loss.backward()
         backend.step()
+        if backend.checkpoint_every and (g + 1) % backend.checkpoint_every == 0:
+            backend.save_checkpoint(g + 1)
         w = 0.9 ** (1 if backend.sharded else world)    # the same time constant in global batches
         ema = loss.item() if ema is None else w * ema + (1 - w) * loss.item()
         if rec is not None:

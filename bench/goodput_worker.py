@@ -1,0 +1,180 @@
+"""One worker of bench/goodput.py's torchft and raftps DiLoCo configurations: the char GPT of
+examples/char_gpt.py (its model, data, seed and validation windows, through ``build``) in a
+training loop of the library's own shape. Rank 0 (replica group 0) writes metrics.csv as the
+examples do (examples/common.py's ``Metrics``).
+
+    torchrun --nproc-per-node 1 bench/goodput_worker.py --kind torchft-ddp ...   # REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE
+    RANK=r WORLD_SIZE=4 python bench/goodput_worker.py --kind raftps-diloco ...  # RAFTPS_CLUSTER
+
+Every rank trains on its 1/K part of global batch g (K: replica groups or world size), so one
+global batch is the same tokens in every configuration. torchft: a step taken while fewer than K
+replica groups participate is appended to ``short_steps.txt`` (those parts of the batch are lost).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from char_gpt import DEFAULTS, build  # noqa: E402
+from common import Metrics  # noqa: E402
+
+KINDS = ("torchft-ddp", "torchft-diloco", "raftps-diloco", "raftps-diloco-async")
+# The DiLoCo paper's (and torchft's train_diloco.py's) inner and outer optimizers.
+INNER = dict(weight_decay=0.1, betas=(0.9, 0.95))
+OUTER = dict(lr=0.7, momentum=0.9, nesterov=True)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=KINDS, required=True)
+    ap.add_argument("--steps", type=int, required=True, help="global batches")
+    ap.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    ap.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="(inner) Adam/AdamW learning rate")
+    ap.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
+    ap.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix", default="goodput", help="raftps tensor prefix")
+    ap.add_argument("--out", required=True)
+    return ap.parse_args()
+
+
+def part(idx, rank: int, ranks: int):
+    n = len(idx) // ranks
+    return idx[rank * n:(rank + 1) * n]
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    model, batch_indices, loss_on, val_loss = build(args.seed, args.batch)
+    if args.kind.startswith("torchft"):
+        rank, ranks = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
+    else:
+        rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.batch % ranks:
+        raise SystemExit(f"--batch {args.batch} must be divisible by {ranks}")
+    meta = {"example": "char_gpt", "label": f"{args.kind} x{ranks}", "steps": args.steps, "batch": args.batch,
+            "lr": args.lr, "seed": args.seed, "parameters": sum(p.numel() for p in model.parameters())}
+    if args.kind == "torchft-ddp":
+        train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta)
+    elif args.kind == "torchft-diloco":
+        train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta)
+    else:
+        train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta)
+
+
+def _metrics(args: argparse.Namespace, meta: dict, start: int) -> Metrics:
+    rec = Metrics(args.out, "val_loss", False, None, {**meta, "start_step": start}, resumed=start > 0)
+    print(f"[rank 0] char_gpt: {meta['label']}, global batches {start}..{args.steps}", flush=True)
+    rec.now()
+    return rec
+
+
+def _manager(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], rank: int, sync_quorum: bool):
+    from torchft import Manager, ProcessGroupGloo
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), **{f"optim{i}": o.state_dict() for i, o in enumerate(optimizers)}}
+
+    def load_state_dict(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        for i, o in enumerate(optimizers):
+            o.load_state_dict(sd[f"optim{i}"])
+
+    # As torchft's train_ddp.py / train_diloco.py: gloo on CPU, min_replica_size 1, 10 s timeouts.
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+                   load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"goodput_{rank}",
+                   timeout=timedelta(seconds=10), use_async_quorum=not sync_quorum)
+
+
+def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
+    from torchft import DistributedDataParallel, Optimizer
+    inner = torch.optim.Adam(model.parameters(), lr=args.lr)
+    manager = _manager(model, [inner], rank, sync_quorum=False)
+    ddp, opt = DistributedDataParallel(manager, model), Optimizer(manager, inner)
+    rec = _metrics(args, meta, manager.current_step()) if rank == 0 else None
+    short = open(os.path.join(args.out, "short_steps.txt"), "a") if rank == 0 else None
+    ema = None
+    while manager.current_step() < args.steps:
+        opt.zero_grad()                               # starts the step's quorum
+        g = manager.current_step()
+        loss = loss_on(ddp, part(batch_indices(g), rank, ranks))
+        loss.backward()
+        opt.step()                                    # commits only if every participant's all-reduce worked
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        if rec is not None:
+            if manager.num_participants() < ranks:
+                short.write(f"{g + 1}\n")
+                short.flush()
+            step = manager.current_step()
+            rec.log_step(step, ema, val_loss(model) if step % args.eval_every == 0 or step == 1 else None)
+    if rec is not None:
+        rec.finish(val_loss(model))
+
+
+def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
+    from torchft.local_sgd import DiLoCo
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
+    outer = torch.optim.SGD(model.parameters(), **OUTER)
+    manager = _manager(model, [inner, outer], rank, sync_quorum=True)   # train_diloco.py's setting
+    H = args.sync_every
+    rec = None
+    ema = None
+    with DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False) as diloco:
+        local = 0                                     # inner steps since the last round
+        while manager.current_step() * H + local < args.steps:
+            g = manager.current_step() * H + local    # the round's steps: the same batches on a rejoin
+            if rec is None and rank == 0:
+                rec = _metrics(args, meta, g)
+                short = open(os.path.join(args.out, "short_steps.txt"), "a")
+            inner.zero_grad()
+            loss = loss_on(model, part(batch_indices(g), rank, ranks))
+            loss.backward()
+            inner.step()                              # DiLoCo's hook syncs at the round's H-th step
+            local = (local + 1) % H                   # a failed round does not advance the step: redone
+            ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+            if rec is not None:
+                step = g + 1
+                if local == 0 and manager.num_participants() < ranks:
+                    short.write(f"{step}\n")
+                    short.flush()
+                rec.log_step(step, ema, val_loss(model) if step % args.eval_every == 0 or step == 1 else None)
+    if rec is not None:
+        rec.finish(val_loss(model))
+
+
+def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
+    import raftps.torch as rpt
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
+    opt = rpt.DistributedOptimizer(inner, model=model, mode=args.kind[len("raftps-"):], sync_every=args.sync_every,
+                                   outer={"name": "momentum", **OUTER}, prefix=args.prefix,
+                                   rank=rank, world_size=ranks)
+    start = int(opt.start_step)
+    if rank != 0 and start:
+        print(f"[rank {rank}] char_gpt: resumed at global batch {start}", flush=True)
+    rec = _metrics(args, meta, start) if rank == 0 else None
+    ema = None
+    for g in range(start, args.steps):
+        opt.zero_grad()
+        loss = loss_on(model, part(batch_indices(g), rank, ranks))
+        loss.backward()
+        opt.step()
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        if rec is not None:
+            step = g + 1
+            rec.log_step(step, ema, val_loss(model) if step % args.eval_every == 0 or step == 1 else None)
+    if rec is not None:
+        rec.finish(val_loss(model))
+    opt.close()
+
+
+if __name__ == "__main__":
+    main()
