@@ -16,12 +16,16 @@ cnn_digits.py and examples/char_gpt.py through raftps.torch in sync, async and D
 against one process and DDP x4; writes torch_train.md/.json and torch_<example>.png), and groups
 (bench/groups.py, only when named, needs root: CPU-seconds and bytes per 4 MiB push of the busiest
 node for (N, G) = (3, 1), (3, 3), (6, 6), (9, 9) Raft groups, nodes in network namespaces; writes
-groups.md/.json/.png; the same caveat). Each is bounded in count and time; a part that fails is reported as failed and the
+groups.md/.json/.png; the same caveat), and goodput (bench/goodput.py, only when named: time and tokens
+to a target validation loss under a worker SIGKILL and a store-leader SIGKILL, for DDP, DDP with
+checkpoint-restart, torchft and raftps; writes goodput.md/.json/.png, --quick goodput_quick.*; the
+same caveat). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raw data plane B-40..B-18, raftps clusters at
 B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
-+201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499.
++201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499; goodput: torchft B+680..B+683, torchrun B+690..B+698,
+lighthouse B+699, raftps clusters B+700+10i (each +1..+3, +101..+103, +201..+203, +301..+303).
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import async_algos, catchup, etcd, failover, groups, loopback, naive_store, push, report, sparse, torch_train, train
+from . import (async_algos, catchup, etcd, failover, goodput, groups, loopback, naive_store, push, report, sparse,
+               torch_train, train)
 from .common import KiB, MiB, log
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -58,9 +63,10 @@ TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates w
 
 
 def setup_if_needed(parts: list[str]) -> None:
-    """Run bench/setup.sh once if a chosen part needs etcd, torch or cryptography and it is missing."""
+    """Run bench/setup.sh once if a chosen part needs etcd, torch, torchft or cryptography and it is missing."""
     need = ({"etcd", "failover"} & set(parts) and etcd.etcd_binary() is None) or \
-        ({"train", "torch"} & set(parts) and train.torch_version() is None) or \
+        ({"train", "torch", "goodput"} & set(parts) and train.torch_version() is None) or \
+        ("goodput" in parts and importlib.util.find_spec("torchft") is None) or \
         ("naive" in parts and importlib.util.find_spec("cryptography") is None)
     if not need:
         return
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     part("torch", lambda: torch_train.bench_part(os.path.join(run_dir, "torch"), B, mode, a.out))
     part("sparse", lambda: sparse.bench_part(os.path.join(run_dir, "sparse"), B + 250, mode, a.out))
     part("groups", lambda: groups.bench_part(a.out, mode))    # groups.md/.json/.png
+    part("goodput", lambda: goodput.bench_part(os.path.join(run_dir, "goodput"), B, mode, a.out))   # goodput*.md/.json/.png
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,

@@ -59,8 +59,9 @@ TOKENS_PER_BATCH = BATCH * BLOCK
 WORKER_KILL_AT, LEADER_KILL_AT, TARGET_AT = 0.3, 0.6, 0.8
 CHECKPOINT_COST = 0.05                      # (b)'s checkpoint interval: saving costs about this share
 MODES = {   # budget (global batches), evaluation interval, DiLoCo's H, per-run limit (s)
-    "quick": dict(budget=40, eval_every=4, sync_every=5, timeout=240),
-    "full": dict(budget=300, eval_every=10, sync_every=20, timeout=1800),
+    # evaluations at round ends (eval_every a multiple of H) and at 80% of the budget (the target)
+    "quick": dict(budget=50, eval_every=5, sync_every=5, timeout=240),
+    "full": dict(budget=300, eval_every=20, sync_every=20, timeout=1800),
 }
 CONFIGS = ["ddp", "ddp-ckpt", "torchft-ddp", "torchft-diloco", "raftps-sync", "raftps-diloco", "raftps-diloco-async"]
 LABELS = {"ddp": "(a) DDP, no faults", "ddp-ckpt": "(b) DDP + checkpoint-restart",
@@ -130,12 +131,15 @@ def step_rate(rows: list[dict], until_unix: float | None) -> float | None:
     return (b["step"] - a["step"]) / (b["unix"] - a["unix"]) if b["unix"] > a["unix"] else None
 
 
-def short_steps(rows: list[dict], kill_unix: float | None, back_unix: float | None) -> int:
-    """Batches rank 0 took while the killed worker was away (its part of them lost)."""
-    if kill_unix is None:
+def short_steps(kill_step: int | None, resume_step: int | None) -> int | None:
+    """Batches the others took without the killed rank's part: from rank 0's step at the kill to the
+    batch the restarted rank resumed at (an upper bound by one: the batch in flight at the kill may
+    have had its part). None if it never came back."""
+    if kill_step is None:
         return 0
-    end = back_unix if back_unix is not None else float("inf")
-    return sum(kill_unix <= r["unix"] < end for r in rows)
+    if resume_step is None:
+        return None
+    return max(0, resume_step - kill_step)
 
 
 def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, budget: int, target: float,
@@ -211,7 +215,7 @@ class Supervised:
         self.argv, self.ranks, self.env, self.log_dir, self.restarts = argv, ranks, env, log_dir, restarts
         self.procs: dict[int, subprocess.Popen] = {}
         self.started: list[tuple[float, int]] = []       # (unix, rank) of every restart
-        self.back: dict[int, float] = {}                 # rank -> unix when its restart resumed training
+        self.back: dict[int, int] = {}                   # rank -> the batch its restart resumed at
         for r in range(ranks):
             self._start(r)
 
@@ -228,8 +232,10 @@ class Supervised:
                 self.started.append((time.time(), r))
                 self._start(r)
         for unix, r in self.started:      # the restarted rank's resume line: its first batch follows
-            if r not in self.back and _has_resume_line(os.path.join(self.log_dir, f"rank{r}.log"), r):
-                self.back[r] = time.time()
+            if r not in self.back:
+                resumed = _resume_step(os.path.join(self.log_dir, f"rank{r}.log"), r)
+                if resumed is not None:
+                    self.back[r] = resumed
 
     def kill_worker(self, rank: int | None = None) -> int:
         p = self.procs[self.ranks - 1 if rank is None else rank]
@@ -251,13 +257,18 @@ class Supervised:
             p.wait(10)
 
 
-def _has_resume_line(path: str, rank: int) -> bool:
-    """examples/common.py and bench/goodput_worker.py print ``[rank r] ...`` before a resumed rank's first batch."""
+def _resume_step(path: str, rank: int) -> int | None:
+    """The batch a restarted rank resumed at, from the line examples/common.py and
+    bench/goodput_worker.py print before a resumed rank's first batch (``[rank r] ... global batches S..``)."""
     try:
         with open(path, errors="replace") as f:
-            return any(line.startswith(f"[rank {rank}]") for line in f)
+            for line in f:
+                m = re.match(rf"\[rank {rank}\] .*global batch(?:es)? (\d+)", line)
+                if m:
+                    return int(m.group(1))
     except OSError:
-        return False
+        pass
+    return None
 
 
 # ---- one configuration under the fault schedule ------------------------------------------------
@@ -268,6 +279,7 @@ class Run:
     out: str                                   # the run's --out: metrics.csv
     launch_unix: float = field(default_factory=time.time)
     events: list[tuple[float, str]] = field(default_factory=list)
+    fault_steps: dict[str, int] = field(default_factory=dict)   # what was killed -> rank 0's step then
 
 
 def _last_step(rows: list[dict]) -> int:
@@ -287,6 +299,7 @@ def drive(run: Run, job: Any, budget: int, target: float | None, timeout: float,
         while pending and step >= pending[0][0] * budget:
             _, what, action = pending.pop(0)
             run.events.append((time.time(), f"SIGKILL {what}"))
+            run.fault_steps[what] = step
             log(f"goodput {run.name}: step {step}: SIGKILL {what}: {action()}")
         if job.done():
             return job.ok()
@@ -438,7 +451,8 @@ def run_torchft(s: Setup, name: str) -> dict[str, Any]:
     lighthouse_port = s.base_port + 699
     lh_log = open(os.path.join(out, "lighthouse.log"), "ab")
     lighthouse = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
-                                   "--min_replicas", "1", "--bind", f"127.0.0.1:{lighthouse_port}"],
+                                   "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+                                   "--bind", f"127.0.0.1:{lighthouse_port}"],
                                   stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     run = Run(name, out)
     groups: list[Torchrun] = []
@@ -524,10 +538,10 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
         cluster.stop()
         cluster.wipe()
     rows = batch_rows(read_rows(os.path.join(out, "metrics.csv")), completed)
-    kill = next((u for u, t in run.events if t.startswith("SIGKILL worker")), None)
+    kill = next((step for what, step in run.fault_steps.items() if what.startswith("worker")), None)
     extra = {"bytes_per_token": sum(bytes_seen.values()) / max(1, len(rows) * TOKENS_PER_BATCH),
              "bytes_how": "measured: client bytes into the 3 nodes / tokens computed",
-             "short_steps": short_steps(rows, kill, job.back.get(WORKERS - 1) if job else None),
+             "short_steps": short_steps(kill, job.back.get(WORKERS - 1) if job else None),
              "launcher": "one supervised process per rank (a dead one restarts alone)"}
     if name != "raftps-sync":
         extra["sync_every"] = s.sync_every
@@ -602,7 +616,7 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
         tokens = f"{r['tokens_to_target']:,}" if r["tokens_to_target"] is not None else "not reached"
         lines.append(f"| {r['label']} | {_f(r['wall_to_target_s'], '.1f') if r['wall_to_target_s'] else 'not reached'} "
                      f"| {tokens} | {_f(r['val_at_budget'], '.4f')} | {_f(r['final_val'], '.4f')} ({r['last_step']}) | "
-                     f"{r['recomputed_steps']} | {r['short_steps']} | {_f(r['bytes_per_token'], ',.0f')} "
+                     f"{r['recomputed_steps']} | {_f(r['short_steps'], 'd')} | {_f(r['bytes_per_token'], ',.0f')} "
                      f"({r['bytes_how']}) | {_f(r['steps_before_fault_per_s'])} | {r['launcher']} |")
     lines += ["", "Ratios (issue 30's targets apply to raftps DiLoCo: <= 0.7x of (b), <= 1.0x of (c)):", "",
               "| ratio | value | target |", "|---|---|---|"]

@@ -18,6 +18,9 @@ import sys
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Run as a script, this file's folder comes first on sys.path, and bench/profile.py would shadow
+# the standard library's profile module (torch imports cProfile).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -42,6 +45,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefix", default="goodput", help="raftps tensor prefix")
+    ap.add_argument("--wrapper", choices=["pure", "ddp"], default="pure",
+                    help="torchft-ddp: torchft.ddp.PureDistributedDataParallel or its DistributedDataParallel")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -97,9 +102,15 @@ def _manager(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ra
 
 def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     from torchft import DistributedDataParallel, Optimizer
+    from torchft.ddp import PureDistributedDataParallel
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     manager = _manager(model, [inner], rank, sync_quorum=False)
-    ddp, opt = DistributedDataParallel(manager, model), Optimizer(manager, inner)
+    # torchft 0.2.0's DistributedDataParallel (its comm hook) raised AssertionError (ddp.py:76,
+    # `assert fut._fut`) in the surviving replica groups once a peer was SIGKILLed, after "Connection
+    # closed by peer"; its pure-Python wrapper (an all-reduce per gradient, errors left to the
+    # manager) survives the kill, so --wrapper pure is the default here.
+    wrap = DistributedDataParallel if args.wrapper == "ddp" else PureDistributedDataParallel
+    ddp, opt = wrap(manager, model), Optimizer(manager, inner)
     rec = _metrics(args, meta, manager.current_step()) if rank == 0 else None
     short = open(os.path.join(args.out, "short_steps.txt"), "a") if rank == 0 else None
     ema = None

@@ -2,7 +2,8 @@
 # Everything `python -m bench` compares against, installed once (never from the test suite):
 #   .venv with raftps (cluster/setup.sh), Debian's etcd-server (etcd 3.4, the comparison store),
 #   cryptography (the naive store's pysyncobj password),
-#   and torch's CPU wheel (the torch.distributed all-reduce training baseline; optional).
+#   torch's CPU wheel (the torch.distributed all-reduce training baseline; optional),
+#   and torchft 0.2.0 (the goodput part's fault-tolerant baseline).
 # `python -m bench` runs this when etcd, torch or cryptography is missing; each step is skipped when done.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,5 +40,13 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     echo "bench setup: no torch wheel (set TORCH_WHEEL=path.whl); the torch all-reduce row will be skipped" >&2
   fi
 fi
+# torchft (the goodput part's fault-tolerant baseline; its wheel carries torchft_lighthouse), after
+# torch's CPU build so that pip does not resolve torchft's torch requirement to the CUDA build.
+if .venv/bin/python -c "import torch" >/dev/null 2>&1 && ! .venv/bin/python -c "import torchft" >/dev/null 2>&1; then
+  echo "bench setup: installing torchft 0.2.0"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "torchft==0.2.0" \
+    || echo "bench setup: torchft did not install; the goodput part's torchft rows will be skipped" >&2
+fi
 echo "bench setup: etcd $(command -v etcd >/dev/null && etcd --version | head -1 || echo missing);" \
-     "torch $(.venv/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing)"
+     "torch $(.venv/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo missing);" \
+     "torchft $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torchft"))' 2>/dev/null || echo missing)"
