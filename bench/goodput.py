@@ -377,7 +377,7 @@ def raftps_diloco_available() -> str | None:
         import raftps.torch as rpt
     except ImportError as e:
         return f"raftps.torch does not import: {e}"
-    params = inspect.signature(rpt.DistributedOptimizer.__init__).parameters
+    params = inspect.signature(rpt.DistributedOptimizer).parameters       # a class or a function
     modes = getattr(rpt, "MODES", ())
     if "model" not in params or "diloco" not in modes or "diloco-async" not in modes:
         return (f"raftps.torch.DistributedOptimizer does not take the wrapped form yet (modes {tuple(modes)}, "
