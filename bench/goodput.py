@@ -334,26 +334,30 @@ def client_bytes_in(cluster: Any) -> dict[str, float]:
     return out
 
 
-def param_bytes() -> int:
+def _char_gpt() -> Any:
+    """examples/char_gpt.py as a module (it imports torch)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
-        from char_gpt import DEFAULTS, build
+        import char_gpt
     finally:
         sys.path.pop(0)
-    model = build(0, DEFAULTS["batch"])[0]
+    return char_gpt
+
+
+def param_bytes() -> int:
+    model = _char_gpt().build(0, BATCH)[0]
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def char_gpt_lr() -> float:
+    return _char_gpt().DEFAULTS["lr"]
 
 
 def checkpoint_seconds(repeat: int = 5) -> float:
     """Median seconds of one torch.save of the char GPT's model and Adam state (what (b) writes)."""
     import statistics
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        from char_gpt import DEFAULTS, build
-    finally:
-        sys.path.pop(0)
-    model, batch_indices, loss_on, _ = build(0, DEFAULTS["batch"])
+    model, batch_indices, loss_on, _ = _char_gpt().build(0, BATCH)
     opt = torch.optim.Adam(model.parameters())
     loss_on(model, batch_indices(0)[:2]).backward()
     opt.step()                                          # Adam's state exists
@@ -409,6 +413,7 @@ class Setup:
     param_bytes: int
     target: float | None = None
     checkpoint_every: int = 0
+    checkpoint_timing: tuple[float, float] = (0.0, 0.0)     # one save, (a)'s step: ms
     runs: int = 0                               # configurations started: each gets its own ports
 
 
@@ -441,6 +446,7 @@ def run_ddp(s: Setup, name: str) -> dict[str, Any]:
              "all-reduced every batch", "short_steps": 0, "launcher": "one torchrun, --max-restarts 3"}
     if faulted:
         extra["checkpoint_every"] = s.checkpoint_every
+        extra["checkpoint_save_ms"], extra["step_ms_of_a"] = s.checkpoint_timing
     return _finish(s, run, rows, completed, extra)
 
 
@@ -623,9 +629,8 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
     for t in ratios(results):
         verdict = "" if t["met"] is None else ("met" if t["met"] else "NOT met")
         lines.append(f"| {t['what']} | {_f(t['ratio'])} | {verdict} |")
-    notes = [r for r in results if r.get("note")]
-    if notes:
-        lines += [""] + [f"- {r['label']}: {r['note']}" for r in notes]
+    lines += ["", "How each ran:", ""] + [f"- {r['label']}: {note(r, meta)}" for r in results
+                                           if "skipped" not in r and "error" not in r]
     lines += ["", f"![validation loss against wall time]({os.path.basename(png)})", ""]
     md = "\n".join(lines)
     with open(os.path.join(out, f"goodput{sfx}.md"), "w") as f:
@@ -633,6 +638,33 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
     with open(os.path.join(out, f"goodput{sfx}.json"), "w") as f:
         json.dump({"meta": meta, "results": results, "ratios": ratios(results)}, f, indent=1, default=str)
     return md
+
+
+def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
+    """What a configuration's figures mean, in one line."""
+    diloco = (f"H = {r.get('sync_every')}, inner AdamW (lr {meta.get('lr')}, weight decay 0.1, betas 0.9/0.95), "
+              "outer Nesterov momentum SGD (lr 0.7, momentum 0.9)")
+    return {
+        "ddp": f"torchrun, gloo all-reduce, torch.optim.Adam (lr {meta.get('lr')}); the target is its validation loss at "
+               f"{TARGET_AT:.0%} of the budget.",
+        "ddp-ckpt": f"rank 0 torch.saves model, Adam state and step every {r.get('checkpoint_every')} batches "
+                    f"(one save took {_f(r.get('checkpoint_save_ms'), '.0f')} ms against (a)'s "
+                    f"{_f(r.get('step_ms_of_a'), '.0f')} ms step: about {CHECKPOINT_COST:.0%}); torchrun restarts "
+                    "all 4 ranks, which load the checkpoint; the process group is built on a store prefix per "
+                    "restart (examples/common.py, init_gloo), without which the restarted group fails in "
+                    "init_process_group (Gloo connectFullMesh failed ... Connection refused).",
+        "torchft-ddp": "torchft.ddp.PureDistributedDataParallel + torchft.Optimizer over Adam (its "
+                       "DistributedDataParallel raised AssertionError at ddp.py:76 in the surviving replica "
+                       "groups once a peer was SIGKILLed); short steps: steps committed with fewer than 4 "
+                       "participants (rank 0's manager.num_participants()).",
+        "torchft-diloco": f"torchft.local_sgd.DiLoCo, {diloco}; synchronous quorum (its train_diloco.py); "
+                          "short steps: rounds committed with fewer than 4 participants.",
+        "raftps-sync": f"raftps.torch sync, Adam in the store (lr {meta.get('lr')}, as DDP's), step_timeout 10 s: a step waits that "
+                       "long for a dead rank; short steps: an upper bound by one (from rank 0's step at the kill "
+                       "to the restarted rank's first batch).",
+        "raftps-diloco": f"raftps.torch mode='diloco', {diloco} in the store.",
+        "raftps-diloco-async": f"raftps.torch mode='diloco-async', {diloco} in the store, staleness-aware.",
+    }.get(r["config"], "")
 
 
 def plot(results: list[dict[str, Any]], png: str, meta: dict[str, Any]) -> str:
@@ -687,6 +719,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, configs: list[str
                 save_s = checkpoint_seconds()
                 step_s = 1 / results[0]["steps_before_fault_per_s"]
                 s.checkpoint_every = max(1, round(save_s / (CHECKPOINT_COST * step_s)))
+                s.checkpoint_timing = (save_s * 1e3, step_s * 1e3)
                 log(f"goodput ddp-ckpt: torch.save {save_s * 1e3:.0f} ms, (a)'s step {step_s * 1e3:.0f} ms: "
                     f"a checkpoint every {s.checkpoint_every} batches")
             log(f"== goodput {name} (elapsed {time.monotonic() - t0:.0f} s)")
@@ -715,7 +748,8 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, configs: list[str
             "uptime_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      cwd=ROOT).stdout.strip(),
-            "torch": __import__("torch").__version__, "torchft": torchft_version, "param_bytes": s.param_bytes}
+            "torch": __import__("torch").__version__, "torchft": torchft_version, "param_bytes": s.param_bytes,
+            "lr": char_gpt_lr()}
     md = write_report(results, meta, out)
     print(md)
     return results
