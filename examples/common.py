@@ -4,7 +4,9 @@ and its evaluation, and calls ``train``.
 
 Backends (``--backend``):
   local   one process, torch.optim on the full batch;
-  ddp     torch DistributedDataParallel, gloo all-reduce (CPU), started by torchrun;
+  ddp     torch DistributedDataParallel, gloo all-reduce (CPU), started by torchrun; with
+          ``--checkpoint`` it saves and resumes (a ``--max-restarts`` restart builds its process
+          group again: ``init_gloo``);
   raftps  raftps.torch.DistributedOptimizer against a raftps cluster (``--cluster`` or
           RAFTPS_CLUSTER, token from RAFTPS_TOKEN / RAFTPS_TOKEN_FILE); ``--mode`` sync, async,
           ssp or easgd. Started by torchrun or anything that sets RANK and WORLD_SIZE.
