@@ -139,7 +139,7 @@ def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ra
     H = args.sync_every
     rec = None
     ema = None
-    with DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False) as diloco:
+    with DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False):
         local = 0                                     # inner steps since the last round
         while manager.current_step() * H + local < args.steps:
             g = manager.current_step() * H + local    # the round's steps: the same batches on a rejoin

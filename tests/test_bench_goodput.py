@@ -1,5 +1,5 @@
-"""bench/goodput.py's target, recompute, short-step and report logic on made-up curves (no torch
-processes, no cluster, no timing)."""
+"""bench/goodput_report.py's target, recompute, short-step and report logic, and the resume line
+bench/goodput_launch.py reads, on made-up curves (no torch processes, no cluster, no timing)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bench import goodput
+from bench import goodput_launch, goodput_report
 
 T0 = 1000.0        # the launch, unix seconds
 
@@ -23,10 +23,10 @@ def curve(steps: range, start_s: float, per_step: float, val_at: dict[int, float
 
 def test_target_is_the_ceilings_loss_at_80_percent_of_the_budget():
     ceiling = rows(curve(range(1, 41), 5.0, 1.0, {4 * k: 4.0 - 0.05 * k for k in range(1, 11)}))
-    assert goodput.target_from(ceiling, 40) == pytest.approx(4.0 - 0.05 * 8)      # step 32
-    assert goodput.target_from(ceiling, 38) == pytest.approx(4.0 - 0.05 * 8)      # 30.4: first eval past it
+    assert goodput_report.target_from(ceiling, 40) == pytest.approx(4.0 - 0.05 * 8)      # step 32
+    assert goodput_report.target_from(ceiling, 38) == pytest.approx(4.0 - 0.05 * 8)      # 30.4: first eval past it
     with pytest.raises(ValueError):
-        goodput.target_from(ceiling[:20], 40)
+        goodput_report.target_from(ceiling[:20], 40)
 
 
 def test_a_resume_from_a_checkpoint_counts_recomputed_batches_and_their_tokens():
@@ -34,66 +34,66 @@ def test_a_resume_from_a_checkpoint_counts_recomputed_batches_and_their_tokens()
     before = curve(range(1, 13), 5.0, 1.0, {4: 3.5, 8: 3.0, 12: 2.8})
     after = curve(range(11, 31), 40.0, 1.0, {12: 2.8, 16: 2.7, 20: 2.6, 24: 2.5, 28: 2.45})
     r = rows(before + after)
-    assert goodput.recomputed(r) == 2
-    hit = goodput.reached(r, 2.5)
+    assert goodput_report.recomputed(r) == 2
+    hit = goodput_report.reached(r, 2.5)
     assert hit["step"] == 24 and hit["batches"] == 12 + 14       # 26 batches computed to reach step 24
-    s = goodput.summarize("ddp-ckpt", r, False, T0, 20, 2.5, [(T0 + 17.0, "SIGKILL worker")], {"short_steps": 0})
+    s = goodput_report.summarize("ddp-ckpt", r, False, T0, 20, 2.5, [(T0 + 17.0, "SIGKILL worker")], {"short_steps": 0})
     assert s["wall_to_target_s"] == pytest.approx(40.0 + 13)
-    assert s["tokens_to_target"] == 26 * goodput.TOKENS_PER_BATCH
+    assert s["tokens_to_target"] == 26 * goodput_report.TOKENS_PER_BATCH
     assert s["recomputed_steps"] == 2 and s["val_at_budget"] == 2.6 and s["final_val"] == 2.45
     assert s["steps_before_fault_per_s"] == pytest.approx(1.0)   # the rows before the kill only
 
 
 def test_a_run_that_never_reaches_the_target_reports_none():
     r = rows(curve(range(1, 81), 5.0, 0.5, {4 * k: 3.0 for k in range(1, 21)}))
-    s = goodput.summarize("raftps-sync", r, True, T0, 40, 2.5, [], {})
+    s = goodput_report.summarize("raftps-sync", r, True, T0, 40, 2.5, [], {})
     assert s["wall_to_target_s"] is None and s["tokens_to_target"] is None and s["last_step"] == 80
 
 
 def test_a_completed_runs_final_evaluation_row_is_no_batch():
     r = rows([(6.0, 1, 3.0), (7.0, 2, 2.9), (7.5, 2, 2.85)])
-    assert len(goodput.batch_rows(r, completed=True)) == 2
-    assert len(goodput.batch_rows(r, completed=False)) == 3
-    assert goodput.recomputed(goodput.batch_rows(r, completed=True)) == 0
+    assert len(goodput_report.batch_rows(r, completed=True)) == 2
+    assert len(goodput_report.batch_rows(r, completed=False)) == 3
+    assert goodput_report.recomputed(goodput_report.batch_rows(r, completed=True)) == 0
 
 
 def test_short_steps_run_from_the_kill_to_the_restarted_ranks_resume():
-    assert goodput.short_steps(kill_step=12, resume_step=13) == 1
-    assert goodput.short_steps(kill_step=12, resume_step=12) == 0
-    assert goodput.short_steps(kill_step=12, resume_step=None) is None     # never came back
-    assert goodput.short_steps(kill_step=None, resume_step=None) == 0      # no worker kill
+    assert goodput_report.short_steps(kill_step=12, resume_step=13) == 1
+    assert goodput_report.short_steps(kill_step=12, resume_step=12) == 0
+    assert goodput_report.short_steps(kill_step=12, resume_step=None) is None     # never came back
+    assert goodput_report.short_steps(kill_step=None, resume_step=None) == 0      # no worker kill
 
 
 def test_the_resume_step_is_read_from_the_restarted_ranks_line(tmp_path):
     log = tmp_path / "rank3.log"
     log.write_text("[rank 0] not this rank: global batches 5..80\n"
                    "[rank 3] char_gpt: raftps sync x4, 1,278,720 parameters, global batches 13..80 (start_step 13)\n")
-    assert goodput._resume_step(str(log), 3) == 13
+    assert goodput_launch._resume_step(str(log), 3) == 13
     log.write_text("[rank 3] char_gpt: resumed at global batch 20\n")
-    assert goodput._resume_step(str(log), 3) == 20
-    assert goodput._resume_step(str(log), 2) is None
-    assert goodput._resume_step(str(tmp_path / "missing.log"), 3) is None
+    assert goodput_launch._resume_step(str(log), 3) == 20
+    assert goodput_launch._resume_step(str(log), 2) is None
+    assert goodput_launch._resume_step(str(tmp_path / "missing.log"), 3) is None
 
 
 def test_report_ratios_and_files(tmp_path):
     pytest.importorskip("matplotlib")
     ceiling = rows(curve(range(1, 41), 5.0, 1.0, {4 * k: 4.0 - 0.05 * k for k in range(1, 11)}))
-    a = goodput.summarize("ddp", ceiling, False, T0, 40, 3.6, [], {"short_steps": 0, "bytes_per_token": 1.0,
+    a = goodput_report.summarize("ddp", ceiling, False, T0, 40, 3.6, [], {"short_steps": 0, "bytes_per_token": 1.0,
                                                                     "bytes_how": "x", "launcher": "y"})
     slow = rows(curve(range(1, 41), 5.0, 2.0, {4 * k: 4.0 - 0.05 * k for k in range(1, 11)}))
-    b = goodput.summarize("ddp-ckpt", slow, False, T0, 40, 3.6, [(T0 + 30, "SIGKILL worker")],
+    b = goodput_report.summarize("ddp-ckpt", slow, False, T0, 40, 3.6, [(T0 + 30, "SIGKILL worker")],
                           {"short_steps": 0, "bytes_per_token": 1.0, "bytes_how": "x", "launcher": "y"})
-    d = goodput.summarize("raftps-diloco", ceiling, False, T0, 40, 3.6,
+    d = goodput_report.summarize("raftps-diloco", ceiling, False, T0, 40, 3.6,
                           [(T0 + 17, "SIGKILL worker"), (T0 + 29, "SIGKILL store leader")],
                           {"short_steps": 3, "bytes_per_token": 0.1, "bytes_how": "x", "launcher": "y"})
     for r, c in ((a, ceiling), (b, slow), (d, ceiling)):
         r["curve"] = [(x["unix"] - T0, x["val"]) for x in c if x["val"] is not None]
     skipped = {"config": "torchft-ddp", "label": "(c) torchft DDP", "skipped": "not installed"}
-    (ratio,) = [t for t in goodput.ratios([a, b, d, skipped]) if t["limit"] is not None]
+    (ratio,) = [t for t in goodput_report.ratios([a, b, d, skipped]) if t["limit"] is not None]
     assert ratio["ratio"] == pytest.approx((5.0 + 31) / (5.0 + 62)) and ratio["met"] is True
     meta = {"mode": "quick", "budget": 40, "command": "c", "date": "d", "commit": "x", "machine": "m", "torch": "t",
             "torchft": "f", "uptime_start": "u0", "uptime_end": "u1"}
-    md = goodput.write_report([a, b, skipped, d], meta, str(tmp_path))
+    md = goodput_report.write_report([a, b, skipped, d], meta, str(tmp_path))
     assert "skipped: not installed" in md and "loaded" in md and "| met |" in md
     for name in ("goodput_quick.md", "goodput_quick.json", "goodput_quick.png"):
         assert os.path.getsize(tmp_path / name) > 0

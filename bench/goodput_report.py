@@ -1,0 +1,238 @@
+"""bench/goodput.py's measurements and report: pure functions of rank 0's metrics.csv rows
+(examples/common.py's Metrics) and of the fault events, the ratios, goodput*.md/.json/.png. No
+torch, no processes: tests/test_bench_goodput.py checks them on made-up curves."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any
+
+WORKERS = 4
+BATCH, BLOCK = 32, 64                       # char_gpt.py's global batch and window
+TOKENS_PER_BATCH = BATCH * BLOCK
+WORKER_KILL_AT, LEADER_KILL_AT, TARGET_AT = 0.3, 0.6, 0.8
+CHECKPOINT_COST = 0.05                      # (b)'s checkpoint interval: saving costs about this share
+LABELS = {"ddp": "(a) DDP, no faults", "ddp-ckpt": "(b) DDP + checkpoint-restart",
+          "torchft-ddp": "(c) torchft DDP", "torchft-diloco": "(c) torchft DiLoCo",
+          "raftps-sync": "(d) raftps sync", "raftps-diloco": "(e) raftps DiLoCo",
+          "raftps-diloco-async": "(f) raftps async DiLoCo"}
+
+
+
+# ---- reading a run: pure functions of metrics.csv rows (tests/test_bench_goodput.py) ----------
+
+def read_rows(path: str) -> list[dict[str, float | None]]:
+    """metrics.csv (examples/common.py's Metrics) as dicts: time, step, loss, val (None if not evaluated), unix."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return [{"time": float(r["time"]), "step": int(r["step"]), "loss": float(r["loss"]),
+                 "val": float(r["val_loss"]) if r["val_loss"] != "" else None, "unix": float(r["unix"])}
+                for r in csv.DictReader(f) if r.get("unix")]
+
+
+def batch_rows(rows: list[dict], completed: bool) -> list[dict]:
+    """The rows that are computed batches: a completed run's last row repeats its last step for
+    the final evaluation and is no batch."""
+    if completed and len(rows) >= 2 and rows[-1]["step"] == rows[-2]["step"]:
+        return rows[:-1]
+    return rows
+
+
+def recomputed(rows: list[dict]) -> int:
+    """Batches rank 0 computed again: rows whose step it had already passed (a resume from a checkpoint)."""
+    done, again = 0, 0
+    for r in rows:
+        again += r["step"] <= done
+        done = max(done, r["step"])
+    return again
+
+
+def target_from(rows: list[dict], budget: int, at: float = TARGET_AT) -> float:
+    """The ceiling's validation loss at ``at`` of the budget: its first evaluation at or past that step."""
+    step = at * budget
+    for r in rows:
+        if r["val"] is not None and r["step"] >= step:
+            return r["val"]
+    raise ValueError(f"no evaluation at or after step {step:g} (of {budget})")
+
+
+def reached(rows: list[dict], target: float) -> dict | None:
+    """The first evaluated row at or below the target, with the batches computed up to it."""
+    for i, r in enumerate(rows):
+        if r["val"] is not None and r["val"] <= target:
+            return {**r, "batches": i + 1}
+    return None
+
+
+def val_at(rows: list[dict], step: int) -> float | None:
+    """The first evaluation at or past ``step`` (the budget), else None."""
+    return next((r["val"] for r in rows if r["val"] is not None and r["step"] >= step), None)
+
+
+def step_rate(rows: list[dict], until_unix: float | None) -> float | None:
+    """Global batches per second over the rows before ``until_unix`` (the first fault; None: all),
+    leaving out the first 10% of them (start-up)."""
+    rows = [r for r in rows if until_unix is None or r["unix"] < until_unix]
+    if len(rows) < 5:
+        return None
+    a, b = rows[len(rows) // 10], rows[-1]
+    return (b["step"] - a["step"]) / (b["unix"] - a["unix"]) if b["unix"] > a["unix"] else None
+
+
+def short_steps(kill_step: int | None, resume_step: int | None) -> int | None:
+    """Batches the others took without the killed rank's part: from rank 0's step at the kill to the
+    batch the restarted rank resumed at (an upper bound by one: the batch in flight at the kill may
+    have had its part). None if it never came back."""
+    if kill_step is None:
+        return 0
+    if resume_step is None:
+        return None
+    return max(0, resume_step - kill_step)
+
+
+def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, budget: int, target: float,
+              events: list[tuple[float, str]], extra: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's report row from its metrics rows and fault events (unix, text)."""
+    rows = batch_rows(rows, completed)
+    hit = reached(rows, target)
+    first_fault = min((u for u, text in events if text.startswith("SIGKILL")), default=None)
+    evals = [r for r in rows if r["val"] is not None]
+    out = {"config": name, "label": LABELS.get(name, name), "target": target, "budget": budget,
+           "batches": len(rows), "last_step": rows[-1]["step"] if rows else 0,
+           "wall_to_target_s": hit["unix"] - launch_unix if hit else None,
+           "tokens_to_target": hit["batches"] * TOKENS_PER_BATCH if hit else None,
+           "step_at_target": hit["step"] if hit else None,
+           "val_at_budget": val_at(rows, budget), "final_val": evals[-1]["val"] if evals else None,
+           "recomputed_steps": recomputed(rows), "steps_before_fault_per_s": step_rate(rows, first_fault),
+           "first_step_s": rows[0]["unix"] - rows[0]["time"] - launch_unix if rows else None,
+           "events": [(u - launch_unix, text) for u, text in events]}
+    out.update(extra)
+    return out
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def _f(x: Any, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 30's goodput targets: raftps DiLoCo's wall time to the target against (b) and (c)."""
+    by = {r["config"]: r for r in results if "error" not in r and "skipped" not in r}
+    out = []
+    for ours in ("raftps-diloco", "raftps-diloco-async", "raftps-sync"):
+        for theirs, limit in (("ddp-ckpt", 0.7), ("torchft-ddp", 1.0), ("torchft-diloco", 1.0)):
+            a, b = by.get(ours), by.get(theirs)
+            if a is None or b is None:
+                continue
+            ta, tb = a["wall_to_target_s"], b["wall_to_target_s"]
+            ratio = ta / tb if ta is not None and tb is not None else None
+            out.append({"what": f"{LABELS[ours]} / {LABELS[theirs]}, wall time to target", "ratio": ratio,
+                        "limit": limit if ours == "raftps-diloco" else None,
+                        "met": None if ours != "raftps-diloco" else (ratio is not None and ratio <= limit)})
+    return out
+
+
+def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) -> str:
+    """goodput.{md,json,png} (quick: goodput_quick.*)."""
+    sfx = "" if meta["mode"] == "full" else "_quick"
+    os.makedirs(out, exist_ok=True)
+    png = plot(results, os.path.join(out, f"goodput{sfx}.png"), meta)
+    target = next((r["target"] for r in results if "target" in r), None)
+    lines = [f"# Goodput under faults: char GPT x{WORKERS}, {meta['budget']} global batches "
+             f"({meta['budget'] * TOKENS_PER_BATCH:,} tokens)", "",
+             f"`{meta['command']}`, {meta['date']}, commit {meta['commit']}, {meta['machine']}, torch {meta['torch']}, "
+             f"torchft {meta['torchft']}. `uptime` at the start: `{meta['uptime_start']}`; at the end: "
+             f"`{meta['uptime_end']}`. **Taken on a loaded, shared 2-core machine**: every worker of every "
+             "configuration shares those cores with other people's work, so times are noisy; compare within this run.",
+             "",
+             f"Faults: a worker SIGKILLed at {WORKER_KILL_AT:.0%} of the budget (its launcher starts it again), the "
+             f"store's leader SIGKILLed at {LEADER_KILL_AT:.0%} (raftps only). Target: (a)'s validation loss at "
+             f"{TARGET_AT:.0%} of the budget = **{_f(target, '.4f')}**. Wall time counts from the launch (process "
+             "start, imports, rendezvous included); tokens count every batch computed, recomputed ones too. "
+             f"A run stops past the budget once it has reached the target, at the latest at {2 * meta['budget']} batches.",
+             "",
+             "| configuration | wall s to target | tokens to target | val loss at budget | final val loss "
+             "(at batch) | recomputed steps | steps short of the killed worker | bytes/token | steps/s before faults "
+             "| launcher |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r or "error" in r:
+            lines.append(f"| {r['label']} | {'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['error']} "
+                         "| | | | | | | | |")
+            continue
+        tokens = f"{r['tokens_to_target']:,}" if r["tokens_to_target"] is not None else "not reached"
+        lines.append(f"| {r['label']} | {_f(r['wall_to_target_s'], '.1f') if r['wall_to_target_s'] else 'not reached'} "
+                     f"| {tokens} | {_f(r['val_at_budget'], '.4f')} | {_f(r['final_val'], '.4f')} ({r['last_step']}) | "
+                     f"{r['recomputed_steps']} | {_f(r['short_steps'], 'd')} | {_f(r['bytes_per_token'], ',.0f')} "
+                     f"({r['bytes_how']}) | {_f(r['steps_before_fault_per_s'])} | {r['launcher']} |")
+    lines += ["", "Ratios (issue 30's targets apply to raftps DiLoCo: <= 0.7x of (b), <= 1.0x of (c)):", "",
+              "| ratio | value | target |", "|---|---|---|"]
+    for t in ratios(results):
+        verdict = "" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        lines.append(f"| {t['what']} | {_f(t['ratio'])} | {verdict} |")
+    lines += ["", "How each ran:", ""] + [f"- {r['label']}: {note(r, meta)}" for r in results
+                                           if "skipped" not in r and "error" not in r]
+    lines += ["", f"![validation loss against wall time]({os.path.basename(png)})", ""]
+    md = "\n".join(lines)
+    with open(os.path.join(out, f"goodput{sfx}.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, f"goodput{sfx}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results, "ratios": ratios(results)}, f, indent=1, default=str)
+    return md
+
+
+def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
+    """What a configuration's figures mean, in one line."""
+    diloco = (f"H = {r.get('sync_every')}, inner AdamW (lr {meta.get('lr')}, weight decay 0.1, betas 0.9/0.95), "
+              "outer Nesterov momentum SGD (lr 0.7, momentum 0.9)")
+    return {
+        "ddp": f"torchrun, gloo all-reduce, torch.optim.Adam (lr {meta.get('lr')}); the target is its validation loss at "
+               f"{TARGET_AT:.0%} of the budget.",
+        "ddp-ckpt": f"rank 0 torch.saves model, Adam state and step every {r.get('checkpoint_every')} batches "
+                    f"(one save took {_f(r.get('checkpoint_save_ms'), '.0f')} ms against (a)'s "
+                    f"{_f(r.get('step_ms_of_a'), '.0f')} ms step: about {CHECKPOINT_COST:.0%}); torchrun restarts "
+                    "all 4 ranks, which load the checkpoint; the process group is built on a store prefix per "
+                    "restart (examples/common.py, init_gloo), without which the restarted group fails in "
+                    "init_process_group (Gloo connectFullMesh failed ... Connection refused).",
+        "torchft-ddp": "torchft.ddp.PureDistributedDataParallel + torchft.Optimizer over Adam (its "
+                       "DistributedDataParallel raised AssertionError at ddp.py:76 in the surviving replica "
+                       "groups once a peer was SIGKILLed); short steps: steps committed with fewer than 4 "
+                       "participants (rank 0's manager.num_participants()).",
+        "torchft-diloco": f"torchft.local_sgd.DiLoCo, {diloco}; synchronous quorum (its train_diloco.py); "
+                          "short steps: rounds committed with fewer than 4 participants.",
+        "raftps-sync": f"raftps.torch sync, Adam in the store (lr {meta.get('lr')}, as DDP's), step_timeout 10 s: a step waits that "
+                       "long for a dead rank; short steps: an upper bound by one (from rank 0's step at the kill "
+                       "to the restarted rank's first batch).",
+        "raftps-diloco": f"raftps.torch mode='diloco', {diloco} in the store.",
+        "raftps-diloco-async": f"raftps.torch mode='diloco-async', {diloco} in the store, staleness-aware.",
+    }.get(r["config"], "")
+
+
+def plot(results: list[dict[str, Any]], png: str, meta: dict[str, Any]) -> str:
+    """Validation loss against wall time since launch, faults as dotted lines in the run's colour."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    target = next((r["target"] for r in results if "target" in r), None)
+    for i, r in enumerate(x for x in results if x.get("curve")):
+        colour = f"C{i}"
+        ax.plot([t for t, _ in r["curve"]], [v for _, v in r["curve"]], marker=".", color=colour, label=r["label"])
+        for t, text in r.get("events", []):
+            if text.startswith("SIGKILL"):
+                ax.axvline(t, color=colour, linestyle=":" if "worker" in text else "--", linewidth=1)
+    if target is not None:
+        ax.axhline(target, color="black", linewidth=0.8, label=f"target {target:.3f}")
+    ax.plot([], [], color="grey", linestyle=":", label="worker SIGKILL")
+    ax.plot([], [], color="grey", linestyle="--", label="store leader SIGKILL")
+    ax.set(xlabel="seconds since launch", ylabel="validation loss",
+           title=f"char GPT x{WORKERS}, {meta['budget']} global batches, faults at "
+                 f"{WORKER_KILL_AT:.0%} / {LEADER_KILL_AT:.0%} ({meta['mode']}; loaded machine)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
