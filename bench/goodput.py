@@ -16,9 +16,12 @@ its launcher starts it again; at 60% the store's leader is SIGKILLed (raftps run
                     torchrun (``--max-restarts``), a ``torchft_lighthouse --min_replicas 1``;
   (d) raftps-sync   raftps.torch sync (store-side Adam) on a fresh 3-node LocalCluster;
   (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping AdamW with an outer
-                    Nesterov step in the store (skipped, with the reason, while raftps.torch does
+                    Nesterov step in the store (skipped, with the reason, where raftps.torch does
                     not take that form).
 raftps workers run one supervised process each (the supervisor restarts a dead one alone).
+The torchft and raftps DiLoCo workers are bench/goodput_worker.py; the launchers are
+bench/goodput_launch.py; what is measured and reported, from rank 0's metrics.csv, is
+bench/goodput_report.py.
 
 A configuration runs until it has passed the budget and reached the target, or twice the budget.
 Reported per configuration: wall time (from the launch) and tokens (global batches computed,
@@ -29,7 +32,8 @@ all-reduced per token (computed: every rank's gradient, or pseudo-gradient every
 step rate before the first fault. Writes goodput.{md,json,png} (--quick: goodput_quick.*).
 
 Ports from --base-port B: raftps clusters at B+700+10i (+1..3, +101..103, +201..203, +301..303
-/metrics), torchrun rendezvous B+690..B+698 (torchft replica groups B+680..B+683), the torchft lighthouse B+699.
+/metrics), torchrun rendezvous B+690..B+698 (torchft replica groups B+680..B+683), the torchft
+lighthouse B+699.
 """
 from __future__ import annotations
 
