@@ -223,11 +223,14 @@ def plot(results: list[dict[str, Any]], png: str, meta: dict[str, Any]) -> str:
         for t, text in r.get("events", []):
             if text.startswith("SIGKILL"):
                 ax.axvline(t, color=colour, linestyle=":" if "worker" in text else "--", linewidth=1)
+    starts = [r["curve"][0][1] for r in results if r.get("curve")]
+    if starts:     # a diverging run would squash the others: cut the axis a little above the first evaluation
+        ax.set_ylim(top=max(starts) + 0.3)
     if target is not None:
         ax.axhline(target, color="black", linewidth=0.8, label=f"target {target:.3f}")
     ax.plot([], [], color="grey", linestyle=":", label="worker SIGKILL")
     ax.plot([], [], color="grey", linestyle="--", label="store leader SIGKILL")
-    ax.set(xlabel="seconds since launch", ylabel="validation loss",
+    ax.set(xlabel="seconds since launch", ylabel="validation loss (axis cut above the start)",
            title=f"char GPT x{WORKERS}, {meta['budget']} global batches, faults at "
                  f"{WORKER_KILL_AT:.0%} / {LEADER_KILL_AT:.0%} ({meta['mode']}; loaded machine)")
     ax.grid(alpha=0.3)
