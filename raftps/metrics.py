@@ -4,9 +4,9 @@ Most of what a scrape shows is read from the node at scrape time by ``NodeCollec
 term, indices and peers' match indices from pysyncobj, the store's counters and staleness
 histogram from the state machine, payload files from the payload store, connections from the
 client server. Only what happens between scrapes and is not kept anywhere else is counted as it
-happens, in ``Instruments``: requests by op and outcome, client bytes, commit and apply latencies,
-leader changes, snapshots. Each node has its own registry, so several nodes in one process (tests)
-do not mix. Names follow Prometheus conventions: ``raftps_<thing>_<unit>``, ``_total`` for counters.
+happens: by the client server in ``ServerInstruments`` (requests by op and outcome, client bytes),
+by each replica in its ``Instruments`` (write, commit and apply latencies, leader changes,
+snapshots). Each node has its own registries, so several nodes in one process (tests) do not mix. Names follow Prometheus conventions: ``raftps_<thing>_<unit>``, ``_total`` for counters.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -29,8 +30,12 @@ APPLY_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.0
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 1024, 4096)
 
 
-class Instruments:
-    """What the node's code paths count and time as it happens."""
+ERRORS_HELP = "Errors by class: refused requests, internal errors, failed payload fetches"
+
+
+class ServerInstruments:
+    """What the node's client server counts as it happens, for the node as a whole (a request
+    may span Raft groups): requests by op and outcome, client bytes, refused requests."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -39,6 +44,18 @@ class Instruments:
                                 "(ok, retry, or the error's class)", ["op", "outcome"], registry=r)
         self.client_bytes = Counter("raftps_client_bytes", "Bytes of client frames, by direction (in, out)",
                                     ["direction"], registry=r)
+        self.errors = Counter("raftps_errors", ERRORS_HELP, ["class"], registry=r)
+        for direction in ("in", "out"):
+            self.client_bytes.labels(direction)
+
+
+class Instruments:
+    """What one replica's code paths count and time as it happens: its writes, commits and
+    applies, leader changes, snapshots and failed payload fetches."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
         self.write_seconds = Histogram("raftps_write_seconds", "A write at the leader: payload replication, "
                                        "commit and apply, until its result", buckets=LATENCY_BUCKETS, registry=r)
         self.commit_seconds = Histogram("raftps_commit_seconds", "From proposing an entry to Raft to its apply "
@@ -48,12 +65,45 @@ class Instruments:
         self.leader_changes = Counter("raftps_leader_changes", "Times this node saw a new leader", registry=r)
         self.snapshots = Counter("raftps_snapshots", "Snapshots written (write) and loaded (load)",
                                  ["kind"], registry=r)
-        self.errors = Counter("raftps_errors", "Errors by class: refused requests, internal errors, "
-                              "failed payload fetches", ["class"], registry=r)
+        self.errors = Counter("raftps_errors", ERRORS_HELP, ["class"], registry=r)
         for kind in ("write", "load"):
             self.snapshots.labels(kind)
-        for direction in ("in", "out"):
-            self.client_bytes.labels(direction)
+
+
+class InstrumentsCollector(Collector):
+    """The server's and every hosted replica's instruments as one set of families. With several
+    Raft groups a replica's samples carry a ``group`` label (one group: no label, as always); the
+    server's do not, since a request may span groups. ``raftps_errors`` is fed by both: refused
+    requests without a group, a replica's failed payload fetches with its group."""
+
+    def __init__(self, server: ServerInstruments | None, replicas: "dict[int, Instruments]"):
+        self.server = server
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        labelled = len(self.replicas) > 1
+        sources: list[tuple[int | None, CollectorRegistry]] = [(None, self.server.registry)] if self.server else []
+        sources += [(g, self.replicas[g].registry) for g in sorted(self.replicas)]
+        families: dict[str, Metric] = {}
+        values: dict[str, dict[tuple, Sample]] = {}
+        for group, registry in sources:
+            for metric in registry.collect():
+                if metric.name not in families:
+                    families[metric.name] = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                    values[metric.name] = {}
+                samples = values[metric.name]
+                for s in metric.samples:
+                    labels = {**s.labels, "group": str(group)} if labelled and group is not None else dict(s.labels)
+                    key = (s.name, tuple(sorted(labels.items())))
+                    seen = samples.get(key)
+                    if seen is None:
+                        samples[key] = Sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+                    else:                    # one node's server and replica counting one class
+                        merged = min(seen.value, s.value) if s.name.endswith("_created") else seen.value + s.value
+                        samples[key] = seen._replace(value=merged)
+        for name, metric in families.items():
+            metric.samples = list(values[name].values())
+            yield metric
 
 
 class NodeCollector(Collector):
@@ -176,17 +226,21 @@ def _payload_files(directory: str) -> tuple[int, int]:
     return files, spares
 
 
-def serve(node: "RaftNode", server: "ClientServer", host: str, port: int,
+def serve(node: "RaftNode", server: "ClientServer | None", host: str, port: int,
           tls: tuple[str, str] | None = None) -> Any:
     """Serve ``/metrics`` on host:port (HTTPS with ``tls`` = (cert, key)); None if it cannot bind.
-    The state of every Raft group the server hosts; the request and latency instruments of
-    ``node`` (its first group's replica).
+    The state and instruments of every Raft group the server hosts (``node`` alone without a
+    server), each group's labelled ``group`` when there are several, and the server's counters.
 
     A node that cannot bind its metrics port logs why and serves clients without metrics: losing
     monitoring must not take a Raft member out of the cluster."""
-    node.instruments.registry.register(NodeCollector(server.replicas if server is not None else node, server))
+    replicas = server.replicas if server is not None else {0: node}
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(NodeCollector(replicas, server))
+    registry.register(InstrumentsCollector(server.instruments if server is not None else None,
+                                           {g: r.instruments for g, r in replicas.items()}))
     try:
-        http, _ = start_http_server(port, addr=host, registry=node.instruments.registry,
+        http, _ = start_http_server(port, addr=host, registry=registry,
                                     certfile=tls[0] if tls else None, keyfile=tls[1] if tls else None)
     except OSError as exc:
         log.error("metrics: cannot serve on %s:%d (%s); going on without /metrics", host, port, exc)

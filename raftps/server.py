@@ -27,6 +27,7 @@ from .machine import snapshot_digest
 from .tensor import check_finite, check_group, check_tensors
 from .moves import MOVE_OPS
 from .groups import Layout
+from .metrics import ServerInstruments
 from .node import RaftNode, offset_address
 from .raft import NotApplied
 from .rbac import Identity
@@ -58,7 +59,7 @@ class ClientServer:
         """``replicas``: this node's replica of each Raft group it hosts (one RaftNode: group 0
         of a one-group cluster). Requests name their group (``raft_group``, default 0)."""
         self.replicas = replicas if isinstance(replicas, dict) else {0: replicas}
-        self.node = node = self.replicas[min(self.replicas)]   # the node's first replica: config, metrics
+        self.node = node = self.replicas[min(self.replicas)]   # the node's first replica: its config
         self.layout, self.client_offset = layout, client_offset   # every node's client port: Raft port + offset
         config = node.config
         self.limits = config.limits
@@ -74,7 +75,7 @@ class ClientServer:
         self._open: dict[str, int] = {}           # client IP -> open connections
         self._open_lock = threading.Lock()
         self.sock = socket.create_server((host, port), backlog=128)
-        self.instruments = node.instruments
+        self.instruments = ServerInstruments()
         self._bytes_in = self.instruments.client_bytes.labels("in")
         self._bytes_out = self.instruments.client_bytes.labels("out")
         # op -> handler(request, identity), for the node as a whole

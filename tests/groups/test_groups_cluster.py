@@ -204,6 +204,44 @@ def test_metrics_have_a_sample_per_group(cluster) -> None:
     assert sorted(s.labels["group"] for s in roles) == ["0", "1", "2"]
 
 
+def test_metrics_export_every_groups_write_commit_and_apply_histograms(cluster) -> None:
+    """Each node's /metrics has the instruments of every Raft group it hosts, labelled by group:
+    a group's leader timed its writes and commits, every replica its applies."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    names = [f"metrics/{i}" for i in range(12)]
+    with cluster.client(timeout=30.0) as c:
+        c.create_many({n: np.zeros(4, np.float32) for n in names}, {n: SGD for n in names})
+        assert {group_of(n, 3) for n in names} == {0, 1, 2}
+        for _ in range(3):
+            c.push({n: np.ones(4, np.float32) for n in names})
+    rows = wait_identical(cluster)
+    leaders = {g: next(r["node"] for r in members if r["role"] == "leader") for g, members in rows.items()}
+    metrics_at = {r["node"]: r["metrics"] for r in cluster.status() if r.get("metrics")}
+    assert sorted(metrics_at) == [1, 2, 3]
+    for node, address in metrics_at.items():
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+        samples = {(s.name, frozenset(s.labels.items())): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        for g in ("0", "1", "2"):
+            count = lambda name: samples.get((name, frozenset({"group": g}.items())), 0.0)
+            assert count("raftps_apply_seconds_count") >= 4, (node, g)      # create + 3 pushes
+            assert count("raftps_leader_changes_total") >= 1, (node, g)
+            assert (("raftps_snapshots_total", frozenset({"group": g, "kind": "write"}.items())) in samples)
+            if leaders[int(g)] == node:
+                assert count("raftps_write_seconds_count") >= 4, (node, g)
+                assert count("raftps_commit_seconds_count") >= 4, (node, g)
+            buckets = [v for (name, labels), v in samples.items()
+                       if name == "raftps_apply_seconds_bucket" and ("group", g) in labels]
+            assert len(buckets) > 1 and max(buckets) == count("raftps_apply_seconds_count")
+        # no group's histogram goes out without its label; the server's counters carry none
+        assert not [k for k in samples if k[0].startswith(("raftps_write_seconds", "raftps_commit_seconds",
+                                                            "raftps_apply_seconds")) and "group" not in dict(k[1])]
+        requests = [dict(labels) for name, labels in samples if name == "raftps_requests_total"]
+        assert requests and all("group" not in labels for labels in requests)
+
+
 def test_backup_of_three_groups_restores_every_group(cluster, tmp_path) -> None:
     """raftps snapshot save of a 3-group cluster (each group at a version of its own), restore
     into a new cluster's empty data dirs, and every group comes up with the same digest."""
