@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from . import optim
 from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError
 from .tensor import check_fits
 from .raft import NotApplied
+
+if TYPE_CHECKING:
+    from .node import RaftNode
 
 log = logging.getLogger("raftps.aggregate")
 MAX_STEP_TIMEOUT = 600.0      # seconds a step may wait for its last contribution
@@ -79,7 +82,7 @@ class _Step:
 class StepAggregator:
     """One Raft group replica's open sync steps, while it leads; see the module docstring."""
 
-    def __init__(self, node: Any, max_open_steps: int = 64):
+    def __init__(self, node: "RaftNode", max_open_steps: int = 64):
         self.node = node
         self.max_open_steps = max_open_steps     # each holds one copy of its step's gradients
         self._lock = threading.Lock()
@@ -93,11 +96,10 @@ class StepAggregator:
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         timeout = min(float(request.get("timeout", 10.0)), MAX_STEP_TIMEOUT)
         self._drop_moved_steps()
-        with self.node.lock:      # references only: the checks below run outside the apply lock
-            machine = self.node.machine
-            applied = machine.sync_step_applied(group)
-            tensors = {name: machine.tensors.get(name) for name in grads}
-            misplaced = machine.placement_refusal(grads)     # a tensor frozen or moved away (moves.py)
+        # references only: the checks below run outside the apply lock
+        applied, tensors, misplaced = self.node.read_locked(lambda machine: (
+            machine.sync_step_applied(group), {name: machine.tensors.get(name) for name in grads},
+            machine.placement_refusal(grads)))     # a tensor frozen or moved away (moves.py)
         if step <= applied:
             return self._late(group, step, workers, [client, seq, ack, False])
         if misplaced is not None:        # Moving / Moved: the client sends it again, by the new placement
@@ -108,7 +110,7 @@ class StepAggregator:
         with self._lock:
             s = self._open.get((group, step))
             # applied meanwhile: its entry has left, and a new step would only wait out its timeout
-            applied_meanwhile = s is None and step <= self.node.machine.sync_step_applied(group)
+            applied_meanwhile = s is None and step <= self.node.read_locked(lambda m: m.sync_step_applied(group))
             if not applied_meanwhile:
                 s, mine, propose = self._join(s, request, grads, time.monotonic() + timeout)
         if applied_meanwhile:
@@ -203,8 +205,8 @@ class StepAggregator:
         def read(result: Any) -> Any:
             if not isinstance(result, dict) or "error" in result or result.get("late"):
                 return result
-            machine = self.node.machine
-            tensors, _ = machine.read([n for n in names if n in machine.tensors])
+            tensors, _ = self.node.read_in_log_thread(lambda machine: machine.read([n for n in names
+                                                                                   if n in machine.tensors]))
             return {**result, "tensors": {n: t.data for n, t in tensors.items()},
                     "tensor_versions": {n: t.version for n, t in tensors.items()}}
         return read
@@ -225,14 +227,12 @@ class StepAggregator:
         """Give back the open steps that name a tensor frozen or moved away since they opened
         (moves.py): their contributors are told Moving (or Moved) and send their parts again by
         the new placement, so no step mixes the old placement with the new."""
-        machine = self.node.machine
-        if not (machine.moving or machine.moved):      # nothing was ever moved here: nothing to check
+        if not self.node.read_locked(lambda m: bool(m.moving or m.moved)):   # nothing was ever moved here
             return
         with self._lock:
             steps = [s for s in self._open.values() if not s.proposed]
         for s in steps:
-            with self.node.lock:
-                refusal = self.node.machine.placement_refusal(dict.fromkeys(s.names))
+            refusal = self.node.read_locked(lambda m: m.placement_refusal(dict.fromkeys(s.names)))
             if refusal is not None:
                 self._abandon(s, refusal["message"], _refusal_error(refusal))
 

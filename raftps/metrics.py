@@ -11,7 +11,6 @@ snapshots). Each node has its own registries, so several nodes in one process (t
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -118,7 +117,7 @@ class NodeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         groups = sorted(self.replicas)
         labelled = len(groups) > 1
-        views = {g: self.replicas[g].metrics_view() for g in groups}
+        views = {g: self.replicas[g].status_record(count_files=True) for g in groups}
 
         def family(kind: Any, name: str, help_text: str, extra: list[str] | None = None) -> Any:
             return kind(name, help_text, labels=(["group"] if labelled else []) + (extra or []))
@@ -129,7 +128,7 @@ class NodeCollector(Collector):
         role = family(GaugeMetricFamily, "raftps_role", "1 for this node's Raft role", ["role"])
         for g in groups:
             for name in ROLES:
-                role.add_metric(label(g) + [name], 1.0 if views[g]["role"] == name else 0.0)
+                role.add_metric(label(g) + [name], 1.0 if views[g].role == name else 0.0)
         yield role
         for key, help_text in [("term", "Raft term"), ("commit", "Raft commit index"),
                                ("applied", "Raft index of the last applied entry"),
@@ -144,16 +143,16 @@ class NodeCollector(Collector):
                     "model_bytes": "raftps_model_bytes"}.get(key, f"raftps_{key}")
             gauge = family(GaugeMetricFamily, name, help_text)
             for g in groups:
-                gauge.add_metric(label(g), float(views[g][key]))
+                gauge.add_metric(label(g), float(getattr(views[g], key)))
             yield gauge
         match = family(GaugeMetricFamily, "raftps_peer_match_index", "Leader only: the highest log index known "
                        "replicated on each peer", ["peer"])
         connected = family(GaugeMetricFamily, "raftps_peer_connected",
                            "1 if this node's Raft connection to the peer is up", ["peer"])
         for g in groups:
-            for peer, index in sorted(views[g]["match"].items()):
+            for peer, index in sorted(views[g].match.items()):
                 match.add_metric(label(g) + [peer], float(index))
-            for peer, up in sorted(views[g]["connected"].items()):
+            for peer, up in sorted(views[g].connected.items()):
                 connected.add_metric(label(g) + [peer], float(up))
         yield match
         yield connected
@@ -162,33 +161,32 @@ class NodeCollector(Collector):
                                ("duplicates", "Retried writes answered from a client session, not applied again")]:
             counter = family(CounterMetricFamily, f"raftps_store_{key}", help_text)
             for g in groups:
-                counter.add_metric(label(g), float(views[g][key]))
+                counter.add_metric(label(g), float(getattr(views[g], key)))
             yield counter
         for key, help_text in [("read_rounds", "Leader: confirmation rounds that linearizable reads waited for"),
                                ("lease_reads", "Leader: linearizable reads served on its lease, without a round"),
                                ("votes_withheld", "Vote requests refused while this node's lease promise held")]:
             counter = family(CounterMetricFamily, f"raftps_{key}", help_text)
             for g in groups:
-                counter.add_metric(label(g), float(views[g][key]))
+                counter.add_metric(label(g), float(getattr(views[g], key)))
             yield counter
         staleness: dict[int, int] = {}
         for g in groups:                     # one histogram for the node: pushes are pushes
-            for tau, n in views[g]["staleness"].items():
+            for tau, n in views[g].staleness.items():
                 staleness[tau] = staleness.get(tau, 0) + n
         yield _staleness(staleness)
-        files = {g: _payload_files(self.replicas[g].payloads.directory) for g in groups}
         for kind, name, help_text, value in [
                 (GaugeMetricFamily, "raftps_payload_bytes", "Bytes of payload files waiting for a snapshot",
-                 lambda g: self.replicas[g].payloads.disk_bytes),
-                (GaugeMetricFamily, "raftps_payload_files", "Payload files waiting for a snapshot", lambda g: files[g][0]),
+                 lambda g: views[g].payload_disk_bytes),
+                (GaugeMetricFamily, "raftps_payload_files", "Payload files waiting for a snapshot", lambda g: views[g].payload_files),
                 (GaugeMetricFamily, "raftps_payload_spare_files", "Collected payload files kept for reuse",
-                 lambda g: files[g][1]),
+                 lambda g: views[g].payload_spare_files),
                 (GaugeMetricFamily, "raftps_payload_spare_bytes", "Bytes of spare payload files",
-                 lambda g: self.replicas[g].payloads.spare_bytes_held),
+                 lambda g: views[g].payload_spare_bytes),
                 (CounterMetricFamily, "raftps_fetched_payloads", "Payloads fetched from peers (missed puts)",
-                 lambda g: self.replicas[g].fetched[0]),
+                 lambda g: views[g].fetched_payloads),
                 (CounterMetricFamily, "raftps_fetched_bytes", "Bytes of payloads fetched from peers",
-                 lambda g: self.replicas[g].fetched[1])]:
+                 lambda g: views[g].fetched_bytes)]:
             metric = family(kind, name, help_text)
             for g in groups:
                 metric.add_metric(label(g), float(value(g)))
@@ -208,22 +206,6 @@ def _staleness(histogram: dict[int, int]) -> Metric:
     return HistogramMetricFamily("raftps_push_staleness", "Staleness tau of pushes with a base version: updates "
                                  "to the tensor after the version the worker pulled", buckets=buckets,
                                  sum_value=float(sum(tau * n for tau, n in histogram.items())))
-
-
-def _payload_files(directory: str) -> tuple[int, int]:
-    files = spares = 0
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if entry.name == "OWNER" or entry.name.endswith(".tmp"):
-                    continue
-                if entry.name.endswith(".spare"):
-                    spares += 1
-                else:
-                    files += 1
-    except OSError:
-        pass
-    return files, spares
 
 
 def serve(node: "RaftNode", server: "ClientServer | None", host: str, port: int,

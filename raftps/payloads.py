@@ -284,6 +284,22 @@ class PayloadStore:
             except FileNotFoundError:
                 pass
 
+    def count_files(self) -> tuple[int, int]:
+        """(payload files, spare files) in the directory, counted now (a scan: for scrapes)."""
+        files = spares = 0
+        try:
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    if entry.name == "OWNER" or entry.name.endswith(".tmp"):
+                        continue
+                    if entry.name.endswith(SPARE_SUFFIX):
+                        spares += 1
+                    else:
+                        files += 1
+        except OSError:
+            pass
+        return files, spares
+
     @property
     def disk_bytes(self) -> int:
         return self._disk_bytes

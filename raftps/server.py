@@ -397,8 +397,7 @@ class ClientServer:
         behind = self._behind(node, req)
         if behind:
             return behind
-        with node.lock:
-            return read(node.machine)
+        return node.read_locked(read)
 
     def _behind(self, node: RaftNode, req: dict) -> dict | None:
         """A read from any node: None once this node has applied the request's min_version
@@ -408,7 +407,7 @@ class ClientServer:
             raise InvalidRequest("min_version must be an int")
         if node.wait_version(min_version, timeout=min(_seconds(req.get("wait", 2.0), "wait"), 10.0)):
             return None
-        return _retry(f"this node has applied only up to {node.machine.version} < {min_version}", behind=True)
+        return _retry(f"this node has applied only up to {node.version} < {min_version}", behind=True)
 
     def _linearizable(self, node: RaftNode, fn: Callable[[Any], Any]) -> Any:
         """``fn(machine)``'s reply, run through the leader's log (see RaftNode.linearizable), or

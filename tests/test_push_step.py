@@ -52,12 +52,12 @@ def test_a_step_is_one_entry_with_the_mean_of_its_contributions(store) -> None:
     node, address = store
     with Client(address, timeout=10.0) as c:
         c.create("w", np.zeros(6, np.float32), {"name": "sgd", "lr": 1.0})
-        before = node.machine.version
+        before = node.version
         grads = [np.full(6, float(r + 1), np.float32) for r in range(4)]
         answers = contribute_all(address, grads, 0, 4)
         assert {a["version"] for a in answers} == {before + 1}, "a step is one write, one version"
         assert all(a["applied"] and a["count"] == 4 and a["step"] == 0 for a in answers)
-        assert node.machine.version == before + 1 and node.machine.stats["pushes"] == 1
+        assert node.version == before + 1 and node.stats()["pushes"] == 1
         np.testing.assert_array_equal(c.pull(["w"])[0]["w"], np.full(6, -2.5, np.float32))     # -(1+2+3+4)/4
         assert c.sync_applied("job") == 0
         assert c.status()[0]["open_steps"] == 0
@@ -112,14 +112,14 @@ def test_a_contribution_sent_again_finds_its_answer_and_a_restarted_rank_counts_
         resent = c._request(request)
         assert resent.get("duplicate") and resent["version"] == answers["first"]["version"]
         np.testing.assert_array_equal(c.pull(["w"])[0]["w"], np.full(2, -2.0, np.float32))
-    assert node.machine.stats["pushes"] == 1
+    assert node.stats()["pushes"] == 1
 
 
 def test_bad_contributions_are_refused_and_change_nothing(store) -> None:
     node, address = store
     with Client(address, timeout=10.0) as c:
         c.create("w", np.zeros(4, np.float32), {"name": "sgd", "lr": 1.0})
-        version = node.machine.version
+        version = node.version
         with pytest.raises(raftps.ShapeMismatch, match="gradient shape"):
             c.push_step({"w": np.ones(5, np.float32)}, 0, 2, timeout=0.2)
         with pytest.raises(raftps.DtypeMismatch):
@@ -135,7 +135,7 @@ def test_bad_contributions_are_refused_and_change_nothing(store) -> None:
         with pytest.raises(raftps.InvalidRequest, match="timeout"):     # the node checks it too
             c._request({"op": "push_step", "client": "x", "seq": 1, "step": 0, "workers": 2, "timeout": float("nan"),
                         "tensors": {"w": np.ones(4, np.float32)}})
-        assert node.machine.version == version and c.status()[0]["open_steps"] == 0
+        assert node.version == version and c.status()[0]["open_steps"] == 0
 
         # a contribution that does not match its step's first one is refused; the step goes on
         held = threading.Thread(target=lambda: c.push_step({"w": np.ones(4, np.float32)}, 1, 2, timeout=5.0))
