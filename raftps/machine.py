@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import codec, compress, optim
+from . import codec, compress, ops, optim
 from .errors import (DtypeMismatch, Internal, InvalidRequest, NotInGroup, RaftpsError,
                      SessionExpired, StalenessBound, TensorExists, UnknownTensor,
                      error_result, exception_result)
@@ -585,14 +585,8 @@ class TensorStore(Moves):
         self._apply_step(group, step)
         return {"version": index, "step": step, "applied": True, "count": count}
 
-    _OPS: dict[str, Callable[["TensorStore", int, dict], dict]] = {
-        "barrier": None, "create": _create, "push": _push, "assign": _assign, "assign_state": _assign_state,
-        "delete": _delete,
-        "push_sync": _push_sync, "close_step": _close_step, "step": _step,
-        "ssp_join": _ssp_join, "ssp_leave": _ssp_leave, "ssp_drop": _ssp_drop,
-        "move_freeze": Moves._move_freeze, "move_install": Moves._move_install, "move_done": Moves._move_done,
-        "place": Moves._place,
-    }
+    # A log entry's op -> its handler: made from the ops' records (ops.py) below the class.
+    _OPS: dict[str, Callable[["TensorStore", int, dict], dict] | None]
 
     # ---- reads (callers hold whatever lock guards apply) ------------------------------------
 
@@ -722,3 +716,8 @@ def ssp_ahead(group: dict, worker: str) -> int:
     """How many clocks ``worker`` is ahead of the slowest member of an SSP group."""
     clocks = group["clocks"]
     return clocks[worker] - min(clocks.values())
+
+
+# "barrier" is a read's entry (read_mode log): it changes nothing but the version.
+TensorStore._OPS = {"barrier": None, **{entry: getattr(TensorStore, method)
+                                        for entry, method in ops.entry_handlers().items()}}

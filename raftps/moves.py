@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from . import codec, optim
+from . import codec, ops, optim
 from .compress import INDICES_SUFFIX
 from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor, exception_result
 from .tensor import TENSOR_DTYPES, Tensor, check_finite, check_name, freeze, freeze_tensor
 
 # The writes that move tensors: they must reach a frozen or tombstoned name (the others are refused).
-MOVE_OPS = ("move_freeze", "move_install", "move_done", "place")
+MOVE_OPS = ops.moving_writes()
 MAX_GROUP = 63
 # AdaRevision keeps gradient sums by store version, which means nothing in another group's log.
 UNMOVABLE_OPTIMIZERS = ("adarevision",)

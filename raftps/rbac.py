@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from . import schema
+from . import ops, schema
 from .errors import PermissionDenied
 
 log = logging.getLogger("raftps.rbac")
@@ -50,36 +50,11 @@ CLUSTER_IDENTITY = "cluster"
 RELOAD_CHECK_SECONDS = 1.0
 MIN_TOKEN_CHARS = 16
 
-# op -> (role, where the request names tensors or groups). A field is "tensors" (the map's
-# keys), "names" (a list, or null for every tensor: then the reply is filtered), "name",
-# "group" (null or "": the default group), "ssp" (a push's {group, worker}).
-# An op missing here needs admin on every name; adding one is one entry.
-NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "hello": (None, ()), "status": (None, ()), "stats": (None, ()), "layout": (None, ()),
-    "tensors": ("read", ()),
-    "pull": ("read", ("names",)),
-    "pull_rows": ("read", ("name",)),
-    "sync_applied": ("read", ("group",)),
-    "wait_step": ("read", ("group",)),
-    "ssp_wait": ("read", ("group",)),
-    "push": ("write", ("tensors", "ssp")),
-    "push_sync": ("write", ("tensors", "group")),
-    "push_step": ("write", ("tensors", "group")),
-    "close_step": ("write", ("group",)),
-    "ssp_join": ("write", ("group",)),
-    "ssp_leave": ("write", ("group",)),
-    "ssp_drop": ("write", ("group",)),
-    "create": ("admin", ("tensors", "optimizer")),
-    "assign": ("admin", ("tensors",)),
-    "assign_state": ("admin", ("records",)),     # optimizer state: as an assign of the tensors
-    "delete": ("admin", ("names",)),
-    "export": ("read", ("prefix",)),       # every tensor under the prefix
-    "snapshot": ("admin", ("everything",)), "member": ("admin", ("everything",)),   # the whole cluster
-    # raftps move: admin on the tensor; placement, which routing needs, is filtered like tensors
-    "move_freeze": ("admin", ("name",)), "move_install": ("admin", ("name",)), "move_done": ("admin", ("name",)),
-    "place": ("admin", ("name",)), "move_state": ("admin", ("name",)),
-    "placement": ("read", ()),
-}
+# op -> (role, where the request names tensors or groups), from each op's record (ops.py). A field
+# is "tensors" (the map's keys), "names" (a list, or null for every tensor: then the reply is
+# filtered), "name", "group" (null or "": the default group), "ssp" (a push's {group, worker}).
+# An op missing here needs admin on every name.
+NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {name: (op.role, op.names) for name, op in ops.OPS.items()}
 
 
 def token_digest(token: str) -> bytes:

@@ -11,7 +11,8 @@ op, the field path and what was expected, e.g.
 
 The schema is about shape, not state: "is this a tensor the store has, of this shape" stays with
 the state machine, which keeps every check of its own (it must stay authoritative: a log entry is
-applied by code that trusts nothing). Adding an op is one entry in ``OPS``.
+applied by code that trusts nothing). Each op's request schema is part of its record in
+``ops.py``; ``OPS`` here is made from those records.
 """
 from __future__ import annotations
 
@@ -350,7 +351,7 @@ STATE_RECORD = Record({"name": (NAME, True),
                       "a tensor record {name, scalars}")
 
 
-def _op(fields: dict[str, tuple[Spec, bool]]) -> Record:
+def request_record(fields: dict[str, tuple[Spec, bool]]) -> Record:
     # raft_group: which of the node's Raft groups serves the request (groups.py); 0 by default
     return Record({"op": (Str(), True), "raft_group": (Int(0, 63), False), **fields}, "a request map")
 
@@ -359,52 +360,9 @@ WRITE = {"client": (Str("a client id (1-64 characters from [A-Za-z0-9_-])", CLIE
          "seq": (Int(1), True), "ack": (Int(1), False)}
 STALE_READ = {"linearizable": (Bool(), False), "min_version": (VERSION, False), "wait": (Seconds(), False)}
 
-OPS: dict[str, Record] = {
-    "hello": _op({"token": (Str("a token string", max_len=MAX_TOKEN, nullable=True), False)}),
-    "status": _op({"digest": (Bool(), False)}),
-    "stats": _op({}),
-    "layout": _op({}),
-    "tensors": _op({"prefix": (Str("a name prefix (0-200 characters from [A-Za-z0-9_.:/-])",
-                                   re.compile(r"[A-Za-z0-9_.:/\-]{0,200}"), nullable=True), False)}),
-    "pull": _op({"names": (ListOf(NAME, nullable=True), False), **STALE_READ}),
-    "pull_rows": _op({"name": (NAME, True), "rows": (Array(ndim=1), True), **STALE_READ}),
-    "wait_step": _op({"step": (Int(), True), "timeout": (Seconds(), False), "group": (GROUP, False)}),
-    "sync_applied": _op({"group": (GROUP, False)}),
-    "ssp_wait": _op({"group": (SSP_GROUP, True), "worker": (WORKER, True), "timeout": (Seconds(), False)}),
-    "create": _op({**WRITE, "tensors": (TENSORS, True), "optimizer": (MapOf(NAME, OPTIMIZER), False)}),
-    "push": _op({**WRITE, "tensors": (TENSORS, True), "base_version": (VERSION, False),
-                 "encoding": (ENCODING, False), "ssp": (SSP, False), "hyper": (HYPER, False)}),
-    "push_sync": _op({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
-                      "rank": (Int(0, nullable=True), False), "group": (GROUP, False)}),
-    "push_step": _op({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
-                      "rank": (Int(0, nullable=True), False), "group": (GROUP, False), "timeout": (Seconds(), False),
-                      "pull": (Bool(), False), "hyper": (HYPER, False),
-                      "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False)}),
-    "assign": _op({**WRITE, "tensors": (TENSORS, True)}),
-    "assign_state": _op({**WRITE, "records": (ListOf(STATE_RECORD, min_len=1, max_len=4096), True),
-                         "tensors": (MapOf(STATE_PART, Array(), min_len=1), True)}),
-    "delete": _op({**WRITE, "names": (ListOf(NAME, min_len=1), True)}),
-    "close_step": _op({**WRITE, "step": (Int(0), True), "group": (GROUP, False)}),
-    "ssp_join": _op({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True),
-                     "staleness": (Int(0, nullable=True), False)}),
-    "ssp_leave": _op({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True)}),
-    "ssp_drop": _op({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True), "clock": (Int(), True)}),
-    "export": _op({"prefix": (Str("a non-empty name prefix (1-200 characters from [A-Za-z0-9_.:/-])",
-                                  NAME_PATTERN), True), "state": (Bool(), False)}),
-    "snapshot": _op({}),
-    "member": _op({"action": (Enum(("list", "add", "remove", "replace")), True),
-                   "node": (Str("a Raft address HOST:PORT", max_len=255, nullable=True), False),
-                   "old": (Str("a Raft address HOST:PORT", max_len=255, nullable=True), False)}),
-    # moving a tensor to another Raft group (moves.py): the steps Client.move sends, and the reads
-    "move_freeze": _op({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True)}),
-    "move_install": _op({**WRITE, "name": (NAME, True), "move": (MOVE_ID, True), "from": (RAFT_GROUP, True),
-                         "records": (ListOf(MOVE_RECORD, min_len=1, max_len=2), True),
-                         "tensors": (MapOf(MOVE_PART, Array(), min_len=1), True)}),
-    "move_done": _op({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True), "move": (MOVE_ID, True)}),
-    "place": _op({**WRITE, "name": (NAME, True), "group": (RAFT_GROUP, True)}),
-    "move_state": _op({"name": (NAME, True), "full": (Bool(), False)}),
-    "placement": _op({}),
-}
+# op -> its request's schema: filled from each op's record in raftps/ops.py (imported at the end
+# of this module, so that checking a request never depends on who imported what first)
+OPS: dict[str, Record] = {}
 
 
 def _cross_checks(op: str, request: dict) -> None:
@@ -446,3 +404,5 @@ def check_request(request: Any) -> dict:
         raise exc.error(exc.message(op)) from None
     return request
 
+
+from . import ops as _ops  # noqa: E402,F401  (fills OPS; ops.py imports this module's specs)

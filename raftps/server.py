@@ -19,13 +19,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import auth, codec, rbac, schema
+from . import auth, codec, ops, rbac, schema
 from .aggregate import StepAggregator
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result, exception_result)
 from .machine import snapshot_digest
 from .tensor import check_finite, check_group, check_tensors
-from .moves import MOVE_OPS
 from .groups import Layout
 from .metrics import ServerInstruments
 from .node import RaftNode, offset_address
@@ -33,7 +32,8 @@ from .raft import NotApplied
 from .rbac import Identity
 
 log = logging.getLogger("raftps.server")
-WRITES = ("create", "push", "assign", "delete", "push_sync", "close_step", "ssp_join", "ssp_leave", "ssp_drop")
+# the writes through Raft that _write serves as they are (the others: _push_step, _move_write, _parts_write)
+WRITES = tuple(name for name, op in ops.OPS.items() if op.serve == "_write")
 HELLO_LIMITS = codec.Limits(max_header_bytes=4096, max_blob_bytes=0, max_arrays=0)
 TLS_RECORD_HANDSHAKE = 0x16          # the first byte of every TLS ClientHello
 
@@ -78,38 +78,14 @@ class ClientServer:
         self.instruments = ServerInstruments()
         self._bytes_in = self.instruments.client_bytes.labels("in")
         self._bytes_out = self.instruments.client_bytes.labels("out")
-        # op -> handler(request, identity), for the node as a whole
+        # op -> handler(request, identity), for the node as a whole; op -> handler(replica, request,
+        # identity), served by the request's Raft group's replica: both from the ops' records (ops.py)
         self._node_handlers: dict[str, Callable[[dict, Identity], dict]] = {
-            "status": self._status,
-            "layout": self._layout,
-        }
-        # op -> handler(replica, request, identity), served by the request's Raft group's replica
+            op: getattr(self, method) for op, method in ops.served_by_node().items()}
         self._handlers: dict[str, Callable[[RaftNode, dict, Identity], dict]] = {
-            "stats": self._stats,
-            "pull": self._pull,
-            "pull_rows": self._pull_rows,
-            "wait_step": self._wait_step,
-            "sync_applied": self._sync_applied,
-            "ssp_wait": self._ssp_wait,
-            "tensors": self._tensors,
-            "export": self._export,
-            "snapshot": self._snapshot,
-            "member": self._member,
-            "push_step": self._push_step,
-            **{op: self._write for op in WRITES},
-            # moving a tensor to another group (moves.py; Client.move drives the steps)
-            **{op: self._move_write for op in MOVE_OPS},
-            "assign_state": self._parts_write,
-            "move_state": self._move_state,
-            "placement": self._placement,
-        }
+            op: getattr(self, method) for op, method in ops.served_by_replica().items()}
         # each replica's open sync steps while it leads (aggregate.py)
         self._aggregators = {g: StepAggregator(node) for g, node in self.replicas.items()}
-        # Adding an op means adding its schema (schema.OPS) and its role (rbac.NEEDS; without one
-        # it needs admin on every name): a node whose table has an op without a schema won't start.
-        missing = (set(self._handlers) | set(self._node_handlers)) - set(schema.OPS)
-        if missing:
-            raise RuntimeError(f"ops without a request schema in raftps/schema.py: {sorted(missing)}")
         threading.Thread(target=self._accept, name="client-accept", daemon=True).start()
 
     def _admit(self, ip: str) -> dict | None:

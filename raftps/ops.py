@@ -1,0 +1,137 @@
+"""Every client op, declared once: its request schema, the role it needs, whether it is a write
+through Raft, the client server's handler and the state machine's handler.
+
+``schema.OPS`` (request checks), ``rbac.NEEDS`` (roles), ``server.WRITES`` and the server's
+handler table, and ``TensorStore._OPS`` (the state machine's handlers) are all made from
+``OPS`` below. Adding a write op is: its record here, its state-machine handler, its ``Client``
+method, its tests. ``tests/test_ops.py`` checks that every record is complete.
+
+Handlers are named, not imported: the server and the state machine import this module, and the
+state machine must not import the server (machine.py stays free of sockets and threads).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from . import schema
+from .schema import (ENCODING, GROUP, HYPER, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
+                     RAFT_GROUP, SSP, SSP_GROUP, STALE_READ, STATE_PART, STATE_RECORD, TENSORS, VERSION,
+                     WORKER, WRITE, Array, Bool, Enum, Int, ListOf, MapOf, Number, Seconds, Str, request_record)
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    request: schema.Record        # every field of the request (schema.check_request)
+    role: str | None              # the role it needs on every name it carries; None: a valid token
+    names: tuple[str, ...]        # the request's fields whose names the role is checked on (rbac.py)
+    serve: str | None             # the ClientServer method that answers it; None: the connection (hello)
+    node_wide: bool = False       # answered by the node as a whole, not by one Raft group's replica
+    apply: str | None = None      # a write through Raft: the TensorStore method that applies its entry
+    entry: str | None = None      # the log entry's op, where it is not the request's (push_step: step)
+
+    @property
+    def write(self) -> bool:
+        return self.apply is not None
+
+
+_PREFIX = Str("a name prefix (0-200 characters from [A-Za-z0-9_.:/-])", re.compile(r"[A-Za-z0-9_.:/\-]{0,200}"),
+              nullable=True)
+_ADDRESS = Str("a Raft address HOST:PORT", max_len=255, nullable=True)
+
+_RECORDS = [
+    # ---- the connection and the node ----
+    Op("hello", request_record({"token": (Str("a token string", max_len=schema.MAX_TOKEN, nullable=True), False)}),
+       None, (), serve=None, node_wide=True),
+    Op("status", request_record({"digest": (Bool(), False)}), None, (), "_status", node_wide=True),
+    Op("layout", request_record({}), None, (), "_layout", node_wide=True),
+    Op("stats", request_record({}), None, (), "_stats"),
+    # ---- reads ----
+    Op("tensors", request_record({"prefix": (_PREFIX, False)}), "read", (), "_tensors"),   # its reply is filtered
+    Op("pull", request_record({"names": (ListOf(NAME, nullable=True), False), **STALE_READ}), "read", ("names",), "_pull"),
+    Op("pull_rows", request_record({"name": (NAME, True), "rows": (Array(ndim=1), True), **STALE_READ}),
+       "read", ("name",), "_pull_rows"),
+    Op("wait_step", request_record({"step": (Int(), True), "timeout": (Seconds(), False), "group": (GROUP, False)}),
+       "read", ("group",), "_wait_step"),
+    Op("sync_applied", request_record({"group": (GROUP, False)}), "read", ("group",), "_sync_applied"),
+    Op("ssp_wait", request_record({"group": (SSP_GROUP, True), "worker": (WORKER, True), "timeout": (Seconds(), False)}),
+       "read", ("group",), "_ssp_wait"),
+    Op("export", request_record({"prefix": (Str("a non-empty name prefix (1-200 characters from [A-Za-z0-9_.:/-])",
+                                         NAME_PATTERN), True), "state": (Bool(), False)}),
+       "read", ("prefix",), "_export"),                     # every tensor under the prefix
+    # ---- writes through Raft ----
+    Op("create", request_record({**WRITE, "tensors": (TENSORS, True), "optimizer": (MapOf(NAME, OPTIMIZER), False)}),
+       "admin", ("tensors", "optimizer"), "_write", apply="_create"),
+    Op("push", request_record({**WRITE, "tensors": (TENSORS, True), "base_version": (VERSION, False),
+                        "encoding": (ENCODING, False), "ssp": (SSP, False), "hyper": (HYPER, False)}),
+       "write", ("tensors", "ssp"), "_write", apply="_push"),
+    Op("push_sync", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
+                             "rank": (Int(0, nullable=True), False), "group": (GROUP, False)}),
+       "write", ("tensors", "group"), "_write", apply="_push_sync"),
+    # aggregated at the leader (aggregate.py): one "step" entry per sync step
+    Op("push_step", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
+                             "rank": (Int(0, nullable=True), False), "group": (GROUP, False),
+                             "timeout": (Seconds(), False), "pull": (Bool(), False), "hyper": (HYPER, False),
+                             "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False)}),
+       "write", ("tensors", "group"), "_push_step", apply="_step", entry="step"),
+    Op("assign", request_record({**WRITE, "tensors": (TENSORS, True)}), "admin", ("tensors",), "_write", apply="_assign"),
+    # optimizer state: as an assign of the tensors; its arrays are named by part ("0", "0.m", ...)
+    Op("assign_state", request_record({**WRITE, "records": (ListOf(STATE_RECORD, min_len=1, max_len=4096), True),
+                                "tensors": (MapOf(STATE_PART, Array(), min_len=1), True)}),
+       "admin", ("records",), "_parts_write", apply="_assign_state"),
+    Op("delete", request_record({**WRITE, "names": (ListOf(NAME, min_len=1), True)}), "admin", ("names",), "_write",
+       apply="_delete"),
+    Op("close_step", request_record({**WRITE, "step": (Int(0), True), "group": (GROUP, False)}),
+       "write", ("group",), "_write", apply="_close_step"),
+    Op("ssp_join", request_record({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True),
+                            "staleness": (Int(0, nullable=True), False)}),
+       "write", ("group",), "_write", apply="_ssp_join"),
+    Op("ssp_leave", request_record({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True)}),
+       "write", ("group",), "_write", apply="_ssp_leave"),
+    Op("ssp_drop", request_record({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True), "clock": (Int(), True)}),
+       "write", ("group",), "_write", apply="_ssp_drop"),
+    # ---- the whole cluster ----
+    Op("snapshot", request_record({}), "admin", ("everything",), "_snapshot"),
+    Op("member", request_record({"action": (Enum(("list", "add", "remove", "replace")), True),
+                          "node": (_ADDRESS, False), "old": (_ADDRESS, False)}),
+       "admin", ("everything",), "_member"),
+    # ---- moving a tensor to another Raft group (moves.py; Client.move sends the steps) ----
+    Op("move_freeze", request_record({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True)}),
+       "admin", ("name",), "_move_write", apply="_move_freeze"),
+    Op("move_install", request_record({**WRITE, "name": (NAME, True), "move": (MOVE_ID, True), "from": (RAFT_GROUP, True),
+                                "records": (ListOf(MOVE_RECORD, min_len=1, max_len=2), True),
+                                "tensors": (MapOf(MOVE_PART, Array(), min_len=1), True)}),
+       "admin", ("name",), "_move_write", apply="_move_install"),
+    Op("move_done", request_record({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True), "move": (MOVE_ID, True)}),
+       "admin", ("name",), "_move_write", apply="_move_done"),
+    Op("place", request_record({**WRITE, "name": (NAME, True), "group": (RAFT_GROUP, True)}),
+       "admin", ("name",), "_move_write", apply="_place"),
+    Op("move_state", request_record({"name": (NAME, True), "full": (Bool(), False)}), "admin", ("name",), "_move_state"),
+    Op("placement", request_record({}), "read", (), "_placement"),      # routing needs it; filtered like tensors
+]
+
+OPS: dict[str, Op] = {op.name: op for op in _RECORDS}
+if len(OPS) != len(_RECORDS):
+    raise RuntimeError("raftps/ops.py declares an op twice")
+schema.OPS.update({name: op.request for name, op in OPS.items()})
+
+
+def served_by_replica() -> dict[str, str]:
+    """op -> the ClientServer method that answers it at the request's Raft group's replica."""
+    return {op.name: op.serve for op in OPS.values() if op.serve and not op.node_wide}
+
+
+def served_by_node() -> dict[str, str]:
+    """op -> the ClientServer method that answers it for the node as a whole."""
+    return {op.name: op.serve for op in OPS.values() if op.serve and op.node_wide}
+
+
+def entry_handlers() -> dict[str, str]:
+    """A log entry's op -> the TensorStore method that applies it."""
+    return {op.entry or op.name: op.apply for op in OPS.values() if op.apply}
+
+
+def moving_writes() -> tuple[str, ...]:
+    """The writes that move a tensor between Raft groups (moves.py)."""
+    return tuple(op.name for op in OPS.values() if op.serve == "_move_write")
