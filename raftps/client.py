@@ -1,40 +1,40 @@
 """The raftps client: finds the leader, retries across failures, keeps every write exactly-once.
 
-Each Client is a new session (a random client id, never reused) and numbers its writes 1, 2, ...
-A write is retried with the same (client id, seq) until it gets a definite answer or the
-client's timeout passes, so a retry after a lost reply or a leader change is applied once.
+``Client`` is the public API, composed of three parts that each own one job:
 
-A cluster of several Raft groups (``serve --groups G``, groups.py) is one store to the caller:
-the client learns the layout once, sends each tensor's part of a request to its group's leader
-and numbers its writes per group (a session per group). A write is atomic and exactly-once
-within each group; versions are then ``{group: version}`` maps (an int with one group). A tensor
-moved to another group (``move``) is found through the cached placement, or re-routed by the
-``Moved`` answer of the group it left.
+- a transport (transport.py): one attempt at one node (TCP with TLS and the hello, or in
+  process for tests: ``in_process_client``);
+- a session (session.py): the client id and per-group sequence numbers that make a write
+  retried after a lost reply or a leader change apply once;
+- a router (router.py): the layout, the placement of moved tensors, each group's leader and the
+  retries that find it, and the merging of a request's per-group parts.
+
+A write is atomic and exactly-once within each Raft group; with several groups versions are
+``{group: version}`` maps (an int with one group).
 """
 from __future__ import annotations
 
 import math
 import os
-import random
-import socket
 import ssl
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from . import auth, codec, groups
+from . import auth, codec
 from .compress import INDICES_SUFFIX
-from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, Moved, Moving, ProtocolError, RaftpsError,
-                     StepTimeout, Unavailable, UnknownTensor, raise_for)
+from .errors import InvalidRequest, LimitExceeded, ProtocolError, RaftpsError, StepTimeout, UnknownTensor
+from .router import Router
+from .router import merge as _merge
 from .schema import NAME_PATTERN
+from .session import Session
+from .transport import InProcessTransport, TcpTransport, Transport
 
-# Retries back off from 20 ms to this. During an election every follower answers "no leader"
-# at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
-MAX_RETRY_PAUSE = 0.1
+if TYPE_CHECKING:
+    from .server import ClientServer
 
 
 def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
@@ -60,17 +60,6 @@ def newest(a: Any, b: Any) -> Any:
     return max(a, b)
 
 
-def _refusal(sock: socket.socket, limits: codec.Limits) -> dict | None:
-    """The error a node sent before it stopped reading our request (a frame over one of its
-    limits, say), if it is there to read."""
-    try:
-        sock.settimeout(1.0)
-        reply = codec.recv_frame(sock, limits)
-    except (OSError, ConnectionError, ProtocolError):
-        return None
-    return reply if isinstance(reply, dict) and (reply.get("error") or reply.get("retry")) else None
-
-
 class Client:
     """``token``: the cluster's client token (default $RAFTPS_TOKEN, else the file named by
     $RAFTPS_TOKEN_FILE). ``tls``: a CA file to verify the nodes' certificates against (or True
@@ -86,193 +75,61 @@ class Client:
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.limits = limits
-        self.client_id = uuid.uuid4().hex
-        self._seqs: dict[int, int] = {}           # Raft group -> the last seq this session used in it
-        self._unanswered: dict[int, set[int]] = {}  # Raft group -> seqs sent and not answered yet
-        self._seq_lock = threading.Lock()
+        self._lock = threading.RLock()            # one request at a time on this client's connections
+        self._transport: Transport = self._new_transport()
+        self._session = Session()
+        self._router = Router(self.addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
         self.max_in_flight = max_in_flight        # push_async: pushes on their way at once
         self._pipeline: ThreadPoolExecutor | None = None
+        self._pipeline_lock = threading.Lock()
         self._lanes = threading.local()
-        self._lane_clients: list[Client] = []
-        self._lock = threading.RLock()
-        self._conns: dict[str, socket.socket] = {}
-        self._leaders: dict[int, str] = {}        # Raft group -> its leader's client address, as last seen
-        self._groups: int | None = None           # Raft groups in the cluster, once the layout is known
-        self._routes: dict[int, list[str]] = {}   # Raft group -> its members' client addresses
-        self._placement: dict[str, int] = {}      # tensors moved off their hash group -> their group, as last seen
-        self.refusals = {"Moving": 0, "Moved": 0}  # parts sent again because of a move (waited / re-routed)
+        self._lane_transports: list[Transport] = []
         self._synced: dict[str, set[int]] = {}    # sync group -> Raft groups this client contributed to
-        self._rotation = random.randrange(len(self.addresses))
 
-    # ---- transport ------------------------------------------------------------------------
+    def _new_transport(self) -> Transport:
+        return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
 
-    def _conn(self, address: str) -> socket.socket:
-        sock = self._conns.get(address)
-        if sock is None:
-            host, port = address.rsplit(":", 1)
-            sock = socket.create_connection((host, int(port)), timeout=min(2.0, self.attempt_timeout))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                sock = self._hello(sock, address, host)
-            except BaseException:
-                sock.close()
-                raise
-            self._conns[address] = sock
-        return sock
+    @property
+    def client_id(self) -> str:
+        """This session's id: every write carries it with its seq (exactly-once)."""
+        return self._session.client_id
 
-    def _hello(self, sock: socket.socket, address: str, host: str) -> socket.socket:
-        """TLS (if asked for) and the hello every connection starts with. A refusal raises
-        AuthenticationFailed (definite: retrying with the same token cannot help)."""
-        if self.tls is not None:
-            try:
-                sock = self.tls.wrap_socket(sock, server_hostname=host)
-            except ssl.SSLCertVerificationError as exc:
-                raise AuthenticationFailed(f"node {address}: its TLS certificate does not verify "
-                                           f"against the CA given as tls=: {exc.verify_message}") from None
-            except ssl.SSLError as exc:
-                raise AuthenticationFailed(f"node {address}: TLS handshake failed ({exc.reason}); does the "
-                                           "node serve TLS on its client port (serve --tls-cert)?") from None
-        try:
-            codec.send_frame(sock, {"op": auth.HELLO, "token": self.token})
-        except OSError:
-            reply = _refusal(sock, self.limits)     # refused at accept (connection limits)
-            if reply is None:
-                raise
-        else:
-            reply = codec.recv_frame(sock, self.limits)
-        if not isinstance(reply, dict):
-            raise ProtocolError(f"node {address} answered the hello with something that is not a map")
-        if reply.get("retry"):
-            raise ConnectionError(f"node {address}: {reply.get('message', 'retry')}")
-        raise_for(reply)
-        return sock
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Parts sent again because of a move: {"Moving": waited, "Moved": re-routed}."""
+        return self._router.refusals
 
-    def _drop(self, address: str) -> None:
-        sock = self._conns.pop(address, None)
-        if sock is not None:
-            sock.close()
+    # ---- the parts: transport, router, session --------------------------------------------
 
     def _call(self, address: str, message: dict, timeout: float) -> dict:
-        sock = self._conn(address)
-        try:
-            sock.settimeout(timeout)
-            try:
-                codec.send_frame(sock, message)
-            except OSError:
-                reply = _refusal(sock, self.limits)
-                if reply is None:
-                    raise
-                self._drop(address)
-                return reply
-            reply = codec.recv_frame(sock, self.limits)
-        except BaseException:
-            self._drop(address)      # a half-read reply leaves the stream unusable
-            raise
-        if not isinstance(reply, dict):
-            self._drop(address)
-            raise ProtocolError(f"node {address} sent a reply that is not a map")
-        return reply
-
-    def _next_address(self, addresses: list[str]) -> str:
-        self._rotation = (self._rotation + 1) % len(addresses)
-        return addresses[self._rotation]
+        """One attempt at one node, over this client's transport."""
+        return self._transport.call(address, message, timeout)
 
     def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
                  raft_group: int = 0, timeout: float | None = None) -> dict:
-        """Send to Raft group ``raft_group``'s members until a definite reply; raise its error, or
-        Unavailable at the deadline (``timeout``, by default the client's)."""
-        group = raft_group
-        timeout = timeout or self.timeout
-        deadline = time.monotonic() + timeout
-        attempt_timeout = attempt_timeout or self.attempt_timeout
-        addresses = self._routes.get(group, self.addresses)
-        if group:
-            message = {**message, "raft_group": group}
-        known = self._leaders.get(group)
-        target = known if to_leader and known else self._next_address(addresses)
-        last_problem = "no attempt made"
-        pause = 0.02
-        uncertain = False       # an attempt may have reached a log (no answer, or "unknown")
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Unavailable(f"{message['op']}: no definite answer from {','.join(addresses)} "
-                                  f"within {timeout:.1f} s (last: {last_problem})")
-            try:
-                reply = self._call(target, message, min(left, attempt_timeout))
-            except AuthenticationFailed as exc:     # at the hello: this attempt sent nothing
-                exc.refused = not uncertain
-                raise
-            except (OSError, ConnectionError) as exc:
-                uncertain = True
-                last_problem = f"{target}: {exc or type(exc).__name__}"
-                if self._leaders.get(group) == target:
-                    del self._leaders[group]
-                target = self._next_address(addresses)
-                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-                pause = min(pause * 2, MAX_RETRY_PAUSE)
-                continue
-            if not reply.get("retry"):
-                if to_leader:
-                    self._leaders[group] = target
-                if uncertain:         # an earlier attempt may have reached a log: not "refused"
-                    reply.pop("refused", None)
-                return raise_for(reply)
-            last_problem = f"{target}: {reply.get('message', 'retry')}"
-            if reply.get("not_leader") or reply.get("behind"):
-                leader = reply.get("leader")
-                if leader and leader not in addresses:
-                    addresses.append(leader)          # a node we were not told of: follow it
-                if leader and leader != target and to_leader:
-                    target = self._leaders[group] = leader
-                    continue
-                target = self._next_address(addresses)
-            elif reply.get("unknown"):
-                uncertain = True
-                # That node could not commit in its request timeout: likely cut off from the others.
-                if self._leaders.get(group) == target:
-                    del self._leaders[group]
-                target = self._next_address(addresses)
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, MAX_RETRY_PAUSE)
-
-    def _next_seq(self, group: int) -> tuple[int, int]:
-        """(seq, ack) of a new write in ``group``: ack is the lowest seq not answered yet (pushes
-        sent by push_async may be in flight), so the store keeps their results for a retry."""
-        with self._seq_lock:
-            seq = self._seqs[group] = self._seqs.get(group, 0) + 1
-            unanswered = self._unanswered.setdefault(group, set())
-            unanswered.add(seq)
-            return seq, min(unanswered)
-
-    def _answered(self, group: int, seq: int, refused: bool) -> None:
-        with self._seq_lock:
-            self._unanswered[group].discard(seq)
-            # Refused by the node before it reached any log (schema, role, limit): the seq was
-            # never used, so the next write takes it (if none took a later one). Otherwise the
-            # store would see this client's first write with ack > 1 and no session, and answer
-            # SessionExpired.
-            if refused and self._seqs[group] == seq:
-                self._seqs[group] -= 1
+        """Send to Raft group ``raft_group``'s members until a definite reply (router.py)."""
+        return self._router.request(message, to_leader, attempt_timeout, raft_group, timeout)
 
     def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, **fields: Any) -> dict:
         """One write; ``waits``: seconds the node may hold it before answering (push_step)."""
         with self._lock:
-            return self._send_write(self, op, raft_group, fields, waits)
+            return self._send_write(op, raft_group, fields, waits)
 
-    def _send_write(self, via: "Client", op: str, group: int, fields: dict, waits: float = 0.0) -> dict:
-        """One write with a new seq, sent (and retried with that seq) over ``via``'s connections."""
-        seq, ack = self._next_seq(group)
+    def _send_write(self, op: str, group: int, fields: dict, waits: float = 0.0,
+                    call: Callable[[str, dict, float], dict] | None = None) -> dict:
+        """One write with a new seq, sent (and retried with that seq) over this client's
+        connections, or over ``call``'s (a push_async lane's)."""
+        seq, ack = self._session.next_seq(group)
         refused = False
         try:
-            return via._request({"op": op, "client": self.client_id, "seq": seq, "ack": ack, **fields},
-                                raft_group=group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
-                                timeout=waits and 2 * waits + self.timeout)
+            return self._router.request({"op": op, "client": self.client_id, "seq": seq, "ack": ack, **fields},
+                                        raft_group=group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
+                                        timeout=waits and 2 * waits + self.timeout, call=call)
         except RaftpsError as exc:
             refused = bool(getattr(exc, "refused", False))
             raise
         finally:
-            self._answered(group, seq, refused)
+            self._session.answered(group, seq, refused)
 
     def push_async(self, grads: dict[str, np.ndarray], base_version: Any = None,
                    encoding: dict | None = None) -> "Future[dict]":
@@ -288,122 +145,45 @@ class Client:
             fields["base_version"] = int(base_version)
         if encoding is not None:
             fields["encoding"] = encoding
-        with self._seq_lock:
+        with self._pipeline_lock:
             if self._pipeline is None:
                 self._pipeline = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="raftps-push")
-        return self._pipeline.submit(lambda: self._send_write(self._lane(), "push", 0, fields))
+        return self._pipeline.submit(lambda: self._send_write("push", 0, fields, call=self._lane().call))
 
-    def _lane(self) -> "Client":
-        """This pipeline thread's own connections (a Client sharing our id and seqs)."""
-        lane = getattr(self._lanes, "client", None)
+    def _lane(self) -> Transport:
+        """This pipeline thread's own connections (same session, same router)."""
+        lane = getattr(self._lanes, "transport", None)
         if lane is None:
-            lane = self._lanes.client = Client(self.addresses, self.timeout, self.attempt_timeout, self.limits,
-                                               self.token, self.tls)
-            with self._seq_lock:
-                self._lane_clients.append(lane)
+            lane = self._lanes.transport = self._new_transport()
+            with self._pipeline_lock:
+                self._lane_transports.append(lane)
         return lane
 
     # ---- Raft groups -----------------------------------------------------------------------
 
     def groups(self) -> int:
         """How many Raft groups the cluster shards tensors over (asked once, then cached)."""
-        with self._lock:
-            if self._groups is None:
-                reply = self._request({"op": "layout"}, to_leader=False)
-                if reply["groups"] > 1:
-                    nodes = reply["nodes"]
-                    self._routes = {g: [nodes[m - 1] for m in members] for g, members in enumerate(reply["members"])}
-                self._groups = reply["groups"]
-                if self._groups > 1:
-                    self._learn_placement()
-            return self._groups
+        return self._router.groups()
 
     def refresh_placement(self) -> dict[str, int]:
         """Learn again where moved tensors live (group 0's placement table, a linearizable read).
         Routing uses this cache; a group that no longer holds a tensor answers Moved, which
         refreshes it, so a stale cache costs a round trip, never a misplaced write."""
-        with self._lock:
-            if self.groups() > 1:
-                self._placement = dict(self._request({"op": "placement"}, raft_group=0)["placement"])
-            return dict(self._placement)
-
-    def _learn_placement(self) -> None:
-        """refresh_placement, but a group 0 that does not answer soon leaves the cache as it is:
-        routing stays correct without it (every group a tensor left answers Moved with where it
-        went), so clients of the other groups need not wait for group 0."""
-        try:
-            self._placement = dict(self._request({"op": "placement"}, raft_group=0,
-                                                 timeout=min(self.timeout, 5.0))["placement"])
-        except Unavailable:
-            pass
+        return self._router.refresh_placement()
 
     def group_of(self, name: str) -> int:
         """The Raft group that holds tensor ``name`` (an index tensor goes with its tensor): its
         placement if it was moved (``move``), else the hash of its name."""
-        if name.endswith(INDICES_SUFFIX):
-            name = name[:-len(INDICES_SUFFIX)]
-        count = self.groups()
-        return self._placement.get(name, groups.group_of(name, count))
+        return self._router.group_of(name)
 
     def _split(self, named: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        parts: dict[int, dict[str, Any]] = {}
-        for name, value in named.items():
-            parts.setdefault(self.group_of(name), {})[name] = value
-        return dict(sorted(parts.items()))
+        return self._router.split(named)
 
     def _each_group(self, write: Any, parts: dict[int, Any]) -> dict:
-        """``write(group, part)`` for every group's part, in group order; one reply, merged.
-
-        A part that names a tensor moved to another group (Moved) is split again with the new
-        placement and sent there; one that names a tensor being moved (Moving) is sent again after
-        a pause, until the client's timeout. Either refusal means nothing of that part was applied,
-        so sending it again (with a new seq) applies it once."""
-        replies: dict[int, dict] = {}
-        queue = list(parts.items())
-        deadline = time.monotonic() + self.timeout
-        pause = 0.02
-        for _ in range(10_000):             # bounded: each turn sends one part (or waits, bounded by time)
-            if not queue:
-                return _merge(replies)
-            g, part = queue.pop(0)
-            try:
-                reply = write(g, part)
-            except Moved as exc:
-                self.refusals["Moved"] += 1
-                queue = _requeue(queue, self._reroute(exc, g, part))
-                continue
-            except Moving:
-                self.refusals["Moving"] += 1
-                if time.monotonic() + pause > deadline:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 2, 0.25)
-                queue.insert(0, (g, part))
-                continue
-            replies[g] = _merge_same_group(replies[g], reply) if g in replies else reply
-        raise Unavailable("a request kept being re-routed between groups: the placement keeps changing")
-
-    def _reroute(self, moved: Moved, group: int, part: Any) -> list[tuple[int, Any]]:
-        """A part refused with Moved, split again by the new placement."""
-        if part is None or moved.group is None or not isinstance(moved.tensor, str):
-            raise moved
-        with self._lock:
-            self._learn_placement()
-            self._placement[moved.tensor] = moved.group     # the refusal is at least this fresh
-        names = dict(part) if isinstance(part, dict) else {n: None for n in part}
-        parts = self._split(names)
-        if group in parts and moved.tensor in {n[:-len(INDICES_SUFFIX)] if n.endswith(INDICES_SUFFIX) else n
-                                               for n in parts[group]}:
-            raise moved                      # cannot happen: the tensor would go where it was refused
-        return [(g, sub if isinstance(part, dict) else list(sub)) for g, sub in parts.items()]
+        return self._router.each_group(write, parts)
 
     def _min_version(self, min_version: Any, group: int) -> int:
-        if isinstance(min_version, dict):
-            return int(min_version.get(group, 0))
-        if min_version and self.groups() > 1:
-            raise ValueError("with several Raft groups, min_version is a {group: version} map "
-                             "(as push and pull return)")
-        return int(min_version or 0)
+        return self._router.min_version(min_version, group)
 
     # ---- the API --------------------------------------------------------------------------
 
@@ -782,7 +562,7 @@ class Client:
                     tensors=arrays, **{"from": source})
         self._write("place", 0, name=name, group=target)
         self._write("move_done", source, name=name, to=target, move=move)
-        self._placement[name] = target
+        self._router.placement[name] = target
         return [r["name"] for r in records]
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
@@ -819,11 +599,10 @@ class Client:
     def close(self) -> None:
         if self._pipeline is not None:
             self._pipeline.shutdown(wait=True)
-        for lane in self._lane_clients:
+        for lane in self._lane_transports:
             lane.close()
         with self._lock:
-            for address in list(self._conns):
-                self._drop(address)
+            self._transport.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -832,73 +611,10 @@ class Client:
         self.close()
 
 
-# How the replies of one request's parts in several Raft groups combine into one.
-_COMBINE: dict[str, Any] = {
-    "tensors": lambda vs: {k: v for d in vs for k, v in d.items()},
-    "tensor_versions": lambda vs: {k: v for d in vs for k, v in d.items()},
-    "optimizers": lambda vs: {k: v for d in vs for k, v in d.items()},
-    "states": lambda vs: {k: v for d in vs for k, v in d.items()},
-    "assigned": lambda vs: sorted(n for v in vs for n in v),
-    # each Raft group clips its own part of a step: the parts' norms (one per group)
-    "grad_norm": lambda vs: vs[0] if len(vs) == 1 else vs,
-    "created": lambda vs: sorted(n for v in vs for n in v),
-    "staleness": lambda vs: _highest(vs),
-    "clock": lambda vs: _highest(vs),
-    "applied": all, "late": any, "duplicate_rank": any, "count": min, "step": min,
-    "pushes": sum, "rejected": sum, "duplicates": sum, "sessions": sum,
-    "rows": lambda vs: vs[0] if len(vs) == 1 else np.concatenate(vs),
-    "tensor_version": max,
-}
-
-
-def _requeue(queue: list[tuple[int, Any]], rerouted: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """Parts re-routed by a move, joined to the part still to be sent to the same group (so a
-    push stays one write per group, and a sync step's contribution keeps one set of names), or
-    sent first."""
-    queue = list(queue)
-    first = []
-    for group, part in rerouted:
-        waiting = next((i for i, (g, p) in enumerate(queue) if g == group and p is not None), None)
-        if waiting is None:
-            first.append((group, part))
-        elif isinstance(part, dict):
-            queue[waiting] = (group, {**queue[waiting][1], **part})
-        else:
-            queue[waiting] = (group, list(queue[waiting][1]) + list(part))
-    return first + queue
-
-
-def _merge_same_group(first: dict, second: dict) -> dict:
-    """Two replies of one group (a part re-routed there by a move joined another): one reply."""
-    out = dict(first)
-    for key, value in second.items():
-        if key not in first:
-            out[key] = value
-        elif key in _COMBINE:
-            out[key] = _COMBINE[key]([first[key], value])
-        elif key == "version":
-            out[key] = max(first[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _highest(values: list) -> Any:
-    """The highest number, or the values as they are when they are not all numbers (histograms)."""
-    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if len(numbers) == len([v for v in values if v is not None]):
-        return max(numbers, default=None)
-    return values
-
-
-def _merge(replies: dict[int, dict]) -> dict:
-    """One reply from each group's: version and digest become {group: value}; the rest combine."""
-    out: dict[str, Any] = {}
-    keys = sorted({k for r in replies.values() for k in r})
-    for key in keys:
-        values = [r[key] for r in replies.values() if key in r]
-        if key in _COMBINE:
-            out[key] = _COMBINE[key](values)
-        else:
-            out[key] = {g: r[key] for g, r in replies.items() if key in r}
-    return out
+def in_process_client(servers: "dict[str, ClientServer]", **kwargs: Any) -> Client:
+    """A Client of ClientServers in this process, by their client addresses, over no socket
+    (transport.InProcessTransport): for tests. ``kwargs`` as Client's."""
+    client = Client(list(servers), **kwargs)
+    client._new_transport = lambda: InProcessTransport(servers, client.token, client.limits)  # type: ignore[method-assign]
+    client._transport = client._new_transport()
+    return client

@@ -126,7 +126,7 @@ def test_a_refused_write_does_not_spend_the_clients_session(rbac_cluster):
         with pytest.raises(InvalidRequest):
             c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"group": "jobA/ssp", "worker": ""})
         v = c.push({"jobA/w": np.zeros(4, np.float32)})
-        assert c.push({"jobA/w": np.zeros(4, np.float32)}) > v and c._seqs[0] == 2
+        assert c.push({"jobA/w": np.zeros(4, np.float32)}) > v and c._session._seqs[0] == 2
 
 
 def test_the_schema_runs_before_the_roles(rbac_cluster):
