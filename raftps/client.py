@@ -15,7 +15,6 @@ A write is atomic and exactly-once within each Raft group; with several groups v
 from __future__ import annotations
 
 import math
-import os
 import ssl
 import threading
 import time
@@ -25,39 +24,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import numpy as np
 
 from . import auth, codec
-from .compress import INDICES_SUFFIX
-from .errors import InvalidRequest, LimitExceeded, ProtocolError, RaftpsError, StepTimeout, UnknownTensor
-from .router import Router
+from .errors import ProtocolError, RaftpsError, StepTimeout
+from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
-from .schema import NAME_PATTERN
 from .session import Session
+from .tensor_move import Mover, check_move_request
 from .transport import InProcessTransport, TcpTransport, Transport
 
 if TYPE_CHECKING:
     from .server import ClientServer
-
-
-def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
-    if addresses is None:
-        addresses = os.environ.get("RAFTPS_CLUSTER", "")
-    if isinstance(addresses, str):
-        addresses = addresses.split(",")
-    out = [a.strip() for a in addresses if a and a.strip()]
-    if not out:
-        raise ValueError("no cluster addresses: pass 'host:port,...' or set RAFTPS_CLUSTER")
-    for a in out:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"bad address {a!r}: expected host:port")
-    return out
-
-
-def newest(a: Any, b: Any) -> Any:
-    """The later of two store versions: ints, or {group: version} maps (then group by group)."""
-    if isinstance(a, dict) or isinstance(b, dict):
-        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
-        return {g: max(a.get(g, 0), b.get(g, 0)) for g in sorted(set(a) | set(b))}
-    return max(a, b)
 
 
 class Client:
@@ -499,71 +474,13 @@ class Client:
 
     def move(self, name: str, group: int) -> dict:
         """Move tensor ``name`` (with its index tensor ``name:indices``, if stored) to Raft group
-        ``group``, online: freeze it in its group (writes to it wait), read its whole state there,
-        install that state in ``group``, record the placement in group 0, then leave a tombstone
-        that sends every later request to ``group``. Every step is idempotent: a move interrupted
-        at any point (this process killed, a leader killed) completes when run again.
-        Returns {tensor, from, to, names}."""
-        count = self.groups()
-        self._check_move_request(name, group, count)
-        with self._lock:
-            for _ in range(3):          # at most: finish an interrupted move elsewhere, then this one
-                states = {g: self._request({"op": "move_state", "name": name}, raft_group=g) for g in range(count)}
-                pending = [g for g, st in states.items() if st["moving"]]
-                if pending:             # a move that was interrupted: finish it first
-                    source, frozen = pending[0], states[pending[0]]["moving"]
-                    names = self._finish_move(name, source, frozen["to"], frozen["move"])
-                    if frozen["to"] == group:
-                        return {"tensor": name, "from": source, "to": group, "names": names}
-                    continue
-                holders = [g for g, st in states.items() if st["present"]]
-                if not holders:
-                    raise UnknownTensor(f"move: unknown tensor {name!r} (no Raft group holds it)")
-                source = holders[0]
-                if source == group:
-                    raise InvalidRequest(f"move: tensor {name!r} is already in Raft group {group}")
-                self._check_move_fits(name, states[source]["bytes"], states[group].get("max_frame_bytes"))
-                frozen = self._write("move_freeze", source, name=name, to=group)
-                names = self._finish_move(name, source, group, frozen["move"])
-                return {"tensor": name, "from": source, "to": group, "names": names}
-        raise InvalidRequest(f"move: tensor {name!r} kept being moved by someone else meanwhile; run it again")
+        ``group``, online (tensor_move.py): freeze it in its group (writes to it wait), read its
+        whole state there, install that state in ``group``, record the placement in group 0, then
+        leave a tombstone that sends every later request to ``group``. Every step is idempotent:
+        a move interrupted at any point completes when run again. Returns {tensor, from, to, names}."""
+        return Mover(self._router, self._request, self._write, self.limits, self._lock).move(name, group)
 
-    @staticmethod
-    def _check_move_request(name: Any, group: Any, count: int) -> None:
-        """Bad input, refused before anything is sent."""
-        if count == 1:
-            raise InvalidRequest("move: this cluster has one Raft group: there is no other group to move a tensor to")
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise InvalidRequest(f"move: bad tensor name {name!r}: 1-200 characters from [A-Za-z0-9_.:/-]")
-        if name.endswith(INDICES_SUFFIX):
-            raise InvalidRequest(f"move: {name!r} is an index tensor: it moves with {name[:-len(INDICES_SUFFIX)]!r}")
-        if type(group) is not int or not 0 <= group < count:
-            raise InvalidRequest(f"move: Raft group {group!r} is out of range: this cluster has groups 0..{count - 1}")
-
-    def _check_move_fits(self, name: str, size: int, node_limit: int | None) -> None:
-        """The state a move carries must fit one reply to us and one write to the destination:
-        refused before the freeze (a frozen tensor can only be finished, not given back)."""
-        limit = min(self.limits.max_blob_bytes, node_limit or self.limits.max_blob_bytes)
-        if size > limit:
-            raise LimitExceeded(f"move: tensor {name!r} carries {size} bytes (data and optimizer state), more than "
-                                f"one frame may hold ({limit} bytes: the nodes' --max-frame-mb and this client's "
-                                "limits); nothing was changed")
-
-    def _finish_move(self, name: str, source: int, target: int, move: str) -> list[str]:
-        """Steps 2-4 of a move whose freeze (move id ``move`` in ``source``) is applied."""
-        state = self._request({"op": "move_state", "name": name, "full": True}, raft_group=source)
-        records, arrays = [], {}
-        for i, record in enumerate(state["records"]):
-            arrays[str(i)] = record["data"]
-            arrays.update({f"{i}.{key}": arr for key, arr in record["arrays"].items()})
-            records.append({k: record[k] for k in ("name", "version", "optimizer", "scalars")})
-        # the move's id names its source and its freeze's version there: unique in the cluster
-        self._write("move_install", target, name=name, move=f"g{source}.{move}", records=records,
-                    tensors=arrays, **{"from": source})
-        self._write("place", 0, name=name, group=target)
-        self._write("move_done", source, name=name, to=target, move=move)
-        self._router.placement[name] = target
-        return [r["name"] for r in records]
+    _check_move_request = staticmethod(check_move_request)   # raftps move checks its input with it
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
         """Cluster membership (Raft addresses): ``list``, or ``add`` / ``remove`` ``node``, or

@@ -9,10 +9,11 @@ moved to another group (``move``) is found through the cached placement, or re-r
 """
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -25,6 +26,29 @@ from .errors import AuthenticationFailed, Moved, Moving, Unavailable, raise_for
 MAX_RETRY_PAUSE = 0.1
 
 Call = Callable[[str, dict, float], dict]
+
+
+def parse_addresses(addresses: str | Iterable[str] | None) -> list[str]:
+    if addresses is None:
+        addresses = os.environ.get("RAFTPS_CLUSTER", "")
+    if isinstance(addresses, str):
+        addresses = addresses.split(",")
+    out = [a.strip() for a in addresses if a and a.strip()]
+    if not out:
+        raise ValueError("no cluster addresses: pass 'host:port,...' or set RAFTPS_CLUSTER")
+    for a in out:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad address {a!r}: expected host:port")
+    return out
+
+
+def newest(a: Any, b: Any) -> Any:
+    """The later of two store versions: ints, or {group: version} maps (then group by group)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+        return {g: max(a.get(g, 0), b.get(g, 0)) for g in sorted(set(a) | set(b))}
+    return max(a, b)
 
 
 class Router:
