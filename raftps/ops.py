@@ -26,7 +26,7 @@ class Op:
     request: schema.Record        # every field of the request (schema.check_request)
     role: str | None              # the role it needs on every name it carries; None: a valid token
     names: tuple[str, ...]        # the request's fields whose names the role is checked on (rbac.py)
-    serve: str | None             # the ClientServer method that answers it; None: the connection (hello)
+    serve: str | None             # the handlers.Handlers method that answers it; None: the connection (hello)
     node_wide: bool = False       # answered by the node as a whole, not by one Raft group's replica
     apply: str | None = None      # a write through Raft: the TensorStore method that applies its entry
     entry: str | None = None      # the log entry's op, where it is not the request's (push_step: step)
@@ -118,12 +118,12 @@ schema.OPS.update({name: op.request for name, op in OPS.items()})
 
 
 def served_by_replica() -> dict[str, str]:
-    """op -> the ClientServer method that answers it at the request's Raft group's replica."""
+    """op -> the Handlers method that answers it at the request's Raft group's replica."""
     return {op.name: op.serve for op in OPS.values() if op.serve and not op.node_wide}
 
 
 def served_by_node() -> dict[str, str]:
-    """op -> the ClientServer method that answers it for the node as a whole."""
+    """op -> the Handlers method that answers it for the node as a whole."""
     return {op.name: op.serve for op in OPS.values() if op.serve and op.node_wide}
 
 

@@ -6,7 +6,8 @@ import inspect
 from raftps import ops, rbac, schema
 from raftps.machine import TensorStore
 from raftps.moves import MOVE_OPS
-from raftps.server import WRITES, ClientServer
+from raftps.handlers import Handlers
+from raftps.server import WRITES
 
 
 def test_every_op_has_one_complete_record() -> None:
@@ -19,8 +20,8 @@ def test_every_op_has_one_complete_record() -> None:
         if op.serve is None:
             assert name == "hello", "only the hello is answered by the connection itself"
         else:
-            handler = getattr(ClientServer, op.serve, None)
-            assert callable(handler), f"{name}: ClientServer has no {op.serve}"
+            handler = getattr(Handlers, op.serve, None)
+            assert callable(handler), f"{name}: Handlers has no {op.serve}"
             params = list(inspect.signature(handler).parameters)
             assert params == (["self", "req", "identity"] if op.node_wide else ["self", "node", "req", "identity"]), name
         if op.write:
