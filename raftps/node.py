@@ -144,11 +144,12 @@ class RaftNode:
     def wait_version(self, version: int, timeout: float) -> bool:
         return self._replica.wait_version(version, timeout)
 
-    def wait_step(self, step: int, timeout: float, group: str = "") -> int:
-        return self._replica.wait_step(step, timeout, group)
+    def wait_step(self, step: int, timeout: float, job: str = "") -> int:
+        """Block until sync step ``step`` of ``job`` is applied; the store version then."""
+        return self._replica.wait_step(step, timeout, job)
 
-    def wait_ssp(self, group: str, worker: str, timeout: float) -> dict:
-        return self._replica.wait_ssp(group, worker, timeout)
+    def wait_ssp(self, ssp_group: str, worker: str, timeout: float) -> dict:
+        return self._replica.wait_ssp(ssp_group, worker, timeout)
 
     # ---- the Raft group ---------------------------------------------------------------------
 

@@ -150,29 +150,29 @@ class Replica:
         with self._applied:
             return self._applied.wait_for(lambda: self._machine.version >= version, timeout)
 
-    def wait_step(self, step: int, timeout: float, group: str = "") -> int:
+    def wait_step(self, step: int, timeout: float, job: str = "") -> int:
         machine = self._machine
         with self._applied:
-            if not self._applied.wait_for(lambda: machine.sync_step_applied(group) >= step, timeout):
-                where = f" of group {group!r}" if group else ""
+            if not self._applied.wait_for(lambda: machine.sync_step_applied(job) >= step, timeout):
+                where = f" of group {job!r}" if job else ""
                 raise StepTimeout(f"sync step {step}{where} not applied within {timeout:.1f} s "
-                                  f"({machine.sync_count(group, step)} contribution(s) so far)")
+                                  f"({machine.sync_count(job, step)} contribution(s) so far)")
             return machine.version
 
-    def wait_ssp(self, group: str, worker: str, timeout: float) -> dict:
+    def wait_ssp(self, ssp_group: str, worker: str, timeout: float) -> dict:
         """Block until ``worker`` may take its next SSP step (at most s clocks ahead of the slowest
-        member of ``group``), it is no longer a member, or ``timeout`` passes. Never decides
+        member of ``ssp_group``), it is no longer a member, or ``timeout`` passes. Never decides
         anything: on a timeout the caller gets the slowest members and may ask for an ssp_drop
         entry, which the state machine applies only if their clocks did not move."""
         machine = self._machine
 
         def ready() -> bool:
-            g = machine.ssp.get(group)
+            g = machine.ssp.get(ssp_group)
             return g is None or worker not in g["clocks"] or g["staleness"] is None \
                 or ssp_ahead(g, worker) <= g["staleness"]
         with self._applied:
             ok = self._applied.wait_for(ready, timeout)
-            g = machine.ssp_state(group) or {"staleness": None, "clocks": {}}
+            g = machine.ssp_state(ssp_group) or {"staleness": None, "clocks": {}}
             clocks = g["clocks"]
             slowest = min(clocks.values()) if clocks else 0
             return {"version": machine.version, "ready": ok, "member": worker in clocks,
