@@ -81,7 +81,10 @@ class RaftNode:
         self._upkeep = Upkeep(config, self._replica, self._fetcher)
         self._replica.on_missing = self._fetcher.want
         self._replica.on_tick = self._tick
-        self.log: ReplicatedLog | None = None     # the log may tick before its constructor returns
+        # The log may tick before its constructor returns, and before the parts below are wired
+        # to it: _tick does nothing until the last of them has started.
+        self._wired = False
+        self.log: ReplicatedLog | None = None
         self.log = log_factory(RaftSettings(
             address=config.raft_address, others=others, data_dir=config.data_dir,
             secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
@@ -95,10 +98,11 @@ class RaftNode:
         self._reads = Reads(config, self._replica, self.log, self._writes)
         self._fetcher.start(self.log)
         self._upkeep.start(self.log)
+        self._wired = True
 
     def _tick(self) -> None:
         """On every turn of the log's loop (its thread)."""
-        if self.log is None:
+        if not self._wired:
             return
         leader = self.log.leader()
         if leader is not None and leader != self._leader_seen:
