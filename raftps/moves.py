@@ -193,6 +193,13 @@ class Moves:
                     raise InvalidRequest(f"tensor {name!r}: optimizer state {key!r} must be an array like its data")
                 check_finite(name, arr, f"optimizer state {key!r}")
                 state[key] = freeze(arr.copy())
+            elif type(initial) is int:       # a count (the optimizers' step)
+                value = scalars.get(key)
+                if value is None:            # a state kept before the count existed
+                    continue
+                if type(value) is not int or value < 0:
+                    raise InvalidRequest(f"tensor {name!r}: optimizer state {key!r} must be an int >= 0")
+                state[key] = value
             else:
                 value = scalars.get(key)
                 if type(value) is not float or not np.isfinite(value):
