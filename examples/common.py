@@ -8,13 +8,17 @@ Backends (``--backend``):
           ``--checkpoint`` it saves and resumes (a ``--max-restarts`` restart builds its process
           group again: ``init_gloo``);
   raftps  raftps.torch.DistributedOptimizer against a raftps cluster (``--cluster`` or
-          RAFTPS_CLUSTER, token from RAFTPS_TOKEN / RAFTPS_TOKEN_FILE); ``--mode`` sync, async,
-          ssp or easgd. Started by torchrun or anything that sets RANK and WORLD_SIZE.
+          RAFTPS_CLUSTER, token from RAFTPS_TOKEN / RAFTPS_TOKEN_FILE), wrapping the same
+          torch.optim.Adam; ``--mode`` sync, async, ssp, easgd, or diloco / diloco-async (Adam is
+          the inner optimizer, ``--sync-every`` steps a round, the ``--outer`` step in the store).
+          Started by torchrun or anything that sets RANK and WORLD_SIZE.
 
 The global schedule is a sequence of batches g = 0, 1, ... of ``--batch`` examples, a pure
 function of (seed, g), so a restarted worker can skip to any g without replaying data.
   ddp, raftps sync (and local): every rank computes the mean gradient of its 1/world part of
       batch g; the all-reduce (or the store) averages the parts: world ranks == one process.
+  raftps diloco: every rank takes its inner step on its 1/world part of batch g; every H
+      batches the store's outer step applies the ranks' mean pseudo-gradient.
   raftps async / ssp / easgd: rank r trains on whole batches g = r, r + world, r + 2 world, ...
       and every push is one update (Downpour: "each worker its own data shard").
 """
@@ -36,11 +40,19 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 
+OUTERS = {"nesterov": {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov": True},
+          "average": {"name": "sgd", "lr": 1.0}}
+
+
 def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace:
     """The flags every example takes; ``defaults`` sets each script's own steps/batch/lr/target."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--backend", choices=["local", "ddp", "raftps"], default="local")
-    ap.add_argument("--mode", default="sync", help="raftps: sync | async | ssp | easgd")
+    ap.add_argument("--mode", default="sync", help="raftps: sync | async | ssp | easgd | diloco | diloco-async")
+    ap.add_argument("--sync-every", type=int, default=20, help="raftps diloco: inner steps per round (H)")
+    ap.add_argument("--outer", choices=sorted(OUTERS), default="nesterov",
+                    help="raftps diloco: the store's outer step (nesterov: momentum SGD lr 0.7, momentum 0.9, "
+                         "Nesterov; average: SGD lr 1.0, the mean of the ranks' parameters)")
     ap.add_argument("--cluster", default=None, help="raftps addresses host:port,... (default: RAFTPS_CLUSTER)")
     ap.add_argument("--prefix", default=None, help="raftps tensor name prefix (default: the script's name)")
     ap.add_argument("--n-push", type=int, default=1, help="raftps async: local steps summed per push")
@@ -83,12 +95,15 @@ class Backend:
             raise SystemExit("--checkpoint is for ddp/local: raftps resumes from the store")
         if args.backend == "raftps":
             import raftps.torch as rpt
-            self.opt = rpt.DistributedOptimizer(
-                model, cluster=args.cluster, optimizer={"name": "adam", "lr": args.lr}, mode=args.mode,
-                n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware,
-                prefix=prefix, rank=rank, world_size=world)
+            # The same torch optimizer the other backends use: the store runs it (sync, async, ...),
+            # or it is DiLoCo's inner optimizer, run here (diloco, diloco-async).
+            adam = torch.optim.Adam(model.parameters(), lr=args.lr)
+            options = (dict(sync_every=args.sync_every, outer=OUTERS[args.outer]) if args.mode.startswith("diloco")
+                       else dict(n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware))
+            self.opt = rpt.DistributedOptimizer(adam, model=model, cluster=args.cluster, mode=args.mode,
+                                                prefix=prefix, rank=rank, world_size=world, **options)
             self.start_step = int(self.opt.start_step)
-            self.sharded = args.mode == "sync"
+            self.sharded = args.mode in ("sync", "diloco", "diloco-async")
             return
         saved = None
         if self.checkpoint and os.path.exists(self.checkpoint):
@@ -151,7 +166,7 @@ def init_gloo(rank: int, world: int) -> None:
 
 def my_batches(backend: Backend, steps: int) -> range:
     """The global batch indices this rank works on, from where the job resumes."""
-    if backend.sharded:                 # sync: start_step is the job's next step
+    if backend.sharded:                 # sync, diloco: start_step is the job's next step
         return range(backend.start_step, steps)
     # async: start_step counts this rank's own steps the store applied; its k-th is g = rank + k world
     return range(backend.rank + backend.start_step * backend.world, steps, backend.world)

@@ -52,15 +52,14 @@ class TorchrunJob:
             time.sleep(0.1)
         raise TimeoutError(f"no torchrun worker to kill within {timeout} s")
 
+    def poll(self) -> int | None:
+        """torchrun's exit code, or None while it runs."""
+        self.workers()
+        return self.proc.poll()
+
     def wait(self, timeout: float) -> int | None:
         """torchrun's exit code, or None if it still runs after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.workers()
-            if self.proc.poll() is not None:
-                return self.proc.returncode
-            time.sleep(0.2)
-        return None
+        return _wait(self, timeout)
 
     def stop(self) -> None:
         self.workers()
@@ -73,9 +72,76 @@ class TorchrunJob:
         self.log.close()
 
 
-def steps_done(client: Client, prefix: str, ranks: int) -> int:
-    """Steps the store applied for a job: the sum of its ranks' step counters (async modes), or
-    the job's applied sync step + 1."""
+class PerRankJob:
+    """One process per rank (RANK and WORLD_SIZE set), each supervised on its own: a rank that
+    dies by a signal is started again alone, at most ``restarts`` times in all, while the others
+    keep training (they share no process group: the store is their only meeting point). The
+    same interface as TorchrunJob."""
+
+    def __init__(self, argv: Sequence[str], ranks: int, env: dict[str, str], log_dir: str, restarts: int = 3):
+        self.argv, self.ranks, self.env, self.log_dir, self.restarts = list(argv), ranks, env, log_dir, restarts
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restarted: list[tuple[float, int]] = []     # (unix time, rank) of every restart
+        for r in range(ranks):
+            self._start(r)
+
+    def _start(self, rank: int) -> None:
+        with open(os.path.join(self.log_dir, f"rank{rank}.log"), "ab") as log:
+            self.procs[rank] = subprocess.Popen(
+                self.argv, env={**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.ranks)},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def workers(self) -> list[int]:
+        return sorted(p.pid for p in self.procs.values() if p.poll() is None)
+
+    def kill_worker(self, rank: int | None = None) -> int:
+        """SIGKILL one rank's process (the last rank by default); poll() starts it again."""
+        proc = self.procs[self.ranks - 1 if rank is None else rank]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        return proc.pid
+
+    def poll(self) -> int | None:
+        """Restart the ranks killed by a signal (while restarts remain); None while any rank runs,
+        else 0 if every rank exited 0, else the first other exit code."""
+        for rank, proc in sorted(self.procs.items()):
+            if proc.poll() is not None and proc.returncode < 0 and self.restarts > 0:
+                self.restarts -= 1
+                self.restarted.append((time.time(), rank))
+                self._start(rank)
+        codes = [p.poll() for _, p in sorted(self.procs.items())]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def wait(self, timeout: float) -> int | None:
+        return _wait(self, timeout)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait(job: "TorchrunJob | PerRankJob", timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = job.poll()
+        if code is not None:
+            return code
+        time.sleep(0.2)
+    return None
+
+
+def steps_done(client: Client, prefix: str, ranks: int, sync_every: int | None = None) -> int:
+    """Steps the store applied for a job: the sum of its ranks' step counters (async modes), the
+    job's applied sync step + 1, or (``sync_every``: a DiLoCo job) its applied rounds times H."""
+    if sync_every is not None:
+        try:
+            return (client.sync_applied(jobs.diloco_group(prefix, 0, 1)) + 1) * sync_every
+        except UnknownTensor:
+            return 0
     names = [jobs.step_counter(prefix, r) for r in range(ranks)]
     try:
         tensors, _ = client.pull(names, linearizable=False)
@@ -94,9 +160,10 @@ class KillRun:
     events: list[tuple[float, str]] = field(default_factory=list)     # (unix time, what happened)
 
 
-def train_through_kills(cluster: LocalCluster, job: TorchrunJob, prefix: str, ranks: int, total_steps: int,
+def train_through_kills(cluster: LocalCluster, job: "TorchrunJob | PerRankJob", prefix: str, ranks: int,
+                        total_steps: int,
                         leader_at: float = 0.3, worker_at: float = 0.6, timeout: float = 600.0,
-                        say: Callable[[str], None] = print) -> KillRun:
+                        say: Callable[[str], None] = print, sync_every: int | None = None) -> KillRun:
     """Wait until the job's store-side step count passes ``leader_at`` of ``total_steps``, SIGKILL
     the store's leader; past ``worker_at``, SIGKILL a worker; then wait for torchrun to exit."""
     run = KillRun(None)
@@ -109,12 +176,12 @@ def train_through_kills(cluster: LocalCluster, job: TorchrunJob, prefix: str, ra
 
     with cluster.client(timeout=30.0) as client:
         for fraction, action in ((leader_at, "leader"), (worker_at, "worker")):
-            while time.monotonic() < deadline and job.proc.poll() is None:
-                if steps_done(client, prefix, ranks) >= fraction * total_steps:
+            while time.monotonic() < deadline and job.poll() is None:
+                if steps_done(client, prefix, ranks, sync_every) >= fraction * total_steps:
                     break
                 time.sleep(0.2)
-            if job.proc.poll() is not None:
-                event(f"torchrun exited (code {job.proc.returncode}) before the {action} kill")
+            if job.poll() is not None:
+                event(f"the job exited (code {job.poll()}) before the {action} kill")
                 break
             if action == "leader":
                 leader = None
@@ -122,9 +189,9 @@ def train_through_kills(cluster: LocalCluster, job: TorchrunJob, prefix: str, ra
                     leader = cluster.leader()
                     time.sleep(0.05 if leader is None else 0)
                 cluster.kill(leader)
-                event(f"SIGKILL store leader node {leader} at step {steps_done(client, prefix, ranks)}")
+                event(f"SIGKILL store leader node {leader} at step {steps_done(client, prefix, ranks, sync_every)}")
             else:
-                event(f"SIGKILL worker pid {job.kill_worker()} at step {steps_done(client, prefix, ranks)}")
+                event(f"SIGKILL worker pid {job.kill_worker()} at step {steps_done(client, prefix, ranks, sync_every)}")
     run.exit_code = job.wait(max(1.0, deadline - time.monotonic()))
-    event(f"torchrun exited with code {run.exit_code}")
+    event(f"the job exited with code {run.exit_code}")
     return run

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -93,3 +94,38 @@ def test_resume_after_every_worker_is_killed_continues_from_the_store(make_clust
     assert summary["final_test_acc"] >= TRAINED, summary
     assert sum(counters(cluster, "resume")) == STEPS
     assert applied_updates(cluster, "resume") == STEPS
+
+
+def test_per_rank_launch_restarts_a_dead_diloco_worker_alone(make_cluster, tmp_path):
+    """One process per worker, each supervised on its own (examples/torchrun_demo.py's default):
+    a SIGKILLed worker is started again alone and resumes at the store's DiLoCo round, while the
+    other keeps its process; every round the store applied counts once in its tensors."""
+    from raftps import jobs
+    from raftps.chaos.torchrun import PerRankJob
+    cluster = make_cluster(23600)
+    out = tmp_path / "out"
+    out.mkdir()
+    sync_every = 10
+    args = [SCRIPT, "--backend", "raftps", "--mode", "diloco", "--sync-every", str(sync_every), "--prefix", "alone",
+            "--steps", str(STEPS), "--eval-every", "40", "--out", str(out)]
+    import sys
+    job = PerRankJob([sys.executable, *args], WORKERS, cluster.client_env, str(out))
+    try:
+        first = dict(zip(range(WORKERS), [p.pid for _, p in sorted(job.procs.items())]))
+        run = train_through_kills(cluster, job, "alone", WORKERS, STEPS, leader_at=0.25, worker_at=0.5,
+                                  timeout=420, say=lambda text: None, sync_every=sync_every)
+    finally:
+        job.stop()
+    logs = {r: (out / f"rank{r}.log").read_text(errors="replace") for r in range(WORKERS)}
+    assert run.exit_code == 0, f"{run.events}\n{logs[WORKERS - 1][-3000:]}"
+    assert [r for _, r in job.restarted] == [WORKERS - 1]            # the killed worker, and only it
+    assert job.procs[0].pid == first[0]                               # the other was never stopped
+    starts = [int(m) for m in re.findall(r"\(start_step (\d+)\)", logs[WORKERS - 1])]
+    # one resumed start (examples print it for a rank that starts past 0), at a round's boundary
+    assert len(starts) == 1 and starts[0] > 0 and starts[0] % sync_every == 0, starts
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_test_acc"] >= TRAINED, summary
+    with cluster.client() as c:
+        rounds = c.sync_applied(jobs.diloco_group("alone", 0, 1)) + 1
+        versions = {t["version"] for t in c.tensors() if t["name"].startswith("alone/")}
+    assert rounds == STEPS // sync_every and versions == {rounds}     # each round applied once, none lost
