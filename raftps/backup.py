@@ -21,7 +21,8 @@ import shutil
 from . import codec, snapshot_file
 from .client import Client
 from .groups import Layout, data_dir
-from .machine import TensorStore, snapshot_digest
+from .machine import TensorStore
+from .store_snapshot import snapshot_digest
 from .models import UsageError
 
 BACKUP_FORMAT = 1           # one Raft group: the store at one version

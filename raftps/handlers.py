@@ -12,7 +12,7 @@ from . import codec
 from .aggregate import StepAggregator
 from .errors import InvalidRequest, RaftpsError
 from .groups import Layout
-from .machine import snapshot_digest
+from .store_snapshot import snapshot_digest
 from .node import RaftNode, offset_address
 from .raft import NotApplied
 from .rbac import Identity

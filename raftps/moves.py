@@ -72,7 +72,7 @@ class Moves:
 
     tensors: dict
     update_indices: dict
-    sync: dict
+    sync: Any          # SyncJobs (sync_jobs.py)
 
     def _init_moves(self) -> None:
         self.moving: dict[str, dict] = {}
@@ -137,11 +137,10 @@ class Moves:
         if spec["name"] in UNMOVABLE_OPTIMIZERS:
             raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} keeps its gradient sums by this "
                                  "group's store versions, which mean nothing in another group: it cannot be moved")
-        for group, g in sorted(self.sync.items()):
-            for step, buf in sorted(g["buffers"].items()):
-                if name in buf["sum"]:
-                    raise InvalidRequest(f"tensor {name!r} is in sync step {step} of sync group {group!r}, which "
-                                         "is not applied yet: move it after the step is applied (or close_step it)")
+        held = self.sync.holding(name)
+        if held is not None:
+            raise InvalidRequest(f"tensor {name!r} is in sync step {held[1]} of sync job {held[0]!r}, which "
+                                 "is not applied yet: move it after the step is applied (or close_step it)")
 
     def _move_install(self, index: int, command: dict) -> dict:
         name, move = self._move_name(command), _move_id(command.get("move"))

@@ -208,8 +208,8 @@ def test_sync_rank_is_counted_once_and_a_restarted_worker_changes_nothing():
     # rank 0 died after its push and restarted: a new session pushes step 5 again
     again = log("push_sync", client="w0-restarted", tensors={"w": g[1]}, step=5, workers=2, rank=0, group="job")
     assert again == {"version": 3, "step": 5, "applied": False, "count": 1, "duplicate_rank": True}
-    assert log.store.sync["job"]["buffers"][5]["ranks"] == [0]
-    assert np.array_equal(log.store.sync["job"]["buffers"][5]["sum"]["w"], g[0])
+    assert log.store.sync.jobs["job"]["buffers"][5]["ranks"] == [0]
+    assert np.array_equal(log.store.sync.jobs["job"]["buffers"][5]["sum"]["w"], g[0])
     done = log("push_sync", client="w1", tensors={"w": g[1]}, step=5, workers=2, rank=1, group="job")
     assert done["applied"] and done["count"] == 2
     assert np.array_equal(log.store.tensors["w"].data, -np.full(4, 3.0, F32))
@@ -231,9 +231,9 @@ def test_sync_bad_rank_or_group_is_refused_and_changes_nothing(fields, words):
     make(log)
     r = log("push_sync", tensors={"w": np.ones(4, F32)}, step=0, workers=2, **fields)
     assert r["error"] == "InvalidRequest" and words in r["message"]
-    assert log.store.sync == {} and np.array_equal(log.store.tensors["w"].data, np.zeros(4))
+    assert log.store.sync.jobs == {} and np.array_equal(log.store.tensors["w"].data, np.zeros(4))
     assert log("close_step", step=0, group="bad group!")["error"] == "InvalidRequest"
-    assert log.store.sync == {}
+    assert log.store.sync.jobs == {}
 
 
 def test_sync_ranked_and_unranked_contributions_do_not_mix():
@@ -242,7 +242,7 @@ def test_sync_ranked_and_unranked_contributions_do_not_mix():
     log("push_sync", client="a", tensors={"w": np.ones(4, F32)}, step=0, workers=2, rank=0)
     r = log("push_sync", client="b", tensors={"w": np.ones(4, F32)}, step=0, workers=2)
     assert r["error"] == "InvalidRequest" and "with and without rank" in r["message"]
-    assert log.store.sync[""]["buffers"][0]["count"] == 1
+    assert log.store.sync.jobs[""]["buffers"][0]["count"] == 1
 
 
 def test_sync_groups_and_ranks_survive_snapshot_restore_and_digest():
@@ -255,7 +255,7 @@ def test_sync_groups_and_ranks_survive_snapshot_restore_and_digest():
     restored = TensorStore()
     restored.restore(codec.decode(codec.encode_bytes(a.store.snapshot())))
     assert restored.digest() == a.store.digest()
-    assert restored.sync_step_applied("j2") == 0 and restored.sync["j1"]["buffers"][3]["ranks"] == [2]
+    assert restored.sync_step_applied("j2") == 0 and restored.sync.jobs["j1"]["buffers"][3]["ranks"] == [2]
     r = Log(restored); r.index, r.seq = a.index, dict(a.seq)
     assert r("push_sync", client="w9", tensors={"w": np.ones(4, F32)}, step=3, workers=3, rank=2,
              group="j1")["duplicate_rank"]

@@ -22,7 +22,8 @@ import msgpack
 from .. import codec, snapshot_file
 from ..errors import StepTimeout
 from ..group_commit import BATCH
-from ..machine import TensorStore, ssp_ahead
+from ..machine import TensorStore
+from ..ssp_clocks import ahead as ssp_ahead
 from ..metrics import Instruments
 from ..payloads import PayloadStore
 from ..raft import NotReady, SnapshotMeta

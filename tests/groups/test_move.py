@@ -510,7 +510,7 @@ def test_index_tensor_moves_with_its_tensor_and_a_sync_step_blocks_a_move(cluste
         c.create_many({"emb": np.ones((4, 2)), "emb:indices": np.arange(3.0)}, {"emb": SGD, "emb:indices": SGD})
         source, target = c.group_of("emb"), other_group(c, "emb")
         c.push_sync({"emb": np.ones((4, 2))}, step=0, workers=2, group="movejob")
-        with pytest.raises(InvalidRequest, match="sync step 0 of sync group 'movejob'"):
+        with pytest.raises(InvalidRequest, match="sync step 0 of sync job 'movejob'"):
             c.move("emb", target)
         assert group_state(c, source, "emb")["moving"] is None
         c.close_step(0, group="movejob")
