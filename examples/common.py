@@ -50,9 +50,10 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--backend", choices=["local", "ddp", "raftps"], default="local")
     ap.add_argument("--mode", default="sync", help="raftps: sync | async | ssp | easgd | diloco | diloco-async")
     ap.add_argument("--sync-every", type=int, default=20, help="raftps diloco: inner steps per round (H)")
-    ap.add_argument("--outer", choices=sorted(OUTERS), default="nesterov",
-                    help="raftps diloco: the store's outer step (nesterov: momentum SGD lr 0.7, momentum 0.9, "
-                         "Nesterov; average: SGD lr 1.0, the mean of the ranks' parameters)")
+    ap.add_argument("--outer", choices=sorted(OUTERS), default="average",
+                    help="raftps diloco: the store's outer step (average: SGD lr 1.0, the mean of the ranks' "
+                         "parameters, the better here over 300-1200 batches: bench.diloco_quality; nesterov: "
+                         "the paper's momentum SGD lr 0.7, momentum 0.9)")
     ap.add_argument("--cluster", default=None, help="raftps addresses host:port,... (default: RAFTPS_CLUSTER)")
     ap.add_argument("--prefix", default=None, help="raftps tensor name prefix (default: the script's name)")
     ap.add_argument("--n-push", type=int, default=1, help="raftps async: local steps summed per push")
