@@ -165,9 +165,12 @@ def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ra
 def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     import raftps.torch as rpt
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
-    opt = rpt.DistributedOptimizer(inner, model=model, mode=args.kind[len("raftps-"):], sync_every=args.sync_every,
-                                   outer={"name": "momentum", **OUTER}, prefix=args.prefix,
-                                   rank=rank, world_size=ranks)
+    mode = args.kind[len("raftps-"):]
+    # synchronous: the paper's outer step, as torchft's DiLoCo runs it; asynchronous: raftps's
+    # default (averaging: the paper's momentum diverges when pseudo-gradients apply on arrival)
+    outer = {"outer": {"name": "momentum", **OUTER}} if mode == "diloco" else {}
+    opt = rpt.DistributedOptimizer(inner, model=model, mode=mode, sync_every=args.sync_every, prefix=args.prefix,
+                                   rank=rank, world_size=ranks, **outer)
     start = int(opt.start_step)
     if rank != 0 and start:
         print(f"[rank {rank}] char_gpt: resumed at global batch {start}", flush=True)

@@ -22,6 +22,7 @@ from tests.conftest import start_cluster, wait_converged
 BASE_PORT = 22600          # raft 22601-22603, clients 22701-22703, data plane 22801-22803
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = np.float32
+NESTEROV = {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +193,10 @@ def test_a_round_held_by_a_killed_leader_applies_once_with_every_rank(cluster):
 def test_asynchronous_rounds_apply_on_arrival_with_staleness_aware_lr(cluster):
     init = {"w": np.linspace(0, 1, 7, dtype=F32)}
     with cluster.client() as c:
-        ranks = [DiLoCo(c, "async", init, rank=r, world_size=3, sync_every=1, asynchronous=True) for r in range(3)]
+        # the paper's outer step, named (asynchronous rounds default to averaging: diloco.ASYNC_DEFAULT_OUTER)
+        assert DiLoCo(c, "async", init, asynchronous=True).outer["name"] == "sgd"
+        ranks = [DiLoCo(c, "async", init, rank=r, world_size=3, sync_every=1, asynchronous=True, outer=NESTEROV)
+                 for r in range(3)]
         assert ranks[0].outer["staleness_aware"] and ranks[0].push_scale == 2 / 3
         for d in ranks:
             d.create()
@@ -204,10 +208,11 @@ def test_asynchronous_rounds_apply_on_arrival_with_staleness_aware_lr(cluster):
             grad = (init["w"] - local["w"]) * F32(2 / 3)
             want, velocity = nesterov(want, velocity, grad, lr=0.7 / max(1, r))
             assert got["w"].tobytes() == want.tobytes(), r
-        again = DiLoCo(c, "async", init, rank=1, world_size=3, sync_every=1, asynchronous=True)
+        again = DiLoCo(c, "async", init, rank=1, world_size=3, sync_every=1, asynchronous=True, outer=NESTEROV)
         start, params = again.resume()
         assert start == 1 and params["w"].tobytes() == want.tobytes()          # rank 1 did one round
-        fp16 = DiLoCo(c, "async", init, rank=2, world_size=3, sync_every=1, asynchronous=True, compress="fp16")
+        fp16 = DiLoCo(c, "async", init, rank=2, world_size=3, sync_every=1, asynchronous=True, compress="fp16",
+                      outer=NESTEROV)
         fp16.resume()
         got = fp16.after_inner_step(1, {"w": params["w"] - F32(0.01)})
         assert fp16.rounds[0].bytes == 7 * 2 and np.all(np.isfinite(got["w"]))
