@@ -74,7 +74,8 @@ def step_hyperparameters(spec: dict, stored: dict) -> dict:
     says ``spec``: the step hyperparameters that differ (none while a group keeps its values, so
     a constant-lr job sends nothing extra). Raises ValueError if an option that only the stored
     spec can hold (nesterov, amsgrad, the optimizer itself) changed."""
-    fixed = [k for k in stored if k not in optim.STEP_HYPERPARAMETERS and spec.get(k) != stored[k]]
+    fixed = [k for k in stored if k not in optim.STEP_HYPERPARAMETERS and k != "staleness_aware"   # raftps's, not torch's
+             and spec.get(k) != stored[k]]
     if fixed:
         raise ValueError(f"param group option(s) {fixed} changed from {[stored[k] for k in fixed]} to "
                          f"{[spec.get(k) for k in fixed]}: the store keeps them per tensor from its first step; "

@@ -337,3 +337,18 @@ def test_export_format_torch_loads_in_plain_torch_and_imports_back(cluster, tmp_
         for short, value in original["model"].items():
             assert np.array_equal(copied["tensors"][f"native-ckpt-copy/{short}"], value.numpy())
             assert copied["states"][f"native-ckpt-copy/{short}"]["step"] == 4
+
+
+def test_step_hyperparameters_are_what_changed_and_fixed_options_stay():
+    """What a step carries for a group: only what differs from the stored spec (nothing for a
+    constant lr); staleness_aware is raftps's own and never compared with torch's options."""
+    from raftps.torch import optimizers
+    group = {"lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "maximize": False,
+             "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": True}
+    stored = {**optimizers.stored_spec(torch.optim.AdamW, group), "staleness_aware": True}
+    assert optimizers.step_hyperparameters(optimizers.store_spec(torch.optim.AdamW, group), stored) == {}
+    assert optimizers.step_hyperparameters(optimizers.store_spec(torch.optim.AdamW, {**group, "lr": 0.05}),
+                                           stored) == {"lr": 0.05}
+    with pytest.raises(ValueError, match="amsgrad"):
+        optimizers.step_hyperparameters(optimizers.store_spec(torch.optim.AdamW, {**group, "amsgrad": True}), stored)
