@@ -44,7 +44,7 @@ class Client:
                  attempt_timeout: float = 4.0, limits: codec.Limits = codec.DEFAULT_LIMITS,
                  token: str | None = None, tls: str | bool | ssl.SSLContext | None = None,
                  max_in_flight: int = 16):
-        self.addresses = parse_addresses(addresses)
+        addresses = parse_addresses(addresses)
         self.token = auth.client_token(token)
         self.tls = auth.client_tls_context(tls)
         self.timeout = timeout
@@ -53,7 +53,7 @@ class Client:
         self._lock = threading.RLock()            # one request at a time on this client's connections
         self._transport: Transport = self._new_transport()
         self._session = Session()
-        self._router = Router(self.addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
+        self._router = Router(addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
         self.max_in_flight = max_in_flight        # push_async: pushes on their way at once
         self._pipeline: ThreadPoolExecutor | None = None
         self._pipeline_lock = threading.Lock()
@@ -63,6 +63,15 @@ class Client:
 
     def _new_transport(self) -> Transport:
         return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
+
+    @property
+    def addresses(self) -> list[str]:
+        """The client addresses this client starts from (the router's: setting them re-aims it)."""
+        return self._router.addresses
+
+    @addresses.setter
+    def addresses(self, addresses: str | Iterable[str]) -> None:
+        self._router.addresses = parse_addresses(addresses)
 
     @property
     def client_id(self) -> str:
