@@ -206,7 +206,9 @@ def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
                        "long for a dead rank; short steps: an upper bound by one (from rank 0's step at the kill "
                        "to the restarted rank's first batch).",
         "raftps-diloco": f"raftps.torch mode='diloco', {diloco} in the store.",
-        "raftps-diloco-async": f"raftps.torch mode='diloco-async', {diloco} in the store, staleness-aware.",
+        "raftps-diloco-async": f"raftps.torch mode='diloco-async', H = {r.get('sync_every')}, inner AdamW (lr "
+                               f"{meta.get('lr')}, weight decay 0.1, betas 0.9/0.95), the asynchronous default outer "
+                               "step in the store (averaging: SGD lr 1.0), staleness-aware.",
     }.get(r["config"], "")
 
 
