@@ -15,9 +15,9 @@ its launcher starts it again; at 60% the store's leader is SIGKILLed (raftps run
   (c) torchft-ddp / torchft-diloco   torchft 0.2.0 (gloo): each replica group under its own
                     torchrun (``--max-restarts``), a ``torchft_lighthouse --min_replicas 1``;
   (d) raftps-sync   raftps.torch sync (store-side Adam) on a fresh 3-node LocalCluster;
-  (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping AdamW with an outer
-                    Nesterov step in the store (skipped, with the reason, where raftps.torch does
-                    not take that form).
+  (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping AdamW, the outer step in
+                    the store: ``--outer`` (plain averaging by default, or the paper's Nesterov
+                    momentum; torchft's DiLoCo runs the same one), asynchronous: averaging.
 raftps workers run one supervised process each (the supervisor restarts a dead one alone).
 The torchft and raftps DiLoCo workers are bench/goodput_worker.py; the launchers are
 bench/goodput_launch.py; what is measured and reported, from rank 0's metrics.csv, is
@@ -206,6 +206,7 @@ class Setup:
     sync_every: int
     timeout: float
     param_bytes: int
+    outer: str = "average"                      # DiLoCo's outer step, torchft's and raftps's alike
     target: float | None = None
     checkpoint_every: int = 0
     checkpoint_timing: tuple[float, float] = (0.0, 0.0)     # one save, (a)'s step: ms
@@ -262,7 +263,7 @@ def run_torchft(s: Setup, name: str) -> dict[str, Any]:
             env = {**_env(), "REPLICA_GROUP_ID": str(r), "NUM_REPLICA_GROUPS": str(WORKERS),
                    "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse_port}"}
             args = ["--kind", name, "--steps", str(2 * s.budget), "--eval-every", str(s.eval_every),
-                    "--sync-every", str(s.sync_every), "--out", out]
+                    "--sync-every", str(s.sync_every), "--outer", s.outer, "--out", out]
             groups.append(Torchrun(WORKER, args, 1, s.base_port + 680 + r, env,
                                    os.path.join(out, f"group{r}.log")))
         job = _AnyDone(groups)
@@ -284,7 +285,7 @@ def run_torchft(s: Setup, name: str) -> dict[str, Any]:
                                                               f"pseudo-gradients every {per} batches"),
              "short_steps": n_short, "launcher": "a torchrun per replica group, --max-restarts 3; a lighthouse"}
     if name == "torchft-diloco":
-        extra["sync_every"] = s.sync_every
+        extra.update(sync_every=s.sync_every, outer=s.outer)
     return _finish(s, run, rows, completed, extra)
 
 
@@ -314,7 +315,8 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
                 *_char_gpt_args(s, 2 * s.budget, out)]
     else:
         argv = [sys.executable, WORKER, "--kind", name, "--steps", str(2 * s.budget), "--eval-every",
-                str(s.eval_every), "--sync-every", str(s.sync_every), "--prefix", prefix, "--out", out]
+                str(s.eval_every), "--sync-every", str(s.sync_every), "--outer", s.outer, "--prefix", prefix,
+                "--out", out]
     run = Run(name, out)
     bytes_seen: dict[str, float] = {}
     job = None
@@ -345,7 +347,7 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
              "short_steps": short_steps(kill, job.back.get(WORKERS - 1) if job else None),
              "launcher": "one supervised process per rank (a dead one restarts alone)"}
     if name != "raftps-sync":
-        extra["sync_every"] = s.sync_every
+        extra.update(sync_every=s.sync_every, outer=s.outer)
     return _finish(s, run, rows, completed, extra)
 
 
@@ -368,12 +370,13 @@ def _finish(s: Setup, run: Run, rows: list[dict], completed: bool, extra: dict[s
 # ---- the part -------------------------------------------------------------------------------
 
 def measure(run_dir: str, base_port: int, mode: str, out: str, configs: list[str] | None = None,
-            command: str = "python -m bench.goodput") -> list[dict[str, Any]]:
-    cfg = MODES[mode]
+            command: str = "python -m bench.goodput", sync_every: int | None = None,
+            outer: str = "average") -> list[dict[str, Any]]:
+    cfg = {**MODES[mode], **({"sync_every": sync_every} if sync_every else {})}
     uptime0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     t0 = time.monotonic()
     s = Setup(mode, run_dir, base_port, cfg["budget"], cfg["eval_every"], cfg["sync_every"], cfg["timeout"],
-              param_bytes())
+              param_bytes(), outer)
     chosen = configs or CONFIGS
     results: list[dict[str, Any]] = []
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # SIGTERM: clean up as on an error
@@ -411,7 +414,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, configs: list[str
         torchft_version = getattr(torchft, "__version__", None) or _dist_version("torchft")
     except ImportError:
         torchft_version = "missing"
-    meta = {"mode": mode, "budget": s.budget, "eval_every": s.eval_every, "sync_every": s.sync_every,
+    meta = {"mode": mode, "budget": s.budget, "eval_every": s.eval_every, "sync_every": s.sync_every, "outer": outer,
             "command": command + " " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
             "seconds": round(time.monotonic() - t0, 1), "uptime_start": uptime0,
@@ -444,13 +447,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--base-port", type=int, default=23000)
     ap.add_argument("--configs", help=f"comma list of {CONFIGS} ((a) ddp always runs: it sets the target)")
+    ap.add_argument("--sync-every", type=int, help="DiLoCo's H (default: the mode's, "
+                    + ", ".join(f"{m} {c['sync_every']}" for m, c in MODES.items()) + ")")
+    ap.add_argument("--outer", choices=("average", "nesterov"), default="average",
+                    help="the synchronous DiLoCo outer step, torchft's and raftps's alike: plain averaging "
+                         "(SGD lr 1.0) or the paper's Nesterov momentum (lr 0.7, momentum 0.9); asynchronous "
+                         "DiLoCo always averages")
     a = ap.parse_args(argv)
+    if a.sync_every is not None and a.sync_every < 1:
+        ap.error(f"--sync-every must be >= 1, got {a.sync_every}")
     configs = [c.strip() for c in a.configs.split(",")] if a.configs else None
     unknown = set(configs or []) - set(CONFIGS)
     if unknown:
         ap.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     with tempfile.TemporaryDirectory(prefix="raftps-goodput-") as run_dir:
-        results = measure(run_dir, a.base_port, "full" if a.full else "quick", a.out, configs)
+        results = measure(run_dir, a.base_port, "full" if a.full else "quick", a.out, configs,
+                          sync_every=a.sync_every, outer=a.outer)
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -186,7 +186,8 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
 def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
     """What a configuration's figures mean, in one line."""
     diloco = (f"H = {r.get('sync_every')}, inner AdamW (lr {meta.get('lr')}, weight decay 0.1, betas 0.9/0.95), "
-              "outer Nesterov momentum SGD (lr 0.7, momentum 0.9)")
+              + ("outer Nesterov momentum SGD (lr 0.7, momentum 0.9)" if r.get("outer") == "nesterov" else
+                 "outer plain averaging (SGD lr 1.0)"))
     return {
         "ddp": f"torchrun, gloo all-reduce, torch.optim.Adam (lr {meta.get('lr')}); the target is its validation loss at "
                f"{TARGET_AT:.0%} of the budget.",
@@ -196,10 +197,12 @@ def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
                     "all 4 ranks, which load the checkpoint; the process group is built on a store prefix per "
                     "restart (examples/common.py, init_gloo), without which the restarted group fails in "
                     "init_process_group (Gloo connectFullMesh failed ... Connection refused).",
-        "torchft-ddp": "torchft.ddp.PureDistributedDataParallel + torchft.Optimizer over Adam (its "
-                       "DistributedDataParallel raised AssertionError at ddp.py:76 in the surviving replica "
-                       "groups once a peer was SIGKILLed); short steps: steps committed with fewer than 4 "
-                       "participants (rank 0's manager.num_participants()).",
+        "torchft-ddp": "torchft.Optimizer over Adam; one manager.allreduce per gradient started as backward "
+                       "produces it and every one waited before the step (bench/goodput_worker.py, WaitedAllreduce): "
+                       "torchft's PureDistributedDataParallel never waits on CPU, so its averaging never ran, and its "
+                       "DistributedDataParallel raised AssertionError at ddp.py:76 in the surviving replica groups "
+                       "once a peer was SIGKILLed; short steps: steps committed with fewer than 4 participants "
+                       "(rank 0's manager.num_participants()).",
         "torchft-diloco": f"torchft.local_sgd.DiLoCo, {diloco}; synchronous quorum (its train_diloco.py); "
                           "short steps: rounds committed with fewer than 4 participants.",
         "raftps-sync": f"raftps.torch sync, Adam in the store (lr {meta.get('lr')}, as DDP's), step_timeout 10 s: a step waits that "

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 from datetime import timedelta
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Run as a script, this file's folder comes first on sys.path, and bench/profile.py would shadow
@@ -30,9 +31,11 @@ from char_gpt import DEFAULTS, build  # noqa: E402
 from common import Metrics  # noqa: E402
 
 KINDS = ("torchft-ddp", "torchft-diloco", "raftps-diloco", "raftps-diloco-async")
-# The DiLoCo paper's (and torchft's train_diloco.py's) inner and outer optimizers.
+# The DiLoCo paper's (and torchft's train_diloco.py's) inner optimizer, and the two outer steps
+# (as torch.optim.SGD keywords): the paper's, and plain averaging (what reaches a given loss
+# sooner over tens of rounds: bench/results/diloco_quality.md).
 INNER = dict(weight_decay=0.1, betas=(0.9, 0.95))
-OUTER = dict(lr=0.7, momentum=0.9, nesterov=True)
+OUTERS = {"nesterov": dict(lr=0.7, momentum=0.9, nesterov=True), "average": dict(lr=1.0)}
 
 
 def parse() -> argparse.Namespace:
@@ -43,10 +46,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="(inner) Adam/AdamW learning rate")
     ap.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
     ap.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
+    ap.add_argument("--outer", choices=sorted(OUTERS), default="average", help="synchronous DiLoCo's outer step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefix", default="goodput", help="raftps tensor prefix")
-    ap.add_argument("--wrapper", choices=["pure", "ddp"], default="pure",
-                    help="torchft-ddp: torchft.ddp.PureDistributedDataParallel or its DistributedDataParallel")
+    ap.add_argument("--wrapper", choices=["waited", "pure", "ddp"], default="waited",
+                    help="torchft-ddp: per-gradient all-reduces waited before the step (default), "
+                         "torchft.ddp.PureDistributedDataParallel, or its DistributedDataParallel")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -100,17 +105,37 @@ def _manager(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ra
                    timeout=timedelta(seconds=10), use_async_quorum=not sync_quorum)
 
 
+class WaitedAllreduce:
+    """One ``manager.allreduce`` per gradient, started as backward produces it (as
+    torchft.ddp.PureDistributedDataParallel does), and every one waited before the optimizer step.
+
+    PureDistributedDataParallel (torchft 0.2.0) never waits on its works: on CPU nothing else
+    does either (``should_commit`` synchronises only an accelerator), so the step can read
+    gradients that gloo is still summing, and the division by the participant count, which
+    torchft chains onto ``wait()``, never runs. Its DistributedDataParallel (a comm hook) does
+    wait, but raised AssertionError (ddp.py:76, ``assert fut._fut``) in the surviving replica
+    groups once a peer was SIGKILLed. This is the smallest loop a careful user would write
+    instead."""
+
+    def __init__(self, manager: Any, model: torch.nn.Module) -> None:
+        self.works: list = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: self.works.append(manager.allreduce(p.grad)))
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+
 def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     from torchft import DistributedDataParallel, Optimizer
     from torchft.ddp import PureDistributedDataParallel
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     manager = _manager(model, [inner], rank, sync_quorum=False)
-    # torchft 0.2.0's DistributedDataParallel (its comm hook) raised AssertionError (ddp.py:76,
-    # `assert fut._fut`) in the surviving replica groups once a peer was SIGKILLed, after "Connection
-    # closed by peer"; its pure-Python wrapper (an all-reduce per gradient, errors left to the
-    # manager) survives the kill, so --wrapper pure is the default here.
-    wrap = DistributedDataParallel if args.wrapper == "ddp" else PureDistributedDataParallel
-    ddp, opt = wrap(manager, model), Optimizer(manager, inner)
+    waited = WaitedAllreduce(manager, model) if args.wrapper == "waited" else None
+    wrap = {"ddp": DistributedDataParallel, "pure": PureDistributedDataParallel}.get(args.wrapper)
+    ddp, opt = (wrap(manager, model) if wrap else model), Optimizer(manager, inner)
     rec = _metrics(args, meta, manager.current_step()) if rank == 0 else None
     short = open(os.path.join(args.out, "short_steps.txt"), "a") if rank == 0 else None
     ema = None
@@ -119,6 +144,8 @@ def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks
         g = manager.current_step()
         loss = loss_on(ddp, part(batch_indices(g), rank, ranks))
         loss.backward()
+        if waited is not None:
+            waited.wait()
         opt.step()                                    # commits only if every participant's all-reduce worked
         ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
         if rec is not None:
@@ -134,7 +161,7 @@ def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks
 def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     from torchft.local_sgd import DiLoCo
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
-    outer = torch.optim.SGD(model.parameters(), **OUTER)
+    outer = torch.optim.SGD(model.parameters(), **OUTERS[args.outer])
     manager = _manager(model, [inner, outer], rank, sync_quorum=True)   # train_diloco.py's setting
     H = args.sync_every
     rec = None
@@ -166,9 +193,10 @@ def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ran
     import raftps.torch as rpt
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
     mode = args.kind[len("raftps-"):]
-    # synchronous: the paper's outer step, as torchft's DiLoCo runs it; asynchronous: raftps's
+    # synchronous: the outer step torchft's DiLoCo runs in the same run; asynchronous: raftps's
     # default (averaging: the paper's momentum diverges when pseudo-gradients apply on arrival)
-    outer = {"outer": {"name": "momentum", **OUTER}} if mode == "diloco" else {}
+    spec = OUTERS[args.outer]
+    outer = ({"outer": {"name": "momentum" if spec.get("momentum") else "sgd", **spec}} if mode == "diloco" else {})
     opt = rpt.DistributedOptimizer(inner, model=model, mode=mode, sync_every=args.sync_every, prefix=args.prefix,
                                    rank=rank, world_size=ranks, **outer)
     start = int(opt.start_step)
