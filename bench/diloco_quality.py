@@ -1,7 +1,7 @@
 """DiLoCo against synchronous training at the same tokens: the char GPT x4 on a real 3-node cluster.
 
 ``python -m bench.diloco_quality [--batches 300,1200] [--h 5,20,50] [--outer nesterov,average]
-[--modes diloco,diloco-async] [--out bench/results]``: for each configuration, 4 ranks (threads of
+[--modes diloco,diloco-async] [--warmup 0,30] [--inner-lr 2e-3,4e-3] [--out bench/results]``: for each configuration, 4 ranks (threads of
 this process, each with its own model replica and inner optimizer) train examples/char_gpt.py's
 GPT on 1/4 of each global batch of 32 windows, and the validation loss is taken at every budget
 in ``--batches``; "sync x4" is raftps's synchronous mode (the store's Adam on the mean gradient
@@ -34,7 +34,7 @@ OUTERS = {"nesterov": {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov
 
 
 def run(cluster: Any, label: str, budgets: list[int], mode: str, sync_every: int = 1,
-        outer: dict | None = None) -> dict[str, Any]:
+        outer: dict | None = None, warmup: int = 0, lr: float = LR) -> dict[str, Any]:
     """One configuration: 4 ranks to the largest budget; the validation loss at each budget."""
     import torch
     import raftps.torch as rpt
@@ -49,8 +49,8 @@ def run(cluster: Any, label: str, budgets: list[int], mode: str, sync_every: int
 
     def rank(r: int) -> None:
         model, batch_indices, loss_on, val_loss = built[r]
-        inner = torch.optim.Adam(model.parameters(), lr=LR)
-        extra = {"sync_every": sync_every, "outer": outer} if mode.startswith("diloco") else {}
+        inner = torch.optim.Adam(model.parameters(), lr=lr)
+        extra = {"sync_every": sync_every, "outer": outer, "warmup": warmup} if mode.startswith("diloco") else {}
         with rpt.DistributedOptimizer(inner, model=model, cluster=cluster.client(timeout=120), mode=mode,
                                       prefix=prefix, rank=r, world_size=WORLD, step_timeout=120.0, **extra) as opt:
             for g in range(max(budgets)):
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--h", default="5,20,50", help="comma list of sync_every values")
     ap.add_argument("--outer", default="nesterov,average", help=f"comma list of {sorted(OUTERS)}")
     ap.add_argument("--modes", default="diloco", help="comma list of diloco, diloco-async")
+    ap.add_argument("--warmup", default="0", help="comma list of DiLoCo warm-up steps (rounds of one step first)")
+    ap.add_argument("--inner-lr", default=str(LR), help="comma list of the inner Adam's lr")
     ap.add_argument("--no-sync", action="store_true", help="skip the sync x4 reference")
     ap.add_argument("--base-port", type=int, default=25600)
     ap.add_argument("--out", default="bench/results")
@@ -129,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             for mode in a.modes.split(","):
                 for h in (int(x) for x in a.h.split(",")):
                     for name in a.outer.split(","):
-                        label = f"{mode} x4 H={h} {name}"
-                        rows.append(run(cluster, label, budgets, mode, h, OUTERS[name]))
+                        for w in (int(x) for x in a.warmup.split(",")):
+                            for lr in (float(x) for x in a.inner_lr.split(",")):
+                                label = (f"{mode} x4 H={h} {name}" + (f" warmup {w}" if w else "")
+                                         + (f" inner lr {lr:g}" if lr != LR else ""))
+                                rows.append(run(cluster, label, budgets, mode, h, OUTERS[name], w, lr))
         finally:
             cluster.wipe()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -52,9 +52,9 @@ from typing import Any, Callable
 
 from .common import log
 from .goodput_launch import Supervised, Torchrun
-from .goodput_report import (BATCH, CHECKPOINT_COST, LABELS, LEADER_KILL_AT, TOKENS_PER_BATCH, WORKER_KILL_AT,
-                             WORKERS, batch_rows, read_rows, reached, short_steps, summarize, target_from,
-                             write_report)
+from .goodput_report import (ACKED_ROUNDS, BATCH, CHECKPOINT_COST, LABELS, LEADER_KILL_AT, TOKENS_PER_BATCH,
+                             WORKER_KILL_AT, WORKERS, batch_rows, read_rows, reached, short_steps, store_check, summarize,
+                             target_from, write_report)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAR_GPT = os.path.join(ROOT, "examples", "char_gpt.py")
@@ -335,6 +335,10 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
                   (LEADER_KILL_AT, "store leader", kill_leader)]
         completed = drive(run, job, s.budget, s.target, s.timeout, faults)
         bytes_seen.update(client_bytes_in(cluster))
+        job.stop()
+        if name == "raftps-diloco":
+            check = read_store_check(cluster, prefix, os.path.join(out, ACKED_ROUNDS))
+            log(f"goodput {name}: {check['verdict']}")
     finally:
         if job is not None:
             job.stop()
@@ -348,7 +352,20 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
              "launcher": "one supervised process per rank (a dead one restarts alone)"}
     if name != "raftps-sync":
         extra.update(sync_every=s.sync_every, outer=s.outer)
+    if name == "raftps-diloco":
+        extra["store_check"] = check
     return _finish(s, run, rows, completed, extra)
+
+
+def read_store_check(cluster: Any, prefix: str, acked_path: str) -> dict[str, Any]:
+    """After a synchronous DiLoCo run: the store's applied rounds and every global tensor's
+    version, against the rounds the workers were acknowledged (store_check)."""
+    from raftps import jobs
+    with cluster.client(timeout=30) as c:
+        applied = c.sync_applied(jobs.diloco_group(prefix, 0, 1))
+        versions = c.export(prefix + "/")["tensor_versions"]
+    acked = open(acked_path).read().split("\n") if os.path.exists(acked_path) else []
+    return store_check(applied, versions, [tuple(map(int, line.split())) for line in acked if line.strip()])
 
 
 def _finish(s: Setup, run: Run, rows: list[dict], completed: bool, extra: dict[str, Any]) -> dict[str, Any]:

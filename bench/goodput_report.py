@@ -17,6 +17,7 @@ LABELS = {"ddp": "(a) DDP, no faults", "ddp-ckpt": "(b) DDP + checkpoint-restart
           "torchft-ddp": "(c) torchft DDP", "torchft-diloco": "(c) torchft DiLoCo",
           "raftps-sync": "(d) raftps sync", "raftps-diloco": "(e) raftps DiLoCo",
           "raftps-diloco-async": "(f) raftps async DiLoCo"}
+ACKED_ROUNDS = "rounds_acked.txt"           # raftps DiLoCo workers: "rank fragment round" per acknowledged round
 
 
 
@@ -112,6 +113,23 @@ def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, 
     return out
 
 
+def store_check(applied: int, versions: dict[str, int], acked: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Synchronous DiLoCo through the kills: rounds 0..``applied`` applied, so every global tensor
+    must have had exactly ``applied`` + 1 updates (none applied twice, none half-applied), and no
+    round acknowledged to a worker (``acked``: rank, fragment, round) may lie past ``applied``."""
+    rounds = applied + 1
+    wrong = {n: v for n, v in sorted(versions.items()) if v != rounds}
+    lost = sorted({r for _, _, r in acked if r > applied})
+    ok = bool(versions) and not wrong and not lost
+    verdict = (f"{rounds} rounds applied, each of the {len(versions)} global tensors updated exactly {rounds} times; "
+               f"{len(acked)} acknowledgements (rounds up to {max((r for _, _, r in acked), default=-1)}), none "
+               "past the store's last applied round" if ok else
+               f"FAILED: {rounds} rounds applied; tensors with another update count: {wrong}; acknowledged rounds "
+               f"the store has not applied: {lost}" + ("; no global tensors found" if not versions else ""))
+    return {"ok": ok, "rounds_applied": rounds, "tensors": len(versions), "acknowledged": len(acked),
+            "verdict": verdict}
+
+
 # ---- report ---------------------------------------------------------------------------------
 
 def _f(x: Any, fmt: str = ".2f") -> str:
@@ -174,6 +192,10 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
         lines.append(f"| {t['what']} | {_f(t['ratio'])} | {verdict} |")
     lines += ["", "How each ran:", ""] + [f"- {r['label']}: {note(r, meta)}" for r in results
                                            if "skipped" not in r and "error" not in r]
+    checks = [f"- {r['label']}: {r['store_check']['verdict']}." for r in results if r.get("store_check")]
+    if checks:
+        lines += ["", "No acknowledged round lost or applied twice through the kills (the store read after the run):",
+                  ""] + checks
     lines += ["", f"![validation loss against wall time]({os.path.basename(png)})", ""]
     md = "\n".join(lines)
     with open(os.path.join(out, f"goodput{sfx}.md"), "w") as f:

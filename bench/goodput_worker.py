@@ -203,12 +203,17 @@ def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ran
     if rank != 0 and start:
         print(f"[rank {rank}] char_gpt: resumed at global batch {start}", flush=True)
     rec = _metrics(args, meta, start) if rank == 0 else None
+    acked = open(os.path.join(args.out, "rounds_acked.txt"), "a")     # bench/goodput_report.py, store_check
     ema = None
     for g in range(start, args.steps):
         opt.zero_grad()
         loss = loss_on(model, part(batch_indices(g), rank, ranks))
         loss.backward()
         opt.step()
+        for r in opt.synced:
+            if not r.late:
+                acked.write(f"{rank} {r.fragment} {r.round}\n")
+                acked.flush()
         ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
         if rec is not None:
             step = g + 1

@@ -48,6 +48,12 @@ sequence and syncs every H steps at offset f*H//F: its round r ends once (r+1)*H
 steps are taken (its first round is the longer by its offset), so a round's bytes are spread
 over the interval. Only the fragment's tensors are replaced after its sync.
 
+Warm-up (``warmup=W``): the first W inner steps are rounds of one step each (every rank syncs
+after every step, all fragments at once), then rounds of H begin, offsets and all, counted from
+step W. Starting DiLoCo from a random model is what costs it most at small budgets (the paper
+and OpenDiLoCo start from a pretrained model); W rounds of one step are the bytes of W
+synchronous steps.
+
 Restarts: ``resume`` reads where the store is (each fragment's applied round; asynchronous: the
 rank's own counters) and returns the step after the latest round end among the fragments, with
 the global parameters: a restarted rank resumes at the store's round (with fragments, the rounds
@@ -140,9 +146,10 @@ class DiLoCo:
 
     def __init__(self, client: Client, prefix: str, params: Mapping[str, np.ndarray], rank: int = 0,
                  world_size: int = 1, sync_every: int = 100, outer: dict | None = None, fragments: int = 1,
-                 asynchronous: bool = False, step_timeout: float = 10.0, compress: str | None = None):
+                 asynchronous: bool = False, step_timeout: float = 10.0, compress: str | None = None,
+                 warmup: int = 0):
         for what, value, low in (("sync_every (H)", sync_every, 1), ("world_size", world_size, 1),
-                                 ("fragments", fragments, 1)):
+                                 ("fragments", fragments, 1), ("warmup", warmup, 0)):
             if type(value) is not int or value < low:
                 raise ValueError(f"DiLoCo: {what} must be an int >= {low}, got {value!r}")
         if type(rank) is not int or not 0 <= rank < world_size:
@@ -163,6 +170,7 @@ class DiLoCo:
                              "is one or more whole tensors")
         self.client, self.prefix, self.rank, self.world_size = client, prefix, rank, world_size
         self.sync_every, self.asynchronous, self.step_timeout = sync_every, bool(asynchronous), float(step_timeout)
+        self.warmup = warmup
         self.compress = compress if compress == "fp16" else None
         self.fragments = [[names[i] for i in part]
                           for part in split_fragments([self.init[n].nbytes for n in names], fragments)]
@@ -184,13 +192,18 @@ class DiLoCo:
 
     def round_start(self, fragment: int, round_: int) -> int:
         """Inner steps taken before round ``round_`` of ``fragment`` begins."""
-        return 0 if round_ == 0 else round_ * self.sync_every + self.offset(fragment)
+        if round_ <= self.warmup:
+            return round_
+        return self.warmup + (round_ - self.warmup) * self.sync_every + self.offset(fragment)
 
     def due(self, step: int) -> list[int]:
         """The fragments whose round ends with inner step ``step`` (0-based)."""
         taken = step + 1
+        if taken <= self.warmup:
+            return list(range(len(self.fragments)))
+        since = taken - self.warmup
         return [f for f in range(len(self.fragments))
-                if taken - self.offset(f) >= self.sync_every and (taken - self.offset(f)) % self.sync_every == 0]
+                if since - self.offset(f) >= self.sync_every and (since - self.offset(f)) % self.sync_every == 0]
 
     def store_name(self, name: str) -> str:
         return jobs.tensor(self.prefix, name)

@@ -98,3 +98,16 @@ def test_report_ratios_and_files(tmp_path):
     for name in ("goodput_quick.md", "goodput_quick.json", "goodput_quick.png"):
         assert os.path.getsize(tmp_path / name) > 0
     assert json.loads((tmp_path / "goodput_quick.json").read_text())["ratios"][0]["met"] is True
+
+
+def test_store_check_finds_a_round_applied_twice_or_acknowledged_and_lost():
+    versions = {"p/a": 5, "p/b": 5}
+    acked = [(r, 0, n) for n in range(5) for r in range(4)]
+    store_check = goodput_report.store_check
+    good = store_check(4, versions, acked)
+    assert good["ok"] and good["rounds_applied"] == 5 and "exactly 5 times" in good["verdict"]
+    twice = store_check(4, {**versions, "p/b": 6}, acked)
+    assert not twice["ok"] and "'p/b': 6" in twice["verdict"]
+    lost = store_check(3, {"p/a": 4, "p/b": 4}, acked)
+    assert not lost["ok"] and "not applied: [4]" in lost["verdict"]
+    assert not store_check(4, {}, acked)["ok"]

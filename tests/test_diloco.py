@@ -250,6 +250,21 @@ def test_fragments_sync_their_own_tensors_at_their_own_offsets(cluster, asynchro
         assert DiLoCo(c, prefix, init, sync_every=4, fragments=2, asynchronous=asynchronous).resume()[0] == 12
 
 
+def test_warmup_rounds_are_one_step_then_rounds_of_h_at_their_offsets():
+    """The schedule alone (no I/O: nothing listens at the address): 3 warm-up rounds of one step,
+    then fragment 0 every 4 steps and fragment 1 at offset 2, counted from step 3."""
+    init = {"a": np.ones(8, F32), "b": np.ones(8, F32)}
+    with Client("127.0.0.1:9", timeout=0.5) as nowhere:
+        d = DiLoCo(nowhere, "warm", init, sync_every=4, fragments=2, warmup=3)
+        ends = {f: [step + 1 for step in range(20) if f in d.due(step)] for f in (0, 1)}
+        assert ends == {0: [1, 2, 3, 7, 11, 15, 19], 1: [1, 2, 3, 9, 13, 17]}
+        # a rank resuming before round r of a fragment starts where that round starts
+        assert [d.round_start(0, r) for r in range(6)] == [0, 1, 2, 3, 7, 11]
+        assert [d.round_start(1, r) for r in range(6)] == [0, 1, 2, 3, 9, 13]
+        plain = DiLoCo(nowhere, "warm", init, sync_every=4, fragments=2)
+        assert [s + 1 for s in range(12) if plain.due(s)] == [4, 6, 8, 10, 12]
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"sync_every": 0}, ValueError, "sync_every"),
     ({"sync_every": 2.0}, ValueError, "sync_every"),
@@ -261,6 +276,7 @@ def test_fragments_sync_their_own_tensors_at_their_own_offsets(cluster, asynchro
     ({"rank": 2, "world_size": 2}, ValueError, "rank"),
     ({"compress": "fp16"}, ValueError, "asynchronous mode only"),
     ({"step_timeout": float("nan")}, ValueError, "step_timeout"),
+    ({"warmup": -1}, ValueError, "warmup"),
     ({"params": {"w": np.zeros(3, np.int64), "b": np.zeros(1, F32)}}, ValueError, "float32 or float64"),
 ])
 def test_bad_input_is_refused_before_any_io(cluster, kwargs, error, match):

@@ -26,7 +26,7 @@ class DilocoWorker:
                  cluster: str | Iterable[str] | Client | None = None, mode: str = "diloco", prefix: str = "job",
                  rank: int | None = None, world_size: int | None = None, sync_every: int = 100,
                  outer: dict | None = None, fragments: int = 1, step_timeout: float = 10.0,
-                 compress: str | None = None, token: str | None = None, timeout: float = 60.0):
+                 compress: str | None = None, warmup: int = 0, token: str | None = None, timeout: float = 60.0):
         self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
         self.mode, self.prefix, self.local_step = mode, prefix, local_step
@@ -37,13 +37,15 @@ class DilocoWorker:
         # every argument is checked here, before any connection is made
         self.rounds = DiLoCo(client, prefix, host, rank=self.rank,    # type: ignore[arg-type]  (set below)
                              world_size=self.world_size, sync_every=sync_every, outer=outer, fragments=fragments,
-                             asynchronous=mode == "diloco-async", step_timeout=step_timeout, compress=compress)
+                             asynchronous=mode == "diloco-async", step_timeout=step_timeout, compress=compress,
+                             warmup=warmup)
         self._owns_client = client is None
         self.client = client or Client(cluster, timeout=timeout, token=token)
         self.rounds.client = self.client
         self._stage = _PinnedStage()
         self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}
         self.last_grad_norm = None
+        self.synced: list = []            # the rounds the last step synced
         self.params: list = []
         self.counters: dict = {}
         try:
@@ -61,12 +63,14 @@ class DilocoWorker:
         """The inner step; at a round's end, the round's sync and the new global parameters."""
         with torch.enable_grad():
             self.local_step()
+        self.synced = []
         if self.rounds.due(self.step_count):
             t0 = time.perf_counter()
             host = self._stage.to_host(self.tensors, self.dtypes)
             new = self.rounds.after_inner_step(self.step_count, host)
             self._stage.load([(n, self.tensors[n], a) for n, a in (new or {}).items()])
             self.version = self.rounds.version
+            self.synced = list(self.rounds.rounds)
             self.timings["push"][0] += 1
             self.timings["push"][1] += time.perf_counter() - t0
         self.step_count += 1

@@ -165,6 +165,9 @@ class _Distributed:
     counters = property(lambda self: self._raftps.counters)
     bytes_sent = property(lambda self: getattr(self._raftps, "bytes_sent", None),
                           doc="diloco: the pseudo-gradient bytes this worker sent")
+    synced = property(lambda self: list(getattr(self._raftps, "synced", ())),
+                      doc="diloco: the rounds the last step() synced (raftps.diloco.Round: fragment, round, "
+                          "count, late, bytes); empty when it synced none")
 
     def _group_names(self) -> list[list[str]]:
         return self._raftps_names
@@ -186,7 +189,7 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     ``mode``: "sync", "async", "ssp", "easgd" (the store runs the optimizer, or holds EASGD's
     centre), or "diloco" / "diloco-async" (the torch optimizer, any class, is DiLoCo's inner one;
     options ``sync_every`` (H), ``outer`` (a store spec; default Nesterov momentum, lr 0.7,
-    momentum 0.9), ``fragments``, ``compress``, ``step_timeout``: raftps/diloco.py).
+    momentum 0.9), ``fragments``, ``warmup``, ``compress``, ``step_timeout``: raftps/diloco.py).
     The shorthand ``DistributedOptimizer(model, optimizer={...store spec...})`` gives a
     ``torch.optim.Optimizer`` with one param group holding the spec's hyperparameters.
     ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.

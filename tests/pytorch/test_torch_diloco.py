@@ -65,7 +65,7 @@ def test_diloco_rounds_equal_diloco_by_hand_and_restart_at_the_stores_round(clus
     data = batches(ROUNDS * H, seed=21)
     want = by_hand(data)
     models = [Net() for _ in range(WORLD)]
-    sent = {}
+    sent, synced = {}, {}
 
     def body(rank: int) -> None:
         model = models[rank]
@@ -76,6 +76,7 @@ def test_diloco_rounds_equal_diloco_by_hand_and_restart_at_the_stores_round(clus
             for x, y in data[opt.start_step:]:
                 part = slice(rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD)
                 loss_step(model, opt, x[part], y[part])
+                synced.setdefault(rank, []).extend((r.round, r.count, r.late) for r in opt.synced)
             sent[rank] = opt.bytes_sent
     run_ranks(WORLD, body)
     for model in models:
@@ -83,6 +84,8 @@ def test_diloco_rounds_equal_diloco_by_hand_and_restart_at_the_stores_round(clus
     assert max_diff(want, Net()) > 1e-3
     params = sum(p.numel() * 4 for p in Net().parameters())
     assert sent == {0: ROUNDS * params, 1: ROUNDS * params}      # one pseudo-gradient per round, nothing else
+    # every round acknowledged to each rank, in order, with both contributions
+    assert synced == {r: [(n, WORLD, False) for n in range(ROUNDS)] for r in range(WORLD)}
     with cluster.client() as c:
         assert c.sync_applied(jobs.diloco_group("tdiloco", 0, 1)) == ROUNDS - 1     # rounds 0..ROUNDS-1 applied
         versions = c.export("tdiloco/")["tensor_versions"]
