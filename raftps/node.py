@@ -26,7 +26,7 @@ from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore
 from .raft import RaftSettings, ReplicatedLog
-from .raft.storage import OSStorage, process_storage, unsafe_skip_fsync
+from .raft.durability import Durability
 from .replica.applier import Replica
 from .replica.config import (READ_MODES, NodeConfig, default_payload_dir, offset_address,  # noqa: F401 (re-exported)
                              sweep_abandoned_payload_dirs)
@@ -60,18 +60,15 @@ class RaftNode:
         self._leader_seen: str | None = None
         os.makedirs(config.data_dir, exist_ok=True)
         sweep_abandoned_payload_dirs()
-        durable = config.durability == "fsync"
-        payload_dir = config.payload_dir or (os.path.join(config.data_dir, "payloads") if durable
-                                             else default_payload_dir(config.data_dir))
-        # durable: the journal, payloads and snapshots share one file layer, which a test may
-        # replace by a simulated disk (raftps/chaos/simdisk_node.py) to cut the power under all three at once
-        storage = process_storage() if durable else OSStorage()
-        # durable: payloads on disk; every collected file is kept as a spare (up to the budget that
-        # forces a snapshot) so that new payloads overwrite allocated blocks (payloads.py)
-        self._payloads = PayloadStore(payload_dir, owner=os.path.abspath(config.data_dir), storage=storage,
-                                      fsync=durable and not unsafe_skip_fsync("payload"),
-                                      **({"spare_bytes": config.payload_budget} if durable else {}))
-        self._replica = Replica(self._payloads, storage, config.limits, self.instruments)
+        # Durability is decided once, here, and handed to the journal, the payloads and the
+        # snapshots (raft/durability.py), which share one file layer so a test's simulated disk
+        # (raftps/chaos/simdisk_node.py) cuts the power under all three at once.
+        durability = Durability.for_mode(config.durability)
+        self._payloads = PayloadStore(config.payload_dir or durability.payload_dir(config.data_dir),
+                                      owner=os.path.abspath(config.data_dir), storage=durability.storage,
+                                      fsync=durability.payload_fsync,
+                                      spare_bytes=durability.payload_spare_bytes(config.payload_budget))
+        self._replica = Replica(self._payloads, durability.storage, config.limits, self.instruments)
         others = Membership.initial_others(config)
         peers = Peers([offset_address(a, config.data_offset) for a in others], config.secret)
         self._membership = Membership(config, peers)
@@ -91,7 +88,7 @@ class RaftNode:
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
             compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
             read_lease=config.read_mode == "lease",
-            durability=config.durability, storage=storage), self._replica)
+            durability=durability), self._replica)
         self._membership.attach(self.log)
         self._group_commit = GroupCommit(self.log, in_flight=config.entries_in_flight)
         self._writes = WritePath(config, self._membership, self._payloads, self._group_commit, self.instruments)

@@ -42,6 +42,7 @@ from .raft.storage import OSStorage, Storage, write_whole
 
 PAYLOAD_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}-[0-9]{1,20}-[0-9a-f]{8}")
 SPARE_SUFFIX = ".spare"
+DEFAULT_SPARE_BYTES = 256 << 20          # spares kept in tmpfs (a durable node keeps up to its budget)
 
 
 def _ordered_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
@@ -96,13 +97,15 @@ def verify_digest(pid: str, tensors: dict[str, np.ndarray], blob_digest: bytes) 
 
 
 class PayloadStore:
-    def __init__(self, directory: str, owner: str | None = None, spare_bytes: int = 256 << 20,
+    def __init__(self, directory: str, owner: str | None = None, spare_bytes: int | None = None,
                  fsync: bool = False, storage: Storage | None = None):
         """``fsync``: durable mode; a payload's file, then the directory, are fsynced before
         ``put`` returns (so before the data plane acknowledges it). ``storage``: the file layer
-        (the node's, shared with its journal, so that a simulated disk sees every write)."""
+        (the node's, shared with its journal, so that a simulated disk sees every write). A node
+        takes all three from its Durability (raft/durability.py). ``spare_bytes`` None:
+        ``DEFAULT_SPARE_BYTES``."""
         self.directory = os.path.abspath(directory)
-        self.spare_bytes = spare_bytes
+        self.spare_bytes = DEFAULT_SPARE_BYTES if spare_bytes is None else spare_bytes
         self.fsync = fsync
         self.storage = storage or OSStorage()
         os.makedirs(directory, exist_ok=True)

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from .storage import Storage
+from .durability import Durability
 
 
 class NotReady(Exception):
@@ -86,12 +86,12 @@ class RaftSettings:
     compaction_entries: int = 2000             # a snapshot after this many entries
     read_confirm: bool = True                  # ReadIndex's confirmation round (False: tests only, UNSAFE)
     read_lease: bool = False                   # leader leases: most reads skip the confirmation round
-    # "fsync": the log, term and vote are fsynced before they count (a follower's acknowledgement,
-    # the leader's own vote in the commit count, a granted vote); "none": never fsynced.
-    durability: str = "none"
-    # The file layer of the durable journal and snapshots (None: process_storage()), shared with
-    # the payload store so that a simulated disk logs all of a node's files in one order.
-    storage: Storage | None = None
+    # The replica's durability (raft/durability.py), shared with its payload store: with "fsync"
+    # the log, term and vote are fsynced before they count (a follower's acknowledgement, the
+    # leader's own vote in the commit count, a granted vote), and snapshots before they replace
+    # the log; its file layer is the payloads', so a simulated disk logs all of a node's files in
+    # one order. Default: "none", never fsynced.
+    durability: Durability = field(default_factory=Durability)
 
 
 @dataclass

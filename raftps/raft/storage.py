@@ -10,8 +10,9 @@ of a directory, rename and remove. :func:`write_atomic` builds the one composite
 (write a temporary file, fsync it, rename it over the target, fsync the directory), and
 :func:`write_whole` writes a frame's buffers (a payload's arrays) straight from their memory.
 
-A durable node takes this process's ``Storage`` (:func:`process_storage`) and hands it to its
-journal (``raft/journal.py``), its payload store (``payloads.py``) and its snapshot writer
+Which ``Storage`` a replica's writers use is decided by its ``Durability`` (``raft/durability.py``):
+a durable replica takes this process's (:func:`process_storage`) and hands it to its journal
+(``raft/journal.py``), its payload store (``payloads.py``) and its snapshot writer
 (``snapshot_file.py``, made durable by ``raft/journal_hook.py``'s ``install_durable_snapshots``),
 so a power cut hits all of a node's files at the same instant. A node without ``--durability
 fsync`` keeps payloads in tmpfs through :class:`OSStorage`, which adds nothing to the system calls.
@@ -20,11 +21,8 @@ fsync`` keeps payloads in tmpfs through :class:`OSStorage`, which adds nothing t
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Iterable
-
-log = logging.getLogger("raftps.raft.storage")
 
 
 class StorageFile:
@@ -121,17 +119,6 @@ def write_whole(f: StorageFile, buffers: Iterable[bytes | memoryview]) -> int:
     return size
 
 
-def unsafe_skip_fsync(what: str) -> bool:
-    """Tests only: ``RAFTPS_UNSAFE_<WHAT>_NO_FSYNC=1`` turns off the fsyncs of one durable writer
-    (journal, payload, snapshot), so that a power-cut test can show that its check catches what
-    they protect (the twins in tests/durability/test_power_cut.py)."""
-    variable = f"RAFTPS_UNSAFE_{what.upper()}_NO_FSYNC"
-    skip = os.environ.get(variable) == "1"
-    if skip:
-        log.warning("UNSAFE: %s files are never fsynced (%s, tests only)", what, variable)
-    return skip
-
-
 # ---- the real disk -------------------------------------------------------------------------------
 
 class OSFile(StorageFile):
@@ -213,5 +200,6 @@ def use_storage(storage: Storage) -> None:
 def process_storage() -> Storage:
     """The file layer of this process's durable writers: the real disk unless a test tool chose
     another (:func:`use_storage`). One per process: the journal, payloads and snapshots of a node
-    (of every Raft group it hosts) go through the same one, so one power cut hits them all."""
+    (of every Raft group it hosts) go through the same one, so one power cut hits them all.
+    Read only by ``Durability.for_mode`` (raft/durability.py), which hands it to the writers."""
     return _process_storage

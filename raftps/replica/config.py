@@ -2,12 +2,12 @@
 files are."""
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass, field
 
 from .. import codec
+from ..raft.durability import default_payload_dir  # noqa: F401 (re-exported: where payloads live is a durability decision)
 
 READ_MODES = ("readindex", "lease", "log")     # NodeConfig.read_mode
 
@@ -45,6 +45,7 @@ class NodeConfig:
     # "fsync": nothing acknowledged is lost to a power cut (README, Durability): the Raft journal,
     # term and vote, payloads (on disk in the data dir, not tmpfs) and snapshots are fsynced before
     # they count. "none": they survive a process crash, not a power loss (the default, measured).
+    # What each mode means for each file is decided in one place: raft/durability.py.
     durability: str = "none"
     # With several Raft groups: the member that should lead this group (groups.py spreads them
     # over the nodes); a leader hands over to it once it is connected and caught up. None: any.
@@ -94,18 +95,6 @@ def offset_address(address: str, offset: int) -> str:
     """The port ``offset`` above a node's Raft address (client +100, data plane +200, metrics +300)."""
     host, port = address.rsplit(":", 1)
     return f"{host}:{int(port) + offset}"
-
-
-def default_payload_dir(data_dir: str) -> str:
-    """Payloads live in tmpfs where there is one: they survive a process crash (the guarantee
-    pysyncobj's own unsynced journal gives) and need no disk bandwidth. Three nodes on one disk
-    writing every payload measured 117 MB/s of pushes, disk-bound; tmpfs writes 2 GB/s here.
-    A snapshot (taken every ``payload_budget`` bytes, and on graceful stop) makes the data dir
-    self-contained again."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        tag = hashlib.sha256(os.path.abspath(data_dir).encode()).hexdigest()[:16]
-        return f"/dev/shm/raftps-payloads-{tag}"
-    return os.path.join(data_dir, "payloads")
 
 
 def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from raftps.raft import RaftSettings
+from raftps.raft.durability import Durability
 from raftps.raft.memory import MemoryLog
 from raftps.raft.pysyncobj_log import SyncObjLog
 from raftps.raft.storage import OSStorage
@@ -75,8 +76,9 @@ def test_syncobj_log_tells_only_once_the_snapshot_is_in_place(tmp_path, durabili
     path = str(tmp_path / "raft.snapshot")
     storage = RenameFails(path)
     rec = Saver(path)
-    settings = RaftSettings(f"127.0.0.1:{PORT}", [], str(tmp_path), b"", durability=durability,
-                            compaction_entries=1_000_000, storage=storage)
+    settings = RaftSettings(f"127.0.0.1:{PORT}", [], str(tmp_path), b"",
+                            durability=Durability.for_mode(durability, storage=storage),
+                            compaction_entries=1_000_000)
     log = SyncObjLog(settings, rec)
     try:
         wait_until(log.is_leader)
