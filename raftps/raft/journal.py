@@ -8,28 +8,7 @@ add, clear, deleteEntriesFrom, deleteEntriesTo, __getitem__, __len__, _destroy, 
 getRaftCommitIndex, setCurrentTerm, getCurrentTerm, getVotedForNodeId, onOneSecondTimer) and adds
 ``sync()`` and ``durable_index``.
 
-On disk (one directory)
------------------------
-* ``<first index, 20 digits>.seg``: segments of records ``<u64 length><u64 index><u64 term><u64
-  previous entry's term><u32 crc32>`` + command, the CRC over the other fields and the command. A
-  new segment starts when the current one reaches ``segment_size``; offsets are per segment and
-  Python ints, so there is no 4 GiB limit on the log (nor on a segment). The previous term chains
-  the records as Raft's prevLogTerm does: if a cut keeps a truncated-and-rewritten segment but
-  undoes the removal of the next one (the old suffix reappears, its indices following on), the
-  chain breaks at the junction and the old suffix is dropped, instead of a log that never
-  existed, whose old tail could later match a leader's prevLogTerm above entries that differ
-  from the leader's.
-* ``start``: the first index kept (written by ``deleteEntriesTo`` and by the first ``add`` to an
-  empty log, e.g. after ``clear``); whole segments below it are deleted, records below it in the
-  first segment are skipped on open. So log compaction costs a sync and one small atomic write,
-  never a rewrite of the log.
-* ``term``: current term and vote, replaced atomically (temporary file, fsync, rename, fsync of the
-  directory) before ``setCurrentTerm`` returns.
-* ``commit``: the commit index, a hint written lazily by ``onOneSecondTimer`` (pysyncobj applies up
-  to it on start). It never exceeds ``durable_index``: a commit index past the durable log could,
-  after a power cut, make a node apply stale entries that a truncation had replaced.
-
-Small files (``start``, ``term``, ``commit``) are ``b"RPSJ"`` + crc32 + JSON.
+On disk: one directory of segments and small files (``raft/journal_format.py``).
 
 Opening reads every segment in index order and stops at the first record that is short, fails its
 CRC or breaks the index sequence or the term chain: that segment is truncated there and later
@@ -43,131 +22,27 @@ deleted: one fsync for all the appends of a tick (group commit). ``durable_index
 index known fsynced. With ``fsync=False`` nothing is ever fsynced (pysyncobj's behaviour: survives
 a process crash, not a power loss) and ``durable_index`` follows the last index.
 
-Where pysyncobj 0.3.17 must call ``sync()`` (read from syncobj.py)
-------------------------------------------------------------------
-The tick (``SyncObj._onTick``) runs, in order: the election timeout (``__setCurrentTerm(term + 1,
-self)``, then ``request_vote`` to every peer, and ``__onBecomeLeader`` at once if this node alone is
-a majority); the leader's commit-index computation (for each index above the commit index it counts
-**1 for itself, unconditionally, for every index up to its last log index**, plus each peer whose
-``__raftMatchIndex`` reaches it); ``__applyLogEntries``; ``__sendAppendEntries``;
-``_checkCommandsToApply`` (the leader ``add``s new commands to the log); log compaction
-(``deleteEntriesTo`` once a snapshot is written); the on-tick callbacks; and last
-``_poller.poll()``, which delivers every message that arrived, each to ``__onMessageReceived``.
-``TcpConnection.send`` writes to the socket at once, so a reply leaves during that call.
-
-(a) Follower acknowledgements: ``__onMessageReceived`` handles ``append_entries`` by
-``deleteEntriesFrom`` + ``add`` of the new entries and, in the same call, ``__sendNextNodeIdx(node,
-nextNodeIdx=..., success=True)``, the acknowledgement the leader turns into ``__raftMatchIndex``.
-A snapshot install (``serialized``) does ``clear`` + 2 ``add``s, then ``__sendNextNodeIdx(node,
-success=True)``. ``__sendNextNodeIdx`` is the only way a follower acknowledges log state, so every
-call of it must wait for ``sync()``. To keep group commit, the acknowledgements are held back
-(with their ``nextNodeIdx`` computed at once, as the original would) and sent after the tick's
-``poll()`` returns, right after one ``sync()`` for all the messages of that poll.
-
-(b) The leader's own vote in the commit count: the count of 1 for itself covers its whole log, so
-its whole log must be durable when the computation runs. The leader appends in
-``_checkCommandsToApply`` and in ``__onBecomeLeader`` (the no-op of its term); the former runs
-after the computation, so a ``sync()`` at the end of each tick (after ``poll()``) makes it durable
-before the next tick's computation; the latter may run in the same tick *before* the computation
-(a one-node cluster elects itself in the election block), so ``__onBecomeLeader`` is followed by
-``sync()``. A ``sync()`` at the start of each tick is a free guard (it does nothing when nothing
-was written). Sending entries to followers before the leader's own fsync is allowed by Raft (the
-leader's copy only counts once durable, dissertation 10.2.1): with ``appendEntriesUseBatch=False``
-``_checkCommandsToApply`` sends each entry as it appends it, and a ``sync()`` right before
-``poll()`` (which waits for the replies) runs the leader's fsync beside the followers'. Without
-it the leader's fsync waited in the sync after the tick, until ``poll()`` returned with the first
-reply: the two fsyncs ran one after the other.
-
-Lines of pysyncobj 0.3.17's syncobj.py: ``_onTick`` L611-706 (new term L640, commit computation
-L655-677 with ``count = 1`` at L660, ``_checkCommandsToApply()`` L699, ``poll`` L706); leader
-appends L528 (``_checkCommandsToApply``) and L1227 (``__onBecomeLeader``); follower appends L1006
-and its acks L1019 (entries) and L1025 (snapshot); failed/heartbeat replies L969-989; votes
-L921/L937 then ``response_vote`` L941, L957; ``__sendNextNodeIdx`` L1098; ``__setCurrentTerm``
-L1234; the journal clear of ``__loadDumpFile`` L1489-1495; tcp_connection.py ``send`` L141.
-
-(c) Votes: ``request_vote`` is answered by ``__setCurrentTerm(term, node.id)`` and then a
-``response_vote`` send; a candidate calls ``__setCurrentTerm(term + 1, self)`` before sending
-``request_vote``; a higher term seen in any message goes through ``__setCurrentTerm`` before
-anything is sent. All of them go through ``setCurrentTerm``, which here fsyncs before it returns,
-so (c) needs no hook.
-
-Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syncobj, journal)``)
-------------------------------------------------------------------------------------------------
-1. Construct the ``SyncObj`` with ``journalFile=None`` (pysyncobj then makes a MemoryJournal; its
-   FileJournal must not open the same files).
-2. Right after ``SyncObj.__init__`` returns (pysyncobj's tick thread sleeps 0.1 s before its first
-   tick; with ``autoTick=False``, before the first ``doTick``), call ``install_durable_journal``.
-   It refuses if a tick has already run. It swaps ``_SyncObj__raftLog`` for the journal and redoes
-   what ``__init__`` did with the old one (the first no-op entry of an empty log,
-   ``_SyncObj__raftCurrentTerm = max(term, last log term)``, ``_SyncObj__votedForNodeId``,
-   ``_SyncObj__raftCommitIndex``);
-3. replaces ``_SyncObj__sendNextNodeIdx`` by a version that queues the acknowledgement;
-4. replaces ``_SyncObj__onBecomeLeader`` by the original followed by ``journal.sync()``;
-5. replaces ``_onTick`` by: ``sync()`` + send queued acks; the original tick; then (in a
-   ``finally``) ``sync()`` + send queued acks: one fsync per tick for all appends (leader and
-   follower) of that tick; and the poller's ``poll`` by ``sync()`` + send queued acks, then the
-   original (the leader's fsync while its entries travel) (steps 3-5 only with ``fsync=True``:
-   without, pysyncobj runs as before);
-6. wraps the serializer's ``deserialize`` so that on start, if the journal still holds entries
-   below a snapshot (compaction's ``start`` write lost, or an old journal), the prefix is dropped
-   before pysyncobj compares the journal's first two entries with the snapshot's: pysyncobj
-   otherwise *clears the journal*, losing every entry after the snapshot;
-7. adds the new attribute names to ``_SyncObj__properies`` so pysyncobj's default serializer does
-   not pickle them into snapshots.
-
-For raftps/node.py: ``SyncObjConf(journalFile=None, ...)``; ``journal = DurableJournal(
-os.path.join(data_dir, "raft.wal"), storage=process_storage(), fsync=durability == "fsync")``
-before ``super().__init__``; ``install_durable_journal(self, journal)`` as the first call after it
-(before ``install_pysyncobj_fixes``, which wraps the transport and is independent of these
-wrappers: its ``follower_hint`` rewrites the queued acks when they are finally sent); an existing
-``raft.journal`` is carried over once with ``import_file_journal`` before the SyncObj is built;
-``backup.NODE_FILES`` must name the new directory.
-
-Not covered here: the snapshot file (``fullDumpFile`` or raftps's own serializer) must be fsynced
-(file, then directory) before pysyncobj's serializer reports success, because compaction deletes
-the log below it right after; pysyncobj's own ``Serializer`` does not fsync.
+Where pysyncobj must call ``sync()``, and how the journal is put under a SyncObj:
+``raft/journal_hook.py``.
+Whether a node has a DurableJournal, and whether it fsyncs: ``raft/durability.py``.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
-import struct
-import zlib
 from typing import Any
 
 from pysyncobj.journal import FileJournal, Journal
 
+from .journal_format import (RECORD, JournalCorrupt, encode_record,  # noqa: F401 (RECORD re-exported)
+                             pack_small, scan_segment, segment_firsts, segment_name, unpack_small)
 from .storage import OSStorage, Storage, StorageFile, write_atomic
 
 log = logging.getLogger("raftps.raft.journal")
 
-RECORD = struct.Struct("<QQQQI")         # command length, index, term, previous entry's term, crc32
-_SMALL_MAGIC = b"RPSJ"
-SEGMENT_SUFFIX = ".seg"
 DEFAULT_SEGMENT_SIZE = 64 << 20
-
-
-class JournalCorrupt(Exception):
-    """A small file (term, start) that is not what this journal writes: refuse to guess."""
-
-
-def encode_record(command: bytes, idx: int, term: int, prev_term: int = 0) -> bytes:
-    head = struct.pack("<QQQQ", len(command), idx, term, prev_term)
-    return head + struct.pack("<I", zlib.crc32(command, zlib.crc32(head))) + command
-
-
-def _pack_small(value: Any) -> bytes:
-    body = json.dumps(value, separators=(",", ":")).encode()
-    return _SMALL_MAGIC + struct.pack("<I", zlib.crc32(body)) + body
-
-
-def _unpack_small(blob: bytes, what: str) -> Any:
-    if len(blob) < 8 or blob[:4] != _SMALL_MAGIC or struct.unpack("<I", blob[4:8])[0] != zlib.crc32(blob[8:]):
-        raise JournalCorrupt(f"{what}: not a valid journal file ({len(blob)} bytes)")
-    return json.loads(blob[8:])
 
 
 class JournalFailed(OSError):
@@ -223,7 +98,7 @@ class DurableJournal(Journal):
         if not self.storage.exists(self._file(name)):
             return default
         try:
-            return _unpack_small(self.storage.read_file(self._file(name)), self._file(name))
+            return unpack_small(self.storage.read_file(self._file(name)), self._file(name))
         except JournalCorrupt:
             # Only unsynced writes can tear: the commit hint always, everything with fsync=False.
             # A torn term or start file of a durable journal is real corruption: refuse to guess.
@@ -233,13 +108,11 @@ class DurableJournal(Journal):
             return default
 
     def _open_segments(self, start: int) -> None:
-        names = [n for n in self.storage.listdir(self.path) if n.endswith(SEGMENT_SUFFIX)]
-        firsts = sorted(int(n[:-len(SEGMENT_SUFFIX)]) for n in names if n[:-len(SEGMENT_SUFFIX)].isdigit())
         expected: int | None = None              # the index the next record must have
         last_term: int | None = None             # the term of the record before it
         broken = False
-        for first in firsts:
-            path = self._file(f"{first:020d}{SEGMENT_SUFFIX}")
+        for first in segment_firsts(self.storage.listdir(self.path)):
+            path = self._file(segment_name(first))
             if broken or (expected is not None and first != expected):
                 why = "after a damaged segment" if broken else f"starts at {first}, expected {expected}"
                 log.warning("journal %s: dropping segment %s (%d bytes): %s", self.path, path,
@@ -248,40 +121,20 @@ class DurableJournal(Journal):
                 broken = True
                 continue
             blob = self.storage.read_file(path)
-            pos, nxt, entries, offsets, why = 0, first, [], [], None
-            while pos < len(blob):
-                if pos + RECORD.size > len(blob):
-                    why = "short record header"
-                    break
-                length, idx, term, prev_term, crc = RECORD.unpack_from(blob, pos)
-                end = pos + RECORD.size + length
-                if end > len(blob):
-                    why = f"record of {length} bytes runs past the end"
-                    break
-                command = blob[pos + RECORD.size:end]
-                if zlib.crc32(command, zlib.crc32(blob[pos:pos + RECORD.size - 4])) != crc:
-                    why = "bad crc32"
-                    break
-                if idx != nxt:
-                    why = f"index {idx}, expected {nxt}"
-                    break
-                if last_term is not None and prev_term != last_term:
-                    why = f"index {idx} follows a term {prev_term} entry, not this log's term {last_term}"
-                    break
-                entries.append((bytes(command), idx, term))
-                offsets.append(pos)
-                pos, nxt, last_term = end, nxt + 1, term
+            scan = scan_segment(blob, first, last_term)
+            pos, nxt, why = scan.end, scan.next_index, scan.why
             if first < start and nxt <= start:
                 # Wholly below the start: compaction or clear() left it (its removal was not
                 # durable yet). It says nothing about the log above the start: no sequence check.
                 self._remove(path)
                 last_term = None
                 continue
+            last_term = scan.last_term
             if why is not None:
                 log.warning("journal %s: dropping %d bytes at offset %d of %s (index %d on): %s",
                             self.path, len(blob) - pos, pos, path, nxt, why)
                 broken = True
-            kept = [i for i, e in enumerate(entries) if e[1] >= start]
+            kept = [i for i, e in enumerate(scan.entries) if e[1] >= start]
             f = self.storage.open(path)
             if why is not None:
                 f.truncate(pos)
@@ -289,8 +142,8 @@ class DurableJournal(Journal):
             if why is not None:
                 self._mark(segment)
             self._segments.append(segment)
-            self._entries.extend(entries[i] for i in kept)
-            self._offsets.extend(offsets[i] for i in kept)
+            self._entries.extend(scan.entries[i] for i in kept)
+            self._offsets.extend(scan.offsets[i] for i in kept)
             expected = nxt
         for segment in self._segments[:-1]:      # only the last one is appended to
             segment.file.close()
@@ -366,7 +219,7 @@ class DurableJournal(Journal):
         self._dir_dirty = True
 
     def _write_small(self, name: str, value: Any, fsync: bool) -> None:
-        write_atomic(self.storage, self._file(name), _pack_small(value), fsync=fsync and self.fsync)
+        write_atomic(self.storage, self._file(name), pack_small(value), fsync=fsync and self.fsync)
 
     # ---- pysyncobj's Journal interface -----------------------------------------------------------
 
@@ -388,7 +241,7 @@ class DurableJournal(Journal):
         record = encode_record(command, idx, term, self._entries[-1][2] if self._entries else 0)
         tail = self._segments[-1] if self._segments else None
         if tail is None or (tail.size > 0 and tail.size + len(record) > self.segment_size):
-            tail = _Segment(idx, self._file(f"{idx:020d}{SEGMENT_SUFFIX}"), None, 0)
+            tail = _Segment(idx, self._file(segment_name(idx)), None, 0)
             tail.file = self.storage.open(tail.path)
             tail.file.truncate(0)                # a leftover file of that name is not ours
             self._segments.append(tail)

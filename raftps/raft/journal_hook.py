@@ -1,8 +1,86 @@
 """Put a DurableJournal under a pysyncobj 0.3.17 SyncObj, with the fsyncs where Raft needs them.
 
-Why each wrapper exists, and in which order pysyncobj runs them, is in the docstring of
-``raftps/raft/journal.py`` ("Where pysyncobj 0.3.17 must call sync()" and "Integration plan").
 Only pysyncobj's name-mangled attributes (``_SyncObj__...``) and ``_onTick`` are touched.
+
+Where pysyncobj 0.3.17 must call ``sync()`` (read from syncobj.py)
+------------------------------------------------------------------
+The tick (``SyncObj._onTick``) runs, in order: the election timeout (``__setCurrentTerm(term + 1,
+self)``, then ``request_vote`` to every peer, and ``__onBecomeLeader`` at once if this node alone is
+a majority); the leader's commit-index computation (for each index above the commit index it counts
+**1 for itself, unconditionally, for every index up to its last log index**, plus each peer whose
+``__raftMatchIndex`` reaches it); ``__applyLogEntries``; ``__sendAppendEntries``;
+``_checkCommandsToApply`` (the leader ``add``s new commands to the log); log compaction
+(``deleteEntriesTo`` once a snapshot is written); the on-tick callbacks; and last
+``_poller.poll()``, which delivers every message that arrived, each to ``__onMessageReceived``.
+``TcpConnection.send`` writes to the socket at once, so a reply leaves during that call.
+
+(a) Follower acknowledgements: ``__onMessageReceived`` handles ``append_entries`` by
+``deleteEntriesFrom`` + ``add`` of the new entries and, in the same call, ``__sendNextNodeIdx(node,
+nextNodeIdx=..., success=True)``, the acknowledgement the leader turns into ``__raftMatchIndex``.
+A snapshot install (``serialized``) does ``clear`` + 2 ``add``s, then ``__sendNextNodeIdx(node,
+success=True)``. ``__sendNextNodeIdx`` is the only way a follower acknowledges log state, so every
+call of it must wait for ``sync()``. To keep group commit, the acknowledgements are held back
+(with their ``nextNodeIdx`` computed at once, as the original would) and sent after the tick's
+``poll()`` returns, right after one ``sync()`` for all the messages of that poll.
+
+(b) The leader's own vote in the commit count: the count of 1 for itself covers its whole log, so
+its whole log must be durable when the computation runs. The leader appends in
+``_checkCommandsToApply`` and in ``__onBecomeLeader`` (the no-op of its term); the former runs
+after the computation, so a ``sync()`` at the end of each tick (after ``poll()``) makes it durable
+before the next tick's computation; the latter may run in the same tick *before* the computation
+(a one-node cluster elects itself in the election block), so ``__onBecomeLeader`` is followed by
+``sync()``. A ``sync()`` at the start of each tick is a free guard (it does nothing when nothing
+was written). Sending entries to followers before the leader's own fsync is allowed by Raft (the
+leader's copy only counts once durable, dissertation 10.2.1): with ``appendEntriesUseBatch=False``
+``_checkCommandsToApply`` sends each entry as it appends it, and a ``sync()`` right before
+``poll()`` (which waits for the replies) runs the leader's fsync beside the followers'. Without
+it the leader's fsync waited in the sync after the tick, until ``poll()`` returned with the first
+reply: the two fsyncs ran one after the other.
+
+Lines of pysyncobj 0.3.17's syncobj.py: ``_onTick`` L611-706 (new term L640, commit computation
+L655-677 with ``count = 1`` at L660, ``_checkCommandsToApply()`` L699, ``poll`` L706); leader
+appends L528 (``_checkCommandsToApply``) and L1227 (``__onBecomeLeader``); follower appends L1006
+and its acks L1019 (entries) and L1025 (snapshot); failed/heartbeat replies L969-989; votes
+L921/L937 then ``response_vote`` L941, L957; ``__sendNextNodeIdx`` L1098; ``__setCurrentTerm``
+L1234; the journal clear of ``__loadDumpFile`` L1489-1495; tcp_connection.py ``send`` L141.
+
+(c) Votes: ``request_vote`` is answered by ``__setCurrentTerm(term, node.id)`` and then a
+``response_vote`` send; a candidate calls ``__setCurrentTerm(term + 1, self)`` before sending
+``request_vote``; a higher term seen in any message goes through ``__setCurrentTerm`` before
+anything is sent. All of them go through ``setCurrentTerm``, which here fsyncs before it returns,
+so (c) needs no hook.
+
+Integration plan (``raftps/raft/journal_hook.py``, ``install_durable_journal(syncobj, journal)``)
+------------------------------------------------------------------------------------------------
+1. Construct the ``SyncObj`` with ``journalFile=None`` (pysyncobj then makes a MemoryJournal; its
+   FileJournal must not open the same files).
+2. Right after ``SyncObj.__init__`` returns (pysyncobj's tick thread sleeps 0.1 s before its first
+   tick; with ``autoTick=False``, before the first ``doTick``), call ``install_durable_journal``.
+   It refuses if a tick has already run. It swaps ``_SyncObj__raftLog`` for the journal and redoes
+   what ``__init__`` did with the old one (the first no-op entry of an empty log,
+   ``_SyncObj__raftCurrentTerm = max(term, last log term)``, ``_SyncObj__votedForNodeId``,
+   ``_SyncObj__raftCommitIndex``);
+3. replaces ``_SyncObj__sendNextNodeIdx`` by a version that queues the acknowledgement;
+4. replaces ``_SyncObj__onBecomeLeader`` by the original followed by ``journal.sync()``;
+5. replaces ``_onTick`` by: ``sync()`` + send queued acks; the original tick; then (in a
+   ``finally``) ``sync()`` + send queued acks: one fsync per tick for all appends (leader and
+   follower) of that tick; and the poller's ``poll`` by ``sync()`` + send queued acks, then the
+   original (the leader's fsync while its entries travel) (steps 3-5 only with ``fsync=True``:
+   without, pysyncobj runs as before);
+6. wraps the serializer's ``deserialize`` so that on start, if the journal still holds entries
+   below a snapshot (compaction's ``start`` write lost, or an old journal), the prefix is dropped
+   before pysyncobj compares the journal's first two entries with the snapshot's: pysyncobj
+   otherwise *clears the journal*, losing every entry after the snapshot;
+7. adds the new attribute names to ``_SyncObj__properies`` so pysyncobj's default serializer does
+   not pickle them into snapshots.
+
+In raftps (``raft/pysyncobj_log.py``): ``SyncObjConf(journalFile=None, ...)``, the journal from the
+replica's ``Durability.open_journal`` (``raft/durability.py``, which also carries an existing
+``raft.journal`` over once with ``import_file_journal``) before ``SyncObj.__init__``, and
+``install_durable_journal(core, journal)`` as the first call after it (before
+``install_pysyncobj_fixes``, which wraps the transport and is independent of these wrappers: its
+``follower_hint`` rewrites the queued acks when they are finally sent); ``backup.NODE_FILES``
+names the journal's directory.
 
 If an fsync fails, ``journal.sync()`` raises ``JournalFailed`` from then on, so every later tick
 fails at its start (pysyncobj logs it and retries): queued acknowledgements are never sent and the

@@ -338,7 +338,7 @@ def test_no_fsync_mode_never_fsyncs(disk, tmp_path):
 
 
 def test_commit_hint_never_passes_the_durable_log(disk, tmp_path):
-    from raftps.raft.journal import _unpack_small
+    from raftps.raft.journal_format import unpack_small
     path = str(tmp_path / "j")
     j = DurableJournal(path, storage=disk)
     fill(j, entries(10))
@@ -347,7 +347,7 @@ def test_commit_hint_never_passes_the_durable_log(disk, tmp_path):
     j.setRaftCommitIndex(18)
     j.onOneSecondTimer()                         # 18 is not durable here: the hint says 10
     with open(os.path.join(path, "commit"), "rb") as f:
-        assert _unpack_small(f.read(), "commit") == {"commit": 10}
+        assert unpack_small(f.read(), "commit") == {"commit": 10}
     j.sync()
     j.onOneSecondTimer()
     assert DurableJournal(path, storage=disk).getRaftCommitIndex() == 18
