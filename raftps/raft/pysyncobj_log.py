@@ -39,8 +39,10 @@ CERTAINLY_NOT = {FAIL_REASON.QUEUE_FULL, FAIL_REASON.MISSING_LEADER, FAIL_REASON
                  FAIL_REASON.NOT_LEADER, FAIL_REASON.REQUEST_DENIED}
 
 
-class _Core(SyncObj):
-    """pysyncobj's SyncObj with our apply loop; everything else goes through SyncObjLog."""
+class Core(SyncObj):
+    """pysyncobj's SyncObj with our apply loop; everything else goes through SyncObjLog. The
+    other modules of the adapter read pysyncobj's state through the narrow views below, in the
+    tick thread (``read_index.py``), not through its name-mangled fields."""
 
     def __init__(self, applier: Applier, settings: RaftSettings, conf: SyncObjConf):
         self.applier = applier
@@ -52,6 +54,21 @@ class _Core(SyncObj):
         # Peer messages signed, not encrypted (peer_mac.py); no secret: `serve --insecure`, loopback only.
         self.peer_mac = PeerMac(settings.secret) if settings.secret else None
         super().__init__(settings.address, sorted(settings.others), conf)
+
+    # ---- pysyncobj's state, for the rest of the adapter (tick thread) -------------------------
+
+    def is_leader(self) -> bool:
+        return self._isLeader()
+
+    @property
+    def other_nodes(self) -> set:
+        """pysyncobj's Node objects of every other member."""
+        return self._SyncObj__otherNodes
+
+    @property
+    def noop_index(self) -> int | None:
+        """The index of the no-op this leader appended when its term began (None: not a leader yet)."""
+        return self._SyncObj__noopIDx
 
     @property
     def encryptor(self) -> PeerMac | None:
@@ -132,7 +149,7 @@ class SyncObjLog(ReplicatedLog):
         stored_zlib.install()                              # before SyncObj opens any peer connection
         limit_peer_reads()                                 # no 2 GiB buffers for strangers
         journal = durability.open_journal(settings.data_dir)
-        self._core = core = _Core(applier, settings, conf)
+        self._core = core = Core(applier, settings, conf)
         if journal is not None:
             install_durable_journal(core, journal)
             install_durable_snapshots(core, durability.storage, fsync=durability.snapshot_fsync)
@@ -153,7 +170,7 @@ class SyncObjLog(ReplicatedLog):
         self._applier.save_snapshot(filename, meta)
         self._saving = meta                        # for _tell_saved_snapshots, once it is in place
 
-    def _tell_saved_snapshots(self, core: _Core) -> None:
+    def _tell_saved_snapshots(self, core: Core) -> None:
         # pysyncobj says nothing once a snapshot file is in place; its serializer's state does
         # (pid -1: written and renamed; -2: failed). It never forks with a serializer callback,
         # so serialize() has finished the whole save when it returns.
@@ -189,14 +206,14 @@ class SyncObjLog(ReplicatedLog):
         self._core._entry(entry, callback=callback)
 
     def is_leader(self) -> bool:
-        return self._core._isLeader()
+        return self._core.is_leader()
 
     def leader(self) -> str | None:
         node = self._core._getLeader()
         return None if node is None else node.address
 
     def others(self) -> list[str]:
-        return sorted(node.address for node in self._core._SyncObj__otherNodes)
+        return sorted(node.address for node in self._core.other_nodes)
 
     @property
     def applied_index(self) -> int:
@@ -314,8 +331,8 @@ class SyncObjLog(ReplicatedLog):
         in poll() until a message arrives or its 50 ms tick ends. With peers, their replies wake
         it; alone, every write and linearizable read waited >= 50 ms for nothing."""
         core = self._core
-        if (not core._SyncObj__otherNodes and core._isLeader()
-                and core._SyncObj__getCurrentLogIndex() > core._SyncObj__raftCommitIndex):
+        if (not core.other_nodes and core.is_leader()
+                and core._SyncObj__getCurrentLogIndex() > core.raftCommitIndex):
             self.wake()
 
     # ---- reads (raft/read_index.py) ----------------------------------------------------------

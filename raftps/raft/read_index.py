@@ -67,7 +67,7 @@ class ReadIndex:
 
     def __init__(self, core: Any, settings: RaftSettings, leader: Callable[[], str | None],
                  wake: Callable[[], None]):
-        self._core = core                         # the SyncObj (pysyncobj_log._Core) it reads from
+        self._core = core                         # pysyncobj_log.Core: its narrow views of pysyncobj's state
         self._settings = settings
         self._leader = leader
         self._wake = wake
@@ -144,7 +144,7 @@ class ReadIndex:
 
     def serve(self) -> None:
         core = self._core
-        leader = core._isLeader()
+        leader = core.is_leader()
         term = core.raftCurrentTerm
         if not leader or term != self._ri_term:
             why = "not the leader any more" if not leader else "a new term began before the read was served"
@@ -158,14 +158,14 @@ class ReadIndex:
             self._set_lease(0.0)
             self._ri_term = term if leader else None
             # __onBecomeLeader set it in this thread before this term could be seen as ours
-            noop = core._SyncObj__noopIDx
+            noop = core.noop_index
             self._ri_noop = (noop if noop is not None else 1 << 62) if leader else 0
         new = self._ri_early + self._drain_reads()
         self._ri_early = []
         if not leader:
             self._fail_reads(new, f"not the leader; leader is {self._leader() or 'unknown'}")
             return
-        commit = core._SyncObj__raftCommitIndex
+        commit = core.raftCommitIndex
         now = lease_clock()
         if new:
             if commit < self._ri_noop:                               # step (1)
@@ -196,13 +196,13 @@ class ReadIndex:
                 del self._ri_sent[next(iter(self._ri_sent))]
             self.promise.extend(core)            # the leader's own vote is part of the majority
         if self._settings.read_confirm:
-            for peer in core._SyncObj__otherNodes:
+            for peer in core.other_nodes:
                 send_read_probe(core, peer, term, self._ri_round, lease)
         return self._ri_round
 
     def on_ack(self, peer: Any, term: int, round_: int, promised: float) -> None:
         """A peer answered a probe (tick thread, from pysyncobj_fixes.install_read_probes)."""
-        if term != self._ri_term or term != self._core.raftCurrentTerm or not self._core._isLeader():
+        if term != self._ri_term or term != self._core.raftCurrentTerm or not self._core.is_leader():
             return
         key = getattr(peer, "id", peer)
         if round_ > self._ri_acks.get(key, 0):
@@ -216,7 +216,7 @@ class ReadIndex:
         confirmed, and the shortest promise among those peers (0: some did not promise)."""
         if not self._settings.read_confirm:
             return self._ri_round, 0.0
-        peers = [getattr(p, "id", p) for p in self._core._SyncObj__otherNodes]
+        peers = [getattr(p, "id", p) for p in self._core.other_nodes]
         needed = (len(peers) + 1) // 2              # peers besides this leader in a majority
         if needed == 0:
             return self._ri_round, self.promise.window
@@ -251,12 +251,12 @@ class ReadIndex:
         two reads only makes the index newer)."""
         term, until = self._lease_state
         core = self._core
-        if not self._lease or lease_clock() >= until or core.raftCurrentTerm != term or not core._isLeader():
+        if not self._lease or lease_clock() >= until or core.raftCurrentTerm != term or not core.is_leader():
             return None
-        return core._SyncObj__raftCommitIndex
+        return core.raftCommitIndex
 
     def _run_ready_reads(self) -> None:
-        applied = self._core._SyncObj__raftLastApplied
+        applied = self._core.raftLastApplied
         while self._ri_ready and self._ri_ready[0][0] <= applied:   # step (4)
             _, reads = self._ri_ready.pop(0)
             for read in reads:
