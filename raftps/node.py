@@ -26,10 +26,9 @@ from .machine import TensorStore
 from .metrics import Instruments
 from .payloads import PayloadStore
 from .raft import RaftSettings, ReplicatedLog
-from .raft.durability import Durability
+from .raft.durability import Durability, default_payload_dir, sweep_abandoned_payload_dirs  # noqa: F401 (re-exported)
 from .replica.applier import Replica
-from .replica.config import (READ_MODES, NodeConfig, default_payload_dir, offset_address,  # noqa: F401 (re-exported)
-                             sweep_abandoned_payload_dirs)
+from .replica.config import READ_MODES, NodeConfig, offset_address  # noqa: F401 (re-exported)
 from .replica.fetch import PayloadFetcher
 from .replica.membership import Membership
 from .replica.reads import Reads

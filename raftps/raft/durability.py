@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
@@ -44,6 +45,7 @@ MODES = ("none", "fsync")
 WRITERS = ("journal", "payload", "snapshot")     # the writers a test may run without fsyncs
 PLAIN_JOURNAL = "raft.journal"                   # pysyncobj's own journal file, in the data dir
 JOURNAL_DIR = "raft.journal.d"                   # the durable journal's directory in the data dir
+TMPFS_PREFIX = "raftps-payloads-"                # a node's tmpfs payload dir: this + a hash of its data dir
 
 
 @dataclass(frozen=True)
@@ -146,5 +148,21 @@ def default_payload_dir(data_dir: str) -> str:
     self-contained again."""
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         tag = hashlib.sha256(os.path.abspath(data_dir).encode()).hexdigest()[:16]
-        return f"/dev/shm/raftps-payloads-{tag}"
+        return f"/dev/shm/{TMPFS_PREFIX}{tag}"
     return os.path.join(data_dir, "payloads")
+
+
+def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:
+    """Remove tmpfs payload dirs whose node's data dir no longer exists (a wiped test run)."""
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(TMPFS_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "OWNER")) as f:
+                owner = f.read().strip()
+        except OSError:
+            continue
+        if owner and not os.path.isdir(owner):      # empty: being written (by an older node); keep it
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

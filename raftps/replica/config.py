@@ -1,13 +1,10 @@
-"""A node's configuration (one Raft group's replica of it), and where its addresses and payload
-files are."""
+"""A node's configuration (one Raft group's replica of it) and its addresses. Where its payload files
+live is decided with the rest of its durability (raft/durability.py)."""
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass, field
 
 from .. import codec
-from ..raft.durability import default_payload_dir  # noqa: F401 (re-exported: where payloads live is a durability decision)
 
 READ_MODES = ("readindex", "lease", "log")     # NodeConfig.read_mode
 
@@ -24,7 +21,7 @@ class NodeConfig:
     metrics_offset: int = 300                 # /metrics port = Raft port + metrics_offset ...
     metrics_port: int | None = None           # ... unless given here; 0: no metrics server
     bind_host: str | None = None              # default: the host of this node's Raft address
-    payload_dir: str | None = None            # default: default_payload_dir(data_dir)
+    payload_dir: str | None = None            # default: Durability.payload_dir(data_dir) (raft/durability.py)
     # Payloads up to this size travel inside the entry. Above a few KiB pysyncobj's per-follower
     # pickle + framing + signing in the tick thread cost more than a data-plane round trip
     # (64 KiB inline, measured with Fernet: 41 pushes/s with 4 clients, the leader's tick 66% in TcpConnection.send).
@@ -95,19 +92,3 @@ def offset_address(address: str, offset: int) -> str:
     """The port ``offset`` above a node's Raft address (client +100, data plane +200, metrics +300)."""
     host, port = address.rsplit(":", 1)
     return f"{host}:{int(port) + offset}"
-
-
-def sweep_abandoned_payload_dirs(root: str = "/dev/shm") -> None:
-    """Remove tmpfs payload dirs whose node's data dir no longer exists (a wiped test run)."""
-    try:
-        names = [n for n in os.listdir(root) if n.startswith("raftps-payloads-")]
-    except OSError:
-        return
-    for name in names:
-        try:
-            with open(os.path.join(root, name, "OWNER")) as f:
-                owner = f.read().strip()
-        except OSError:
-            continue
-        if owner and not os.path.isdir(owner):      # empty: being written (by an older node); keep it
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
