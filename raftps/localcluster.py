@@ -295,7 +295,7 @@ class LocalCluster:
     def drop_payloads(self) -> None:
         """Delete the stopped nodes' tmpfs payload dirs (RAM that outlives the run dir otherwise)."""
         from .groups import data_dir
-        from .node import default_payload_dir
+        from .raft.durability import default_payload_dir
         for node in range(1, self.nodes + 1):
             for group in range(self.groups):
                 shutil.rmtree(default_payload_dir(data_dir(self.data_dir(node), group)), ignore_errors=True)

@@ -290,7 +290,7 @@ def limit_unknown_connections(node: SyncObj) -> None:
     node.addOnTickCallback(sweep)
 
 
-# ---- ReadIndex's leadership confirmation round (raftps.node.RaftNode._serve_reads) -------------
+# ---- ReadIndex's leadership confirmation round (raft/read_index.py, ReadIndex.serve) ----------
 # pysyncobj gives no hook for "did a majority hear from me, as leader of my term, after moment X":
 # its 'next_node_idx' replies carry no term and no request id, a follower does not answer every
 # 'append_entries' (not one that installs no snapshot chunk, nor one of a lower term), and
