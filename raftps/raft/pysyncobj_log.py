@@ -56,16 +56,16 @@ class Core(SyncObj):
         super().__init__(settings.address, sorted(settings.others), conf)
 
     # ---- pysyncobj's state, for the rest of the adapter (tick thread) -------------------------
+    # Methods, not properties: SyncObj.__init__ reads every attribute of itself (dir + getattr)
+    # to find the replicated methods, before all of its state exists.
 
     def is_leader(self) -> bool:
         return self._isLeader()
 
-    @property
     def other_nodes(self) -> set:
         """pysyncobj's Node objects of every other member."""
         return self._SyncObj__otherNodes
 
-    @property
     def noop_index(self) -> int | None:
         """The index of the no-op this leader appended when its term began (None: not a leader yet)."""
         return self._SyncObj__noopIDx
@@ -213,7 +213,7 @@ class SyncObjLog(ReplicatedLog):
         return None if node is None else node.address
 
     def others(self) -> list[str]:
-        return sorted(node.address for node in self._core.other_nodes)
+        return sorted(node.address for node in self._core.other_nodes())
 
     @property
     def applied_index(self) -> int:
@@ -331,7 +331,7 @@ class SyncObjLog(ReplicatedLog):
         in poll() until a message arrives or its 50 ms tick ends. With peers, their replies wake
         it; alone, every write and linearizable read waited >= 50 ms for nothing."""
         core = self._core
-        if (not core.other_nodes and core.is_leader()
+        if (not core.other_nodes() and core.is_leader()
                 and core._SyncObj__getCurrentLogIndex() > core.raftCommitIndex):
             self.wake()
 

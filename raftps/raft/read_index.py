@@ -158,7 +158,7 @@ class ReadIndex:
             self._set_lease(0.0)
             self._ri_term = term if leader else None
             # __onBecomeLeader set it in this thread before this term could be seen as ours
-            noop = core.noop_index
+            noop = core.noop_index()
             self._ri_noop = (noop if noop is not None else 1 << 62) if leader else 0
         new = self._ri_early + self._drain_reads()
         self._ri_early = []
@@ -196,7 +196,7 @@ class ReadIndex:
                 del self._ri_sent[next(iter(self._ri_sent))]
             self.promise.extend(core)            # the leader's own vote is part of the majority
         if self._settings.read_confirm:
-            for peer in core.other_nodes:
+            for peer in core.other_nodes():
                 send_read_probe(core, peer, term, self._ri_round, lease)
         return self._ri_round
 
@@ -216,7 +216,7 @@ class ReadIndex:
         confirmed, and the shortest promise among those peers (0: some did not promise)."""
         if not self._settings.read_confirm:
             return self._ri_round, 0.0
-        peers = [getattr(p, "id", p) for p in self._core.other_nodes]
+        peers = [getattr(p, "id", p) for p in self._core.other_nodes()]
         needed = (len(peers) + 1) // 2              # peers besides this leader in a majority
         if needed == 0:
             return self._ri_round, self.promise.window
