@@ -13,13 +13,14 @@ PACKAGE = os.path.join(ROOT, "raftps")
 MAX_LINES = 500
 
 # Modules over the limit today, each to be split by the engineer who owns it (the lead empties
-# this list). Nothing may be added to it.
+# this list; one split on another branch does not fail this test). Nothing may be added to it.
 TOO_LONG_TODAY = {
     "raftps/client.py",            # the Client split (issue 31, item 4)
 }
 
 # Private reads left in modules another engineer is changing now, as "module: attribute". Each is
-# a door the owner should open (a public method); the lead empties this list.
+# a door the owner should open (a public method); the lead empties this list (an entry fixed on
+# another branch does not fail this test, so the branches land in any order).
 PRIVATE_READS_TODAY = {
     "raftps/cli.py: _check_move_request",          # client.Client._check_move_request, from `raftps move`
     "raftps/localcluster_cli.py: _SubParsersAction",   # argparse's, as a type hint
@@ -114,7 +115,7 @@ def imports_pysyncobj(path: str) -> bool:
 
 def test_no_module_reads_another_objects_private_attributes():
     library = pysyncobj_names()
-    found, allowed_left = [], set()
+    found = []
     for path in modules():
         rel = relative(path)
         # The pysyncobj adapter (raft/ modules that import it) exists to patch pysyncobj 0.3.17's
@@ -124,12 +125,10 @@ def test_no_module_reads_another_objects_private_attributes():
             if attr in NAMEDTUPLE_API or (adapter and attr in library):
                 continue
             if f"{rel}: {attr}" in PRIVATE_READS_TODAY:
-                allowed_left.add(f"{rel}: {attr}")
                 continue
             found.append(f"{rel}:{line}: .{attr}")
     assert found == [], "reads of another object's private attributes (give the owner a public method):\n" + \
         "\n".join(found)
-    assert allowed_left == PRIVATE_READS_TODAY, f"fixed, take them off PRIVATE_READS_TODAY: {PRIVATE_READS_TODAY - allowed_left}"
 
 
 def test_the_scan_finds_a_private_read(tmp_path):
