@@ -24,6 +24,7 @@ from .groups import Layout, data_dir
 from .machine import TensorStore
 from .store_snapshot import snapshot_digest
 from .models import UsageError
+from .raft.durability import JOURNAL_DIR, PLAIN_JOURNAL
 
 BACKUP_FORMAT = 1           # one Raft group: the store at one version
 GROUPS_FORMAT = 2           # several Raft groups: each group's state, at a version of its own
@@ -31,7 +32,7 @@ GROUPS_FORMAT = 2           # several Raft groups: each group's state, at a vers
 # bytes arrive, so these bound what a node may send, not what is allocated up front).
 SAVE_LIMITS = codec.Limits(max_header_bytes=1 << 30, max_blob_bytes=1 << 40, max_arrays=1 << 24,
                            max_tensor_bytes=1 << 40)
-NODE_FILES = ("raft.journal", "raft.journal.d", snapshot_file.NAME)   # plain and durable journals
+NODE_FILES = (PLAIN_JOURNAL, JOURNAL_DIR, snapshot_file.NAME)
 
 
 def save(client: Client, path: str) -> dict:
