@@ -25,7 +25,7 @@ from typing import Any
 from .common import log
 
 # name -> trainer Config overrides. Learning rates chosen with trainer/delay_sim.py (staleness
-# K-1 on a perfect store; see the README) and one short cluster run each.
+# K-1 on a perfect store; see docs/training.md, "What async costs") and one short cluster run each.
 SETTINGS: dict[str, dict[str, Any]] = {
     "async": {},
     "async + staleness-aware": {"staleness_aware": True, "lr": 0.3},

@@ -1,5 +1,5 @@
 """Command line: ``raftps serve`` runs a node; ``status``, ``top``, ``export``, ``import``,
-``member``, ``move``, ``snapshot`` and ``cluster ...`` operate a cluster (README, Operations)."""
+``member``, ``move``, ``snapshot`` and ``cluster ...`` operate a cluster (docs/operations.md)."""
 from __future__ import annotations
 
 import argparse
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--durability", choices=("none", "fsync"), default=defaults["durability"].default,
                    help="fsync: the Raft journal, term and vote, payloads (in DATA_DIR/payloads) and snapshots "
                         "are fsynced before they count, so a power loss loses nothing acknowledged; none: "
-                        "they survive a process crash only (see README, Durability)")
+                        "they survive a process crash only (see docs/guarantees/durability.md)")
     p.add_argument("--request-timeout", type=float, default=defaults["request_timeout"].default,
                    help="how long a node waits for one write to replicate and commit")
     limits = codec.Limits()
