@@ -38,10 +38,10 @@ def _worker(addresses: str, env: dict, mode: str, rank: int, workers: int, size:
     with Client(addresses, timeout=60.0) as c:
         for step in range(steps):
             if mode == "push_step":
-                c.push_step(grad, step, workers, group=mode, rank=rank, timeout=30.0)
+                c.push_step(grad, step, workers, job=mode, rank=rank, timeout=30.0)
             else:
-                c.push_sync(grad, step, workers, group=mode, rank=rank)
-                c.wait_step(step, 30.0, group=mode)
+                c.push_sync(grad, step, workers, job=mode, rank=rank)
+                c.wait_step(step, 30.0, job=mode)
             stamps.append(time.perf_counter())
     results.put((rank, stamps))
 

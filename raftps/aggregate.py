@@ -44,7 +44,7 @@ POLL = 0.1                    # how often a waiting contributor checks leadershi
 
 @dataclass
 class _Step:
-    group: str
+    job: str
     step: int
     workers: int
     names: list[str]
@@ -92,36 +92,36 @@ class StepAggregator:
         """Add one worker's contribution (a checked push_step request) and return its answer once
         its step's entry is applied. Raises RaftpsError (refused: nothing was proposed) or
         NotApplied (retry, same seq)."""
-        group, step, workers = request.get("group") or "", request["step"], request["workers"]
+        job, step, workers = request.get("job") or "", request["step"], request["workers"]
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         timeout = min(float(request.get("timeout", 10.0)), MAX_STEP_TIMEOUT)
         self._drop_moved_steps()
         # references only: the checks below run outside the apply lock
         applied, tensors, misplaced = self.node.read_locked(lambda machine: (
-            machine.sync_step_applied(group), {name: machine.tensors.get(name) for name in grads},
+            machine.sync_step_applied(job), {name: machine.tensors.get(name) for name in grads},
             machine.placement_refusal(grads)))     # a tensor frozen or moved away (moves.py)
         if step <= applied:
-            return self._late(group, step, workers, [client, seq, ack, False])
+            return self._late(job, step, workers, [client, seq, ack, False])
         if misplaced is not None:        # Moving / Moved: the client sends it again, by the new placement
             raise _refusal_error(misplaced)
         for name, grad in grads.items():
             check_fits(name, grad, tensors[name], "gradient")
         _check_hyper(request.get("hyper"), tensors)
         with self._lock:
-            s = self._open.get((group, step))
+            s = self._open.get((job, step))
             # applied meanwhile: its entry has left, and a new step would only wait out its timeout
-            applied_meanwhile = s is None and step <= self.node.read_locked(lambda m: m.sync_step_applied(group))
+            applied_meanwhile = s is None and step <= self.node.read_locked(lambda m: m.sync_step_applied(job))
             if not applied_meanwhile:
                 s, mine, propose = self._join(s, request, grads, time.monotonic() + timeout)
         if applied_meanwhile:
-            return self._late(group, step, workers, [client, seq, ack, False])
+            return self._late(job, step, workers, [client, seq, ack, False])
         if propose:
             self._propose(s)
         else:
             self._wait(s)
         if mine is None:          # the step's entry left without this contribution
             if s.failure is None:
-                return self._late(group, step, workers, [client, seq, ack, False])
+                return self._late(job, step, workers, [client, seq, ack, False])
             raise NotApplied(f"sync step {step}: its entry did not commit; send again", applied=False)
         return self._answer(s, mine)
 
@@ -129,13 +129,13 @@ class StepAggregator:
               deadline: float) -> tuple[_Step, int | None, bool]:
         """(caller holds the lock) Add a contribution to its step, opening it if needed: (the step,
         the contribution's place in it or None if the step's entry already left, propose now)."""
-        group, step, workers, rank = request.get("group") or "", request["step"], request["workers"], request.get("rank")
+        job, step, workers, rank = request.get("job") or "", request["step"], request["workers"], request.get("rank")
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         if s is None:
             if len(self._open) >= self.max_open_steps:
                 raise LimitExceeded(f"{len(self._open)} sync steps are open on this leader (the limit); "
                                     "finish or close some first")
-            s = self._open[(group, step)] = _Step(group, step, workers, sorted(grads), rank is not None,
+            s = self._open[(job, step)] = _Step(job, step, workers, sorted(grads), rank is not None,
                                                   request.get("hyper"), request.get("clip_norm"), deadline)
         else:
             _check_matches(s, grads, workers, rank, request)
@@ -168,11 +168,11 @@ class StepAggregator:
                     go, s.proposed = not s.proposed, True
                 if go:
                     log.info("sync step %d of %r: %d of %d contributions after its timeout; applying those",
-                             s.step, s.group, s.count, s.workers)
+                             s.step, s.job, s.count, s.workers)
                     self._propose(s)
 
     def _propose(self, s: _Step) -> None:
-        command = {"op": "step", "group": s.group, "step": s.step, "workers": s.workers, "count": s.count,
+        command = {"op": "step", "job": s.job, "step": s.step, "workers": s.workers, "count": s.count,
                    "contributors": s.contributors}
         if s.hyper is not None:
             command["hyper"] = s.hyper
@@ -186,14 +186,14 @@ class StepAggregator:
         except (NotApplied, RaftpsError) as exc:
             s.failure = exc
         except Exception as exc:     # a bug must cost this step's contributors a retry, not hang them
-            log.exception("sync step %d of %r failed", s.step, s.group)
+            log.exception("sync step %d of %r failed", s.step, s.job)
             s.failure = NotApplied(f"sync step {s.step}: {exc!r}", applied=None)
         finally:
             with self._lock:
-                if self._open.get((s.group, s.step)) is s:
-                    del self._open[(s.group, s.step)]
-                # Older open steps of the group can no longer apply (a step applies every earlier one).
-                older = [o for (g, n), o in self._open.items() if g == s.group and n < s.step] \
+                if self._open.get((s.job, s.step)) is s:
+                    del self._open[(s.job, s.step)]
+                # Older open steps of the job can no longer apply (a step applies every earlier one).
+                older = [o for (j, n), o in self._open.items() if j == s.job and n < s.step] \
                     if s.failure is None else []
             for o in older:
                 self._abandon(o, f"a later step ({s.step}) was applied first")
@@ -218,8 +218,8 @@ class StepAggregator:
             if s.proposed:
                 return
             s.proposed = True
-            if self._open.get((s.group, s.step)) is s:
-                del self._open[(s.group, s.step)]
+            if self._open.get((s.job, s.step)) is s:
+                del self._open[(s.job, s.step)]
         s.failure = failure or NotApplied(f"sync step {s.step}: {why}; send the contribution again", applied=False)
         s.done.set()
 
@@ -227,7 +227,7 @@ class StepAggregator:
         """Give back the open steps that name a tensor frozen or moved away since they opened
         (moves.py): their contributors are told Moving (or Moved) and send their parts again by
         the new placement, so no step mixes the old placement with the new."""
-        if not self.node.read_locked(lambda m: bool(m.moving or m.moved)):   # nothing was ever moved here
+        if not self.node.read_locked(lambda m: m.moves.anything_moved()):   # nothing was ever moved here
             return
         with self._lock:
             steps = [s for s in self._open.values() if not s.proposed]
@@ -252,10 +252,10 @@ class StepAggregator:
             return answer
         return {k: v for k, v in result.items() if k not in ("each", "tensors", "tensor_versions")}   # an error
 
-    def _late(self, group: str, step: int, workers: int, contributor: list) -> dict:
+    def _late(self, job: str, step: int, workers: int, contributor: list) -> dict:
         """The answer to a contribution to a step already applied: its session's record if its
         entry had it, else ``late``; through a small entry, so the answer is in the log."""
-        command = {"op": "step", "group": group, "step": step, "workers": workers, "count": 0,
+        command = {"op": "step", "job": job, "step": step, "workers": workers, "count": 0,
                    "contributors": [contributor]}
         result = self.node.submit(command)
         each = result.get("each") if isinstance(result, dict) else None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import numpy as np
 
 from . import auth, codec
+from .deprecated import renamed_keyword
 from .errors import ProtocolError, RaftpsError, StepTimeout
 from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
@@ -59,7 +60,7 @@ class Client:
         self._pipeline_lock = threading.Lock()
         self._lanes = threading.local()
         self._lane_transports: list[Transport] = []
-        self._synced: dict[str, set[int]] = {}    # sync group -> Raft groups this client contributed to
+        self._synced: dict[str, set[int]] = {}    # job -> Raft groups this client contributed to
 
     def _new_transport(self) -> Transport:
         return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
@@ -99,21 +100,21 @@ class Client:
         with self._lock:
             return self._send_write(op, raft_group, fields, waits)
 
-    def _send_write(self, op: str, group: int, fields: dict, waits: float = 0.0,
+    def _send_write(self, op: str, raft_group: int, fields: dict, waits: float = 0.0,
                     call: Callable[[str, dict, float], dict] | None = None) -> dict:
         """One write with a new seq, sent (and retried with that seq) over this client's
         connections, or over ``call``'s (a push_async lane's)."""
-        seq, ack = self._session.next_seq(group)
+        seq, ack = self._session.next_seq(raft_group)
         refused = False
         try:
             return self._router.request({"op": op, "client": self.client_id, "seq": seq, "ack": ack, **fields},
-                                        raft_group=group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
+                                        raft_group=raft_group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
                                         timeout=waits and 2 * waits + self.timeout, call=call)
         except RaftpsError as exc:
             refused = bool(getattr(exc, "refused", False))
             raise
         finally:
-            self._session.answered(group, seq, refused)
+            self._session.answered(raft_group, seq, refused)
 
     def push_async(self, grads: dict[str, np.ndarray], base_version: Any = None,
                    encoding: dict | None = None) -> "Future[dict]":
@@ -166,8 +167,8 @@ class Client:
     def _each_group(self, write: Any, parts: dict[int, Any]) -> dict:
         return self._router.each_group(write, parts)
 
-    def _min_version(self, min_version: Any, group: int) -> int:
-        return self._router.min_version(min_version, group)
+    def _min_version(self, min_version: Any, raft_group: int) -> int:
+        return self._router.min_version(min_version, raft_group)
 
     # ---- the API --------------------------------------------------------------------------
 
@@ -192,7 +193,7 @@ class Client:
     def push(self, grads: dict[str, np.ndarray], base_version: Any = None,
              encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> Any:
         """Apply one gradient per tensor, atomically, exactly once; returns the store version.
-        ``encoding``: compressed tensors (raftps.compress); ``ssp``: {group, worker} (SSP gate);
+        ``encoding``: compressed tensors (raftps.compress); ``ssp``: {ssp_group, worker} (SSP gate);
         ``hyper``: {tensor: {"lr": ..., ...}}, this step's hyperparameters over the tensor's stored
         optimizer spec (raftps.optim.STEP_HYPERPARAMETERS; a torch param group's current values)."""
         return self.push_result(grads, base_version, encoding, ssp, hyper)["version"]
@@ -200,11 +201,11 @@ class Client:
     def push_result(self, grads: dict[str, np.ndarray], base_version: Any = None,
                     encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> dict:
         """As push, but the whole result: version, staleness (with a base), clock (with ssp)."""
-        def write(group: int, part: dict) -> dict:
+        def write(raft_group: int, part: dict) -> dict:
             fields: dict[str, Any] = {"tensors": part}
             if hyper:
                 fields["hyper"] = {k: v for k, v in hyper.items() if k in part} if self.groups() > 1 else hyper
-            base = base_version.get(group) if isinstance(base_version, dict) else base_version
+            base = base_version.get(raft_group) if isinstance(base_version, dict) else base_version
             if base is not None:
                 fields["base_version"] = int(base)
             if encoding is not None:
@@ -213,7 +214,7 @@ class Client:
                     fields["encoding"] = chosen if self.groups() > 1 else encoding
             if ssp is not None:
                 fields["ssp"] = ssp
-            return self._write("push", group, **fields)
+            return self._write("push", raft_group, **fields)
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self.groups() == 1:
             return write(0, grads)
@@ -234,14 +235,14 @@ class Client:
         if missing:
             raise ValueError(f"assign_state: values and states must name the same tensors ({missing[:5]} differ)")
 
-        def write(group: int, part: dict) -> dict:
+        def write(raft_group: int, part: dict) -> dict:
             records, parts = [], {}
             for i, name in enumerate(sorted(part)):
                 scalars = {k: v for k, v in states[name].items() if not isinstance(v, np.ndarray)}
                 records.append({"name": name, "scalars": scalars})
                 parts[str(i)] = np.asarray(values[name])
                 parts.update({f"{i}.{k}": v for k, v in states[name].items() if isinstance(v, np.ndarray)})
-            return self._write("assign_state", group, records=records, tensors=parts)
+            return self._write("assign_state", raft_group, records=records, tensors=parts)
         if self.groups() == 1:
             return write(0, values)["version"]
         return self._each_group(write, self._split(dict(values)))["version"]
@@ -252,28 +253,30 @@ class Client:
         parts = self._split({n: None for n in names})
         return self._each_group(lambda g, part: self._write("delete", g, names=list(part)), parts)["version"]
 
-    def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
+    @renamed_keyword("group", "job")
+    def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                   rank: int | None = None) -> Any:
-        """One worker's contribution to synchronous step ``step`` of sync group ``group`` (a job's
-        name; None: the store-wide default group); the mean of ``workers`` contributions is applied
+        """One worker's contribution to synchronous step ``step`` of job ``job`` (a sync step
+        sequence's name; None: the store-wide default job); the mean of ``workers`` contributions is applied
         once, when the last one arrives. With ``rank`` (0 <= rank < workers) the step counts
         distinct ranks: a rank's second contribution (a restarted worker) is ignored. With several
         Raft groups each group applies its part of the step when its ``workers`` parts are in."""
-        return self.push_sync_result(grads, step, workers, group, rank)["version"]
+        return self.push_sync_result(grads, step, workers, job, rank)["version"]
 
-    def push_sync_result(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
+    @renamed_keyword("group", "job")
+    def push_sync_result(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                          rank: int | None = None) -> dict:
         """As push_sync, but the whole result: version, step, applied, count, and late (the step
         was applied before) or duplicate_rank (this rank had contributed; nothing changed)."""
-        return self._contribute("push_sync", grads, step, workers, group, rank)
+        return self._contribute("push_sync", grads, step, workers, job, rank)
 
-    def _contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None,
+    def _contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
                     rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
         """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group."""
         hyper = extra.pop("hyper", None)
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
-        if group is not None:
-            fields["group"] = group
+        if job is not None:
+            fields["job"] = job
         if rank is not None:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
@@ -283,21 +286,22 @@ class Client:
         def write(g: int, part: dict) -> dict:
             mine = {k: v for k, v in (hyper or {}).items() if k in part}
             return self._write(op, g, waits=waits, tensors=part, **fields, **({"hyper": mine} if mine else {}))
-        return self._each_sync_group(group, self._split(grads), write)
+        return self._each_job_part(job, self._split(grads), write)
 
-    def _each_sync_group(self, group: str | None, parts: dict[int, Any], write: Any) -> dict:
-        """_each_group for a step's parts, remembering which Raft groups the step lives in."""
-        synced = self._synced.setdefault(group or "", set())
+    def _each_job_part(self, job: str | None, parts: dict[int, Any], write: Any) -> dict:
+        """_each_group for a step's parts, remembering which Raft groups the job's steps live in."""
+        synced = self._synced.setdefault(job or "", set())
         synced.update(parts)
         result = self._each_group(write, parts)
         synced.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         synced.update(result["version"])
         return result
 
-    def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, group: str | None = None,
+    @renamed_keyword("group", "job")
+    def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                   rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
                   clip_norm: float | None = None) -> dict:
-        """One worker's contribution to synchronous step ``step`` of sync group ``group``, summed on
+        """One worker's contribution to synchronous step ``step`` of job ``job``, summed on
         the leader with the step's other contributions and replicated once as the step (aggregation
         before replication); returns when the step is applied: version, step, applied, count (the
         contributions in it: fewer than ``workers`` if ``timeout`` seconds after the step's first
@@ -319,33 +323,35 @@ class Client:
             extra["hyper"] = hyper
         if clip_norm is not None:
             extra["clip_norm"] = float(clip_norm)
-        return self._contribute("push_step", grads, step, workers, group, rank, waits=float(timeout),
+        return self._contribute("push_step", grads, step, workers, job, rank, waits=float(timeout),
                                 timeout=float(timeout), **extra)
 
-    def _sync_groups(self, group: str | None) -> list[int]:
-        """The Raft groups a sync group's steps live in: those this client contributed to, else all."""
-        return sorted(self._synced.get(group or "") or range(self.groups()))
+    def _job_raft_groups(self, job: str | None) -> list[int]:
+        """The Raft groups a job's steps live in: those this client contributed to, else all."""
+        return sorted(self._synced.get(job or "") or range(self.groups()))
 
-    def close_step(self, step: int, group: str | None = None) -> Any:
-        """Apply sync step ``step`` of ``group`` now with the contributions that arrived (no-op if applied)."""
+    @renamed_keyword("group", "job")
+    def close_step(self, step: int, job: str | None = None) -> Any:
+        """Apply sync step ``step`` of job ``job`` now with the contributions that arrived (no-op if applied)."""
         fields: dict[str, Any] = {"step": int(step)}
-        if group is not None:
-            fields["group"] = group
+        if job is not None:
+            fields["job"] = job
         if self.groups() == 1:
             return self._write("close_step", **fields)["version"]
-        parts = {g: None for g in self._sync_groups(group)}
+        parts = {g: None for g in self._job_raft_groups(job)}
         return self._each_group(lambda g, _: self._write("close_step", g, **fields), parts)["version"]
 
-    def wait_step(self, step: int, timeout: float, group: str | None = None) -> Any:
-        """Block until sync step ``step`` of ``group`` is applied; returns the store version then."""
+    @renamed_keyword("group", "job")
+    def wait_step(self, step: int, timeout: float, job: str | None = None) -> Any:
+        """Block until sync step ``step`` of job ``job`` is applied; returns the store version then."""
         deadline = time.monotonic() + timeout
         versions = {}
-        for g in ([0] if self.groups() == 1 else self._sync_groups(group)):
+        for g in ([0] if self.groups() == 1 else self._job_raft_groups(job)):
             while True:
                 left = deadline - time.monotonic()
                 request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))}
-                if group is not None:
-                    request["group"] = group
+                if job is not None:
+                    request["job"] = job
                 try:
                     with self._lock:
                         versions[g] = self._request(request, attempt_timeout=min(left, 5.0) + 5.0, raft_group=g)["version"]
@@ -355,16 +361,17 @@ class Client:
                         raise
         return versions[0] if self.groups() == 1 else versions
 
-    def sync_applied(self, group: str | None = None) -> int:
-        """The last applied sync step of ``group`` (-1 if none), a linearizable read at the leader.
-        With several Raft groups: the lowest over the groups that have applied a step of it."""
+    @renamed_keyword("group", "job")
+    def sync_applied(self, job: str | None = None) -> int:
+        """The last applied sync step of job ``job`` (-1 if none), a linearizable read at the leader.
+        With several Raft groups: the lowest over the Raft groups that have applied a step of it."""
         request: dict[str, Any] = {"op": "sync_applied"}
-        if group is not None:
-            request["group"] = group
+        if job is not None:
+            request["job"] = job
         with self._lock:
             if self.groups() == 1:
                 return self._request(request)["applied"]
-            applied = [self._request(request, raft_group=g)["applied"] for g in self._sync_groups(group)]
+            applied = [self._request(request, raft_group=g)["applied"] for g in self._job_raft_groups(job)]
         started = [a for a in applied if a >= 0]
         return min(started) if started else -1
 
@@ -376,21 +383,25 @@ class Client:
         replies = [self._write(op, g, **fields)[key] for g in range(self.groups())]
         return max(replies) if key == "clock" else all(replies)
 
-    def ssp_join(self, group: str, worker: str, staleness: int | None) -> int:
-        """Join SSP group ``group`` (created with bound ``staleness``; None: unbounded); returns the clock."""
-        return self._ssp_write("ssp_join", "clock", group=group, worker=worker, staleness=staleness)
+    @renamed_keyword("group", "ssp_group")
+    def ssp_join(self, ssp_group: str, worker: str, staleness: int | None) -> int:
+        """Join SSP group ``ssp_group`` (created with bound ``staleness``; None: unbounded); returns the clock."""
+        return self._ssp_write("ssp_join", "clock", ssp_group=ssp_group, worker=worker, staleness=staleness)
 
-    def ssp_leave(self, group: str, worker: str) -> bool:
-        return self._ssp_write("ssp_leave", "left", group=group, worker=worker)
+    @renamed_keyword("group", "ssp_group")
+    def ssp_leave(self, ssp_group: str, worker: str) -> bool:
+        return self._ssp_write("ssp_leave", "left", ssp_group=ssp_group, worker=worker)
 
-    def ssp_drop(self, group: str, worker: str, clock: int) -> bool:
-        """Drop ``worker`` from the group if its clock is still ``clock`` (it made no progress)."""
-        return self._ssp_write("ssp_drop", "dropped", group=group, worker=worker, clock=int(clock))
+    @renamed_keyword("group", "ssp_group")
+    def ssp_drop(self, ssp_group: str, worker: str, clock: int) -> bool:
+        """Drop ``worker`` from the SSP group if its clock is still ``clock`` (it made no progress)."""
+        return self._ssp_write("ssp_drop", "dropped", ssp_group=ssp_group, worker=worker, clock=int(clock))
 
-    def ssp_wait(self, group: str, worker: str, timeout: float) -> dict:
+    @renamed_keyword("group", "ssp_group")
+    def ssp_wait(self, ssp_group: str, worker: str, timeout: float) -> dict:
         """Wait (at the leader, at most ``timeout`` s) until ``worker`` may take its next step:
         {version, ready, member, clock, min_clock, slowest: [[worker, clock], ...]}."""
-        request = {"op": "ssp_wait", "group": group, "worker": worker, "timeout": float(timeout)}
+        request = {"op": "ssp_wait", "ssp_group": ssp_group, "worker": worker, "timeout": float(timeout)}
         with self._lock:
             if self.groups() == 1:
                 return self._request(request, attempt_timeout=float(timeout) + 5.0)
@@ -416,11 +427,11 @@ class Client:
                     linearizable: bool = True) -> dict:
         """As pull, but the whole reply: tensors, version and tensor_versions (each tensor's own
         update count, read from the same state as the tensors)."""
-        def read(group: int, part: list[str] | None) -> dict:
+        def read(raft_group: int, part: list[str] | None) -> dict:
             request = {"op": "pull", "names": part, "linearizable": linearizable,
-                       "min_version": self._min_version(min_version, group)}
+                       "min_version": self._min_version(min_version, raft_group)}
             with self._lock:
-                return self._request(request, to_leader=linearizable, raft_group=group)
+                return self._request(request, to_leader=linearizable, raft_group=raft_group)
         if self.groups() == 1:
             return read(0, list(names) if names is not None else None)
         parts = {g: None for g in range(self.groups())} if names is None else \
@@ -434,11 +445,11 @@ class Client:
         rows = np.asarray(rows)
         if rows.size == 0 or rows.dtype.kind in "iu" and rows.dtype not in (np.int32, np.int64):
             rows = rows.astype(np.int64)      # the store takes int32 or int64; others are refused there
-        def read(group: int, _: Any) -> dict:
+        def read(raft_group: int, _: Any) -> dict:
             request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
-                       "min_version": self._min_version(min_version, group)}
+                       "min_version": self._min_version(min_version, raft_group)}
             with self._lock:
-                return self._request(request, to_leader=linearizable, raft_group=group)
+                return self._request(request, to_leader=linearizable, raft_group=raft_group)
         if self.groups() == 1:
             reply = read(0, None)
             return reply["rows"], reply["version"]
@@ -481,13 +492,14 @@ class Client:
 
     # ---- moving a tensor to another Raft group (moves.py has the state machine's side) ----------
 
-    def move(self, name: str, group: int) -> dict:
+    @renamed_keyword("group", "raft_group")
+    def move(self, name: str, raft_group: int) -> dict:
         """Move tensor ``name`` (with its index tensor ``name:indices``, if stored) to Raft group
-        ``group``, online (tensor_move.py): freeze it in its group (writes to it wait), read its
-        whole state there, install that state in ``group``, record the placement in group 0, then
-        leave a tombstone that sends every later request to ``group``. Every step is idempotent:
+        ``raft_group``, online (tensor_move.py): freeze it in its Raft group (writes to it wait), read
+        its whole state there, install that state in ``raft_group``, record the placement in group 0,
+        then leave a tombstone that sends every later request to ``raft_group``. Every step is idempotent:
         a move interrupted at any point completes when run again. Returns {tensor, from, to, names}."""
-        return Mover(self._router, self._request, self._write, self.limits, self._lock).move(name, group)
+        return Mover(self._router, self._request, self._write, self.limits, self._lock).move(name, raft_group)
 
     _check_move_request = staticmethod(check_move_request)   # raftps move checks its input with it
 

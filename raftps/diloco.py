@@ -268,7 +268,7 @@ class DiLoCo:
         grads = {self.store_name(n): _pseudo_gradient(self.anchor[n], params[n], n) for n in names}
         sent = sum(g.nbytes for g in grads.values())
         round_ = self.next_round[f]
-        answer = self.client.push_step(grads, round_, self.world_size, group=self.groups[f], rank=self.rank,
+        answer = self.client.push_step(grads, round_, self.world_size, job=self.groups[f], rank=self.rank,
                                        timeout=self.step_timeout, pull=True)
         late = bool(answer.get("late"))
         tensors = answer.get("tensors") or {}

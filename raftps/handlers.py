@@ -16,7 +16,8 @@ from .store_snapshot import snapshot_digest
 from .node import RaftNode, offset_address
 from .raft import NotApplied
 from .rbac import Identity
-from .tensor import check_finite, check_group, check_tensors
+from .sync_jobs import check_job
+from .tensor import check_finite, check_tensors
 
 log = logging.getLogger("raftps.server")
 
@@ -104,7 +105,7 @@ class Handlers:
         here = req.get("raft_group", 0)
         if req["op"] == "place" and here != 0:
             raise InvalidRequest(f"place: the placement table lives in Raft group 0, not {here}")
-        target = req.get("to", req.get("group", 0))
+        target = req.get("to", 0)
         if target >= groups:
             raise InvalidRequest(f"{req['op']}: Raft group {target} is out of range: this cluster has groups "
                                  f"0..{groups - 1}")
@@ -277,21 +278,21 @@ class Handlers:
         step = req.get("step")
         if type(step) is not int:
             raise InvalidRequest("wait_step needs step (int) and timeout (seconds)")
-        group = check_group(req.get("group"))
-        return {"version": node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0), group)}
+        job = check_job(req.get("job"))
+        return {"version": node.wait_step(step, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0), job)}
 
     def _sync_applied(self, node: RaftNode, req: dict, identity: Identity) -> dict:
-        group = check_group(req.get("group"))
-        return self._linearizable(node, lambda m: {"version": m.version, "applied": m.sync_step_applied(group)})
+        job = check_job(req.get("job"))
+        return self._linearizable(node, lambda m: {"version": m.version, "applied": m.sync_step_applied(job)})
 
     def _ssp_wait(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         redirect = self._not_leader(node)
         if redirect:
             return redirect
-        group, worker = req.get("group"), req.get("worker")
-        if not isinstance(group, str) or not isinstance(worker, str):
-            raise InvalidRequest("ssp_wait needs group (str), worker (str) and timeout (seconds)")
-        return node.wait_ssp(group, worker, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))
+        ssp_group, worker = req.get("ssp_group"), req.get("worker")
+        if not isinstance(ssp_group, str) or not isinstance(worker, str):
+            raise InvalidRequest("ssp_wait needs ssp_group (str), worker (str) and timeout (seconds)")
+        return node.wait_ssp(ssp_group, worker, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))
 
 
 def _raft_address(value: Any) -> str:

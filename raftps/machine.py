@@ -39,10 +39,9 @@ from .errors import (DtypeMismatch, Internal, InvalidRequest, RaftpsError, Tenso
 from .moves import Moves
 from .assign_state import plan
 from .ssp_clocks import SspClocks
-from .sync_jobs import SyncJobs
 from .write_sessions import Session, SessionLimits, run_once  # noqa: F401  (Session: restore's, tests')
-from .tensor import (TENSOR_DTYPES, Tensor, check_finite, check_fits, check_group, check_name, check_tensors, freeze,
-                     freeze_tensor)
+from .sync_jobs import SyncJobs, check_job
+from .tensor import TENSOR_DTYPES, Tensor, check_finite, check_fits, check_name, check_tensors, freeze, freeze_tensor
 
 log = logging.getLogger("raftps.machine")
 # Optimizers whose step is per coordinate given scalar state, so it can run on a slice of rows.
@@ -50,7 +49,7 @@ log = logging.getLogger("raftps.machine")
 ROW_OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "adamw", "elastic")
 
 
-class TensorStore(Moves):
+class TensorStore:
     """Named, versioned tensors with their optimizers; see the module docstring."""
 
     def __init__(self, session_limits: SessionLimits = SessionLimits(), staleness_window: int = 4096):
@@ -64,9 +63,9 @@ class TensorStore(Moves):
         # saturates at staleness_window.
         self.staleness_window = staleness_window
         self.update_indices: dict[str, deque[int]] = {}
-        self.ssp = SspClocks()                              # SSP groups' bounds and clocks
+        self.ssp = SspClocks()                              # SSP groups' bounds and clocks (ssp_clocks.py)
         self.stats = {"pushes": 0, "rejected": 0, "duplicates": 0, "staleness": {}}
-        self._init_moves()                                 # moves.py: frozen, tombstoned, placed tensors
+        self.moves = Moves()                               # frozen, tombstoned, placed tensors (moves.py)
         self._digest_cache: tuple[int, str] | None = None
 
     # ---- apply -----------------------------------------------------------------------------
@@ -74,6 +73,7 @@ class TensorStore(Moves):
     def apply(self, index: int, command: dict) -> dict:
         self.version = index
         try:
+            command = ops.current_names(command)     # an entry logged under old field names applies the same
             op = command.get("op") if isinstance(command, dict) else None
             handler = self._OPS.get(op) if isinstance(op, str) else None
             if handler is None:
@@ -84,7 +84,7 @@ class TensorStore(Moves):
                 return handler(self, index, command)
             # a write naming a tensor moved away (or being moved) is refused whole (moves.py)
             return self._in_session(index, command,
-                                    lambda: self.check_placed_here(command) or handler(self, index, command))
+                                    lambda: self.moves.check_placed_here(command) or handler(self, index, command))
         except RaftpsError as exc:
             self.stats["rejected"] += 1
             return exception_result(exc)
@@ -105,7 +105,7 @@ class TensorStore(Moves):
     def _existing(self, name: str) -> Tensor:
         tensor = self.tensors.get(name)
         if tensor is None:
-            self.raise_if_moved(name)
+            self.moves.raise_if_moved(name)
             raise UnknownTensor(f"unknown tensor {name!r}")
         return tensor
 
@@ -288,15 +288,15 @@ class TensorStore(Moves):
             self.update_indices.pop(name, None)
         return {"version": index}
 
-    # ---- synchronous steps, per group (job) --------------------------------------------------
+    # ---- synchronous steps, per job (sync_jobs.py) -------------------------------------------
 
-    def sync_step_applied(self, group: str = "") -> int:
-        """The last step applied in sync job ``group`` (-1 if none)."""
-        return self.sync.applied(group)
+    def sync_step_applied(self, job: str = "") -> int:
+        """The last step applied in job ``job`` (-1 if none)."""
+        return self.sync.applied(job)
 
-    def sync_count(self, group: str, step: int) -> int:
+    def sync_count(self, job: str, step: int) -> int:
         """Contributions received so far to a step not yet applied."""
-        return self.sync.count(group, step)
+        return self.sync.count(job, step)
 
     @property
     def sync_applied(self) -> int:          # the default job: what trainer/ and stats use
@@ -309,27 +309,27 @@ class TensorStore(Moves):
             raise InvalidRequest("push_sync needs step (int >= 0) and workers (int >= 1)")
         if rank is not None and (type(rank) is not int or not 0 <= rank < workers):
             raise InvalidRequest(f"push_sync rank must be an int in [0, workers={workers}), got {rank!r}")
-        group = check_group(command.get("group"))
+        job = check_job(command.get("job"))
         for name, grad in grads.items():
             self.check_like(name, grad, "gradient")
-        if step <= self.sync_step_applied(group):
+        if step <= self.sync_step_applied(job):
             return {"version": index, "step": step, "applied": True, "late": True}
-        buf = self.sync.add(group, step, workers, rank, grads)
+        buf = self.sync.add(job, step, workers, rank, grads)
         if buf is None:      # a restarted worker (a new client session) pushing its step again: counted once
-            return {"version": index, "step": step, "applied": False, "count": self.sync.count(group, step),
+            return {"version": index, "step": step, "applied": False, "count": self.sync.count(job, step),
                     "duplicate_rank": True}
         applied = buf["count"] >= workers
         if applied:
-            self._apply_step(group, step)
+            self._apply_step(job, step)
         return {"version": index, "step": step, "applied": applied, "count": buf["count"]}
 
-    def _apply_step(self, group: str, step: int) -> None:
-        buf = self.sync.buffer(group, step)
-        self._apply_mean(group, step, buf["sum"] if buf else {}, buf["count"] if buf else 0)
+    def _apply_step(self, job: str, step: int) -> None:
+        buf = self.sync.buffer(job, step)
+        self._apply_mean(job, step, buf["sum"] if buf else {}, buf["count"] if buf else 0)
 
-    def _apply_mean(self, group: str, step: int, sums: dict[str, np.ndarray], count: int,
+    def _apply_mean(self, job: str, step: int, sums: dict[str, np.ndarray], count: int,
                     specs: dict[str, dict] | None = None, scale: float = 1.0) -> None:
-        """Apply step ``step`` of ``group``: the mean of ``count`` contributions summed in ``sums``
+        """Apply step ``step`` of job ``job``: the mean of ``count`` contributions summed in ``sums``
         (nothing if none arrived), times ``scale`` (a clipping factor the leader computed from the
         mean's norm), with ``specs`` (the step's hyperparameters); the step and every earlier one
         are then done."""
@@ -343,7 +343,7 @@ class TensorStore(Moves):
                         np.multiply(mean, mean.dtype.type(scale), out=mean)
                     self._update(name, mean, spec=specs.get(name))
             self.stats["pushes"] += 1
-        self.sync.done(group, step)
+        self.sync.done(job, step)
 
     def _step(self, index: int, command: dict) -> dict:
         """A sync step aggregated by the leader (aggregate.py): the sum of ``count`` contributions
@@ -351,22 +351,22 @@ class TensorStore(Moves):
         entry for a step already applied changes nothing), and each contributor's session records
         its answer, so a contributor that sends again after this entry finds it instead of
         counting twice."""
-        group = check_group(command.get("group"))
+        job = check_job(command.get("job"))
         step, workers, count = command.get("step"), command.get("workers"), command.get("count")
         contributors = command.get("contributors")
         if type(step) is not int or step < 0 or type(workers) is not int or workers < 1 \
                 or type(count) is not int or not 0 <= count <= workers or not isinstance(contributors, list) \
                 or not all(_is_contributor(c) for c in contributors):
-            raise InvalidRequest("a step entry needs group, step (int >= 0), workers (int >= 1), count "
+            raise InvalidRequest("a step entry needs job, step (int >= 0), workers (int >= 1), count "
                                  "(0..workers) and contributors ([client, seq, ack, counted] each)")
         sums = check_tensors(command.get("tensors")) if count else {}
         scale = command.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, float) or not 0.0 < scale <= 1.0:
             raise InvalidRequest(f"a step entry's scale must be a float in (0, 1], got {scale!r}")
-        late = step <= self.sync_step_applied(group)
+        late = step <= self.sync_step_applied(job)
         # a tensor frozen or moved away since the leader checked it (moves.py): the step is not
         # applied here, and every contributor is told so (Moving / Moved) and sends its part again
-        moved = self.placement_refusal(sums) if not late and count else None
+        moved = self.moves.placement_refusal(sums) if not late and count else None
         if moved is not None:
             done = moved
         elif not late and count:
@@ -377,7 +377,7 @@ class TensorStore(Moves):
             if isinstance(hyper, dict):      # a tensor deleted since the leader checked it takes none
                 hyper = {name: h for name, h in hyper.items() if name in self.tensors}
             specs = self._step_specs(hyper, {name: None for name in sums if name in self.tensors})
-            self._apply_mean(group, step, sums, count, specs, scale)
+            self._apply_mean(job, step, sums, count, specs, scale)
         if moved is None:
             done = {"version": index, "step": step, "applied": True, "count": count, **({"late": True} if late else {})}
         each = []
@@ -393,12 +393,34 @@ class TensorStore(Moves):
         step = command.get("step")
         if type(step) is not int or step < 0:
             raise InvalidRequest("close_step needs step (int >= 0)")
-        group = check_group(command.get("group"))
-        if step <= self.sync_step_applied(group):
+        job = check_job(command.get("job"))
+        if step <= self.sync_step_applied(job):
             return {"version": index, "step": step, "applied": True, "late": True}
-        count = self.sync_count(group, step)
-        self._apply_step(group, step)
+        count = self.sync_count(job, step)
+        self._apply_step(job, step)
         return {"version": index, "step": step, "applied": True, "count": count}
+
+    # ---- moving tensors between Raft groups: the steps' state is self.moves's (moves.py) -------
+
+    def _move_freeze(self, index: int, command: dict) -> dict:
+        return self.moves.freeze(index, command, self.tensors, self.sync.holding)
+
+    def _move_install(self, index: int, command: dict) -> dict:
+        result, arrived = self.moves.install(index, command, self.tensors)
+        for name, tensor in arrived.items():
+            self.tensors[name] = tensor
+            self.update_indices.pop(name, None)
+        return result
+
+    def _move_done(self, index: int, command: dict) -> dict:
+        result = self.moves.done(index, command)
+        for name in result["names"]:
+            del self.tensors[name]
+            self.update_indices.pop(name, None)
+        return result
+
+    def _place(self, index: int, command: dict) -> dict:
+        return self.moves.place(index, command)
 
     # A log entry's op -> its handler: made from the ops' records (ops.py) below the class.
     _OPS: dict[str, Callable[["TensorStore", int, dict], dict] | None]
@@ -433,8 +455,19 @@ class TensorStore(Moves):
     def staleness_histogram(self) -> dict[int, int]:
         return dict(sorted(self.stats["staleness"].items()))
 
-    def ssp_state(self, group: str) -> dict | None:
-        return self.ssp.state(group)
+    def ssp_state(self, ssp_group: str) -> dict | None:
+        return self.ssp.state(ssp_group)
+
+    def move_state(self, name: str, full: bool = False) -> dict:
+        """Where tensor ``name`` stands in this group's moves; ``full``: its frozen state to install."""
+        return self.moves.state(name, full, self.tensors, self.version)
+
+    def placement_table(self) -> dict[str, int]:
+        return self.moves.table()
+
+    def placement_refusal(self, tensors: dict) -> dict | None:
+        """The Moving or Moved error a write of ``tensors`` gets here (aggregate.py asks), or None."""
+        return self.moves.placement_refusal(tensors)
 
     # ---- snapshot / restore / digest --------------------------------------------------------
 

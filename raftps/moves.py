@@ -14,12 +14,14 @@ to a destination D in four replicated steps, each idempotent, driven by ``Client
    naming the tensor is answered ``Moved`` with D, so a client with a stale placement re-routes.
 
 An index tensor ``NAME:indices`` stored in its own right goes with NAME (routing strips the
-suffix). These methods are mixed into ``TensorStore`` (machine.py) and follow its rules: no clock,
-no randomness, sorted iteration, scalars as Python floats, every bad input a typed error.
+suffix). ``Moves`` keeps one group's move state; ``TensorStore`` (machine.py) holds one, hands it
+the tensors a step needs to see, and makes the changes to its tensors that a step returns. It
+follows the state machine's rules: no clock, no randomness, sorted iteration, scalars as Python
+floats, every bad input a typed error.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -66,19 +68,20 @@ def _move_id(value: Any) -> str:
 
 
 class Moves:
-    """TensorStore's move state and ops (mixed in). ``moving``: name -> {"to": D, "move": id},
-    frozen here; ``moved``: name -> D, tombstones; ``installed``: name -> the id of the move that
-    brought it here; ``placement``: name -> group (kept by group 0 only)."""
+    """One Raft group's move state. ``moving``: name -> {"to": D, "move": id}, frozen here;
+    ``moved``: name -> D, tombstones; ``installed``: name -> the id of the move that brought it
+    here; ``placement``: name -> Raft group (kept by group 0 only). The tensors are its host's:
+    a step is given those it must see (``tensors``, read only) and returns what the host changes."""
 
-    tensors: dict
-    update_indices: dict
-    sync: Any          # SyncJobs (sync_jobs.py)
-
-    def _init_moves(self) -> None:
+    def __init__(self) -> None:
         self.moving: dict[str, dict] = {}
         self.moved: dict[str, int] = {}
         self.installed: dict[str, str] = {}
         self.placement: dict[str, int] = {}
+
+    def anything_moved(self) -> bool:
+        """Whether a tensor is frozen or tombstoned here (else no write can be refused for a move)."""
+        return bool(self.moving or self.moved)
 
     # ---- the guard every other write passes ---------------------------------------------------
 
@@ -109,8 +112,10 @@ class Moves:
 
     # ---- the ops -------------------------------------------------------------------------------
 
-    def _move_freeze(self, index: int, command: dict) -> dict:
-        name, to = self._move_name(command), _group(command.get("to"), "to")
+    def freeze(self, index: int, command: dict, tensors: Mapping[str, Tensor],
+               holding: Callable[[str], tuple[str, int] | None]) -> dict:
+        """move_freeze; ``holding``: the (job, step) of a sync step not yet applied that holds a tensor."""
+        name, to = _move_name(command), _group(command.get("to"), "to")
         current = self.moving.get(name)
         if current is not None:
             if current["to"] != to:
@@ -118,32 +123,21 @@ class Moves:
                                      f"move first (raftps move {name} --to {current['to']})")
             return {"version": index, "move": current["move"], "names": self._frozen_with(current["move"])}
         self.raise_if_moved(name)
-        if name not in self.tensors:
+        if name not in tensors:
             raise UnknownTensor(f"unknown tensor {name!r}")
-        names = [n for n in (name, name + INDICES_SUFFIX) if n in self.tensors]
+        names = [n for n in (name, name + INDICES_SUFFIX) if n in tensors]
         for n in names:
-            self._check_movable(n)
+            _check_movable(n, tensors[n], holding)
         move = str(index)        # the freeze's store version: unique in this group
         for n in names:
             self.moving[n] = {"to": to, "move": move}
             self.installed.pop(n, None)
         return {"version": index, "move": move, "names": names}
 
-    def _check_movable(self, name: str) -> None:
-        if JOB_COUNTERS in name:
-            raise InvalidRequest(f"tensor {name!r} is a training job's bookkeeping (jobs.py), named to live in "
-                                 "this group: it cannot be moved")
-        spec = self.tensors[name].optimizer
-        if spec["name"] in UNMOVABLE_OPTIMIZERS:
-            raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} keeps its gradient sums by this "
-                                 "group's store versions, which mean nothing in another group: it cannot be moved")
-        held = self.sync.holding(name)
-        if held is not None:
-            raise InvalidRequest(f"tensor {name!r} is in sync step {held[1]} of sync job {held[0]!r}, which "
-                                 "is not applied yet: move it after the step is applied (or close_step it)")
-
-    def _move_install(self, index: int, command: dict) -> dict:
-        name, move = self._move_name(command), _move_id(command.get("move"))
+    def install(self, index: int, command: dict, tensors: Mapping[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
+        """move_install: (its result, the tensors the host installs: any earlier update indices of
+        theirs go, they mean nothing in this group)."""
+        name, move = _move_name(command), _move_id(command.get("move"))
         records, arrays = command.get("records"), command.get("tensors")
         if not isinstance(records, list) or not 1 <= len(records) <= 2 or not isinstance(arrays, dict):
             raise InvalidRequest("move_install needs records (a list of 1-2 tensor records) and tensors (a map)")
@@ -152,22 +146,21 @@ class Moves:
         if carried not in ([name], [name, name + INDICES_SUFFIX]):
             raise InvalidRequest(f"move_install of {name!r} carries {carried}: only {name!r} and its index "
                                  f"tensor {name + INDICES_SUFFIX!r} may move with it")
-        built = [self._installable(i, record, arrays, move) for i, record in enumerate(records)]
+        built = [self._installable(i, record, arrays, move, tensors) for i, record in enumerate(records)]
         unknown = sorted(set(arrays) - {part for _, _, parts in built for part in parts})
         if unknown:
             raise InvalidRequest(f"move_install of {name!r}: parts {unknown} belong to no tensor it installs")
-        installed = []
+        arrived: dict[str, Tensor] = {}
         for name, tensor, _ in built:
             if tensor is None:
                 continue                  # installed by this move before: a retry changes nothing
-            self.tensors[name] = tensor
+            arrived[name] = tensor
             self.installed[name] = move
             self.moved.pop(name, None)    # the tensor came back: its old tombstone goes
-            self.update_indices.pop(name, None)
-            installed.append(name)
-        return {"version": index, "installed": installed}
+        return {"version": index, "installed": list(arrived)}, arrived
 
-    def _installable(self, i: int, record: Any, arrays: dict, move: str) -> tuple[str, Any, list[str]]:
+    def _installable(self, i: int, record: Any, arrays: dict, move: str,
+                     tensors: Mapping[str, Tensor]) -> tuple[str, Any, list[str]]:
         """(name, the Tensor to install or None if this move installed it already, the parts used)."""
         if not isinstance(record, dict):
             raise InvalidRequest(f"records[{i}] must be a map")
@@ -207,16 +200,17 @@ class Moves:
         extra = sorted(set(scalars) - set(state))
         if extra:
             raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} has no state {extra}")
-        if name in self.tensors:
+        if name in tensors:
             if self.installed.get(name) == move:
                 return name, None, parts
             raise TensorExists(f"tensor {name!r} already exists in this group (not from move {move}): "
                                "delete it there first, or move to another group")
         return name, Tensor(freeze(data.copy()), version, spec, state), parts
 
-    def _move_done(self, index: int, command: dict) -> dict:
-        """The freeze becomes a tombstone: the data goes, requests naming it get Moved."""
-        name, to, move = self._move_name(command), _group(command.get("to"), "to"), _move_id(command.get("move"))
+    def done(self, index: int, command: dict) -> dict:
+        """move_done: the freeze becomes a tombstone, requests naming it get Moved; the host drops
+        the tensors its result ``names`` (their data and update indices)."""
+        name, to, move = _move_name(command), _group(command.get("to"), "to"), _move_id(command.get("move"))
         if self.moved.get(name) == to and name not in self.moving:
             return {"version": index, "names": []}       # done before: a retry
         current = self.moving.get(name)
@@ -224,61 +218,79 @@ class Moves:
             raise InvalidRequest(f"no move {move} of tensor {name!r} to Raft group {to} is under way here")
         names = self._frozen_with(move)
         for n in names:
-            del self.tensors[n], self.moving[n]
-            self.update_indices.pop(n, None)
+            del self.moving[n]
             self.moved[n] = to
         return {"version": index, "names": names}
 
-    def _place(self, index: int, command: dict) -> dict:
-        name, group = self._move_name(command), _group(command.get("group"), "group")
-        self.placement[name] = group
+    def place(self, index: int, command: dict) -> dict:
+        """place (group 0): the placement table says the tensor lives in Raft group ``to``."""
+        name, to = _move_name(command), _group(command.get("to"), "to")
+        self.placement[name] = to
         return {"version": index}
-
-    def _move_name(self, command: dict) -> str:
-        name = check_name(command.get("name"))
-        if name.endswith(INDICES_SUFFIX):
-            raise InvalidRequest(f"{name!r} is an index tensor: it moves with {base_name(name)!r}; move that")
-        return name
 
     def _frozen_with(self, move: str) -> list[str]:
         return [n for n in sorted(self.moving) if self.moving[n]["move"] == move]
 
     # ---- reads (callers hold the apply lock, or run in the apply thread) -------------------------
 
-    def move_state(self, name: str, full: bool = False) -> dict:
-        """Where ``name`` stands in this group; ``full`` (frozen only): the state to install."""
-        out = {"version": self.version, "present": name in self.tensors, "moving": self.moving.get(name),
+    def state(self, name: str, full: bool, tensors: Mapping[str, Tensor], version: int) -> dict:
+        """Where ``name`` stands in this group at store version ``version``; ``full`` (frozen
+        only): the state to install."""
+        out = {"version": version, "present": name in tensors, "moving": self.moving.get(name),
                "moved": self.moved.get(name), "installed": self.installed.get(name),
                # what a move carries: the tensor and its index tensor, data and optimizer state
-               "bytes": sum(self.tensors[n].nbytes for n in (name, name + INDICES_SUFFIX) if n in self.tensors)}
+               "bytes": sum(tensors[n].nbytes for n in (name, name + INDICES_SUFFIX) if n in tensors)}
         if full:
             frozen = self.moving.get(name)
             if frozen is None:
                 self.raise_if_moved(name)
                 raise InvalidRequest(f"tensor {name!r} is not frozen for a move in this group")
-            out["records"] = [self._record(n) for n in self._frozen_with(frozen["move"])]
+            out["records"] = [_record(n, tensors[n]) for n in self._frozen_with(frozen["move"])]
         return out
 
-    def _record(self, name: str) -> dict:
-        tensor = self.tensors[name]
-        freeze_tensor(tensor)           # the reply is encoded outside the lock: nothing may write these
-        return {"name": name, "version": tensor.version, "optimizer": tensor.optimizer, "data": tensor.data,
-                "arrays": {k: v for k, v in sorted(tensor.state.items()) if isinstance(v, np.ndarray)},
-                "scalars": {k: v for k, v in sorted(tensor.state.items()) if not isinstance(v, np.ndarray)}}
-
-    def placement_table(self) -> dict[str, int]:
+    def table(self) -> dict[str, int]:
+        """The placement table (group 0's): tensors placed elsewhere than their hash."""
         return dict(sorted(self.placement.items()))
 
     # ---- snapshot ---------------------------------------------------------------------------------
 
-    def moves_snapshot(self) -> list:
+    def snapshot(self) -> list:
         return [[[n, m["to"], m["move"]] for n, m in sorted(self.moving.items())],
                 sorted(self.moved.items()), sorted(self.installed.items()), sorted(self.placement.items())]
 
-    def restore_moves(self, moves: list | None) -> None:
-        self._init_moves()
-        if moves is None:         # a snapshot of format 1 or 2: nothing was ever moved
+    def restore(self, moves: list | None) -> None:
+        """Load a ``snapshot()`` into this (new) Moves; None: a snapshot of format 1 or 2, from
+        before moves existed, in which nothing was ever moved."""
+        if moves is None:
             return
         moving, moved, installed, placement = moves
         self.moving = {n: {"to": to, "move": move} for n, to, move in moving}
         self.moved, self.installed, self.placement = dict(moved), dict(installed), dict(placement)
+
+
+def _move_name(command: dict) -> str:
+    name = check_name(command.get("name"))
+    if name.endswith(INDICES_SUFFIX):
+        raise InvalidRequest(f"{name!r} is an index tensor: it moves with {base_name(name)!r}; move that")
+    return name
+
+
+def _check_movable(name: str, tensor: Tensor, holding: Callable[[str], tuple[str, int] | None]) -> None:
+    if JOB_COUNTERS in name:
+        raise InvalidRequest(f"tensor {name!r} is a training job's bookkeeping (jobs.py), named to live in "
+                             "this group: it cannot be moved")
+    spec = tensor.optimizer
+    if spec["name"] in UNMOVABLE_OPTIMIZERS:
+        raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} keeps its gradient sums by this "
+                             "group's store versions, which mean nothing in another group: it cannot be moved")
+    held = holding(name)
+    if held is not None:
+        raise InvalidRequest(f"tensor {name!r} is in sync step {held[1]} of sync job {held[0]!r}, which "
+                             "is not applied yet: move it after the step is applied (or close_step it)")
+
+
+def _record(name: str, tensor: Tensor) -> dict:
+    freeze_tensor(tensor)           # the reply is encoded outside the lock: nothing may write these
+    return {"name": name, "version": tensor.version, "optimizer": tensor.optimizer, "data": tensor.data,
+            "arrays": {k: v for k, v in sorted(tensor.state.items()) if isinstance(v, np.ndarray)},
+            "scalars": {k: v for k, v in sorted(tensor.state.items()) if not isinstance(v, np.ndarray)}}

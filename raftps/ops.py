@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from . import schema
-from .schema import (ENCODING, GROUP, HYPER, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
+from .errors import InvalidRequest
+from .schema import (ENCODING, HYPER, JOB, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
                      RAFT_GROUP, SSP, SSP_GROUP, STALE_READ, STATE_PART, STATE_RECORD, TENSORS, VERSION,
                      WORKER, WRITE, Array, Bool, Enum, Int, ListOf, MapOf, Number, Seconds, Str, request_record)
 
@@ -30,6 +32,7 @@ class Op:
     node_wide: bool = False       # answered by the node as a whole, not by one Raft group's replica
     apply: str | None = None      # a write through Raft: the TensorStore method that applies its entry
     entry: str | None = None      # the log entry's op, where it is not the request's (push_step: step)
+    renamed: tuple[tuple[str, str], ...] = ()   # (old field, its name now): accepted in requests and log entries
 
     @property
     def write(self) -> bool:
@@ -39,6 +42,11 @@ class Op:
 _PREFIX = Str("a name prefix (0-200 characters from [A-Za-z0-9_.:/-])", re.compile(r"[A-Za-z0-9_.:/\-]{0,200}"),
               nullable=True)
 _ADDRESS = Str("a Raft address HOST:PORT", max_len=255, nullable=True)
+
+# The fields renamed when "group" stopped meaning three things (a Raft group, a sync job, an SSP
+# group): a client or a log entry of before may still carry the old name (current_names).
+_JOB = (("group", "job"),)
+_SSP_GROUP = (("group", "ssp_group"),)
 
 _RECORDS = [
     # ---- the connection and the node ----
@@ -52,11 +60,12 @@ _RECORDS = [
     Op("pull", request_record({"names": (ListOf(NAME, nullable=True), False), **STALE_READ}), "read", ("names",), "_pull"),
     Op("pull_rows", request_record({"name": (NAME, True), "rows": (Array(ndim=1), True), **STALE_READ}),
        "read", ("name",), "_pull_rows"),
-    Op("wait_step", request_record({"step": (Int(), True), "timeout": (Seconds(), False), "group": (GROUP, False)}),
-       "read", ("group",), "_wait_step"),
-    Op("sync_applied", request_record({"group": (GROUP, False)}), "read", ("group",), "_sync_applied"),
-    Op("ssp_wait", request_record({"group": (SSP_GROUP, True), "worker": (WORKER, True), "timeout": (Seconds(), False)}),
-       "read", ("group",), "_ssp_wait"),
+    Op("wait_step", request_record({"step": (Int(), True), "timeout": (Seconds(), False), "job": (JOB, False)}),
+       "read", ("job",), "_wait_step", renamed=_JOB),
+    Op("sync_applied", request_record({"job": (JOB, False)}), "read", ("job",), "_sync_applied", renamed=_JOB),
+    Op("ssp_wait", request_record({"ssp_group": (SSP_GROUP, True), "worker": (WORKER, True),
+                                   "timeout": (Seconds(), False)}),
+       "read", ("ssp_group",), "_ssp_wait", renamed=_SSP_GROUP),
     Op("export", request_record({"prefix": (Str("a non-empty name prefix (1-200 characters from [A-Za-z0-9_.:/-])",
                                          NAME_PATTERN), True), "state": (Bool(), False)}),
        "read", ("prefix",), "_export"),                     # every tensor under the prefix
@@ -65,16 +74,16 @@ _RECORDS = [
        "admin", ("tensors", "optimizer"), "_write", apply="_create"),
     Op("push", request_record({**WRITE, "tensors": (TENSORS, True), "base_version": (VERSION, False),
                         "encoding": (ENCODING, False), "ssp": (SSP, False), "hyper": (HYPER, False)}),
-       "write", ("tensors", "ssp"), "_write", apply="_push"),
+       "write", ("tensors", "ssp"), "_write", apply="_push", renamed=(("ssp.group", "ssp.ssp_group"),)),
     Op("push_sync", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
-                             "rank": (Int(0, nullable=True), False), "group": (GROUP, False)}),
-       "write", ("tensors", "group"), "_write", apply="_push_sync"),
+                             "rank": (Int(0, nullable=True), False), "job": (JOB, False)}),
+       "write", ("tensors", "job"), "_write", apply="_push_sync", renamed=_JOB),
     # aggregated at the leader (aggregate.py): one "step" entry per sync step
     Op("push_step", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
-                             "rank": (Int(0, nullable=True), False), "group": (GROUP, False),
+                             "rank": (Int(0, nullable=True), False), "job": (JOB, False),
                              "timeout": (Seconds(), False), "pull": (Bool(), False), "hyper": (HYPER, False),
                              "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False)}),
-       "write", ("tensors", "group"), "_push_step", apply="_step", entry="step"),
+       "write", ("tensors", "job"), "_push_step", apply="_step", entry="step", renamed=_JOB),
     Op("assign", request_record({**WRITE, "tensors": (TENSORS, True)}), "admin", ("tensors",), "_write", apply="_assign"),
     # optimizer state: as an assign of the tensors; its arrays are named by part ("0", "0.m", ...)
     Op("assign_state", request_record({**WRITE, "records": (ListOf(STATE_RECORD, min_len=1, max_len=4096), True),
@@ -82,15 +91,16 @@ _RECORDS = [
        "admin", ("records",), "_parts_write", apply="_assign_state"),
     Op("delete", request_record({**WRITE, "names": (ListOf(NAME, min_len=1), True)}), "admin", ("names",), "_write",
        apply="_delete"),
-    Op("close_step", request_record({**WRITE, "step": (Int(0), True), "group": (GROUP, False)}),
-       "write", ("group",), "_write", apply="_close_step"),
-    Op("ssp_join", request_record({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True),
-                            "staleness": (Int(0, nullable=True), False)}),
-       "write", ("group",), "_write", apply="_ssp_join"),
-    Op("ssp_leave", request_record({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True)}),
-       "write", ("group",), "_write", apply="_ssp_leave"),
-    Op("ssp_drop", request_record({**WRITE, "group": (SSP_GROUP, True), "worker": (WORKER, True), "clock": (Int(), True)}),
-       "write", ("group",), "_write", apply="_ssp_drop"),
+    Op("close_step", request_record({**WRITE, "step": (Int(0), True), "job": (JOB, False)}),
+       "write", ("job",), "_write", apply="_close_step", renamed=_JOB),
+    Op("ssp_join", request_record({**WRITE, "ssp_group": (SSP_GROUP, True), "worker": (WORKER, True),
+                                   "staleness": (Int(0, nullable=True), False)}),
+       "write", ("ssp_group",), "_write", apply="_ssp_join", renamed=_SSP_GROUP),
+    Op("ssp_leave", request_record({**WRITE, "ssp_group": (SSP_GROUP, True), "worker": (WORKER, True)}),
+       "write", ("ssp_group",), "_write", apply="_ssp_leave", renamed=_SSP_GROUP),
+    Op("ssp_drop", request_record({**WRITE, "ssp_group": (SSP_GROUP, True), "worker": (WORKER, True),
+                                   "clock": (Int(), True)}),
+       "write", ("ssp_group",), "_write", apply="_ssp_drop", renamed=_SSP_GROUP),
     # ---- the whole cluster ----
     Op("snapshot", request_record({}), "admin", ("everything",), "_snapshot"),
     Op("member", request_record({"action": (Enum(("list", "add", "remove", "replace")), True),
@@ -105,8 +115,8 @@ _RECORDS = [
        "admin", ("name",), "_move_write", apply="_move_install"),
     Op("move_done", request_record({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True), "move": (MOVE_ID, True)}),
        "admin", ("name",), "_move_write", apply="_move_done"),
-    Op("place", request_record({**WRITE, "name": (NAME, True), "group": (RAFT_GROUP, True)}),
-       "admin", ("name",), "_move_write", apply="_place"),
+    Op("place", request_record({**WRITE, "name": (NAME, True), "to": (RAFT_GROUP, True)}),
+       "admin", ("name",), "_move_write", apply="_place", renamed=(("group", "to"),)),
     Op("move_state", request_record({"name": (NAME, True), "full": (Bool(), False)}), "admin", ("name",), "_move_state"),
     Op("placement", request_record({}), "read", (), "_placement"),      # routing needs it; filtered like tensors
 ]
@@ -115,6 +125,40 @@ OPS: dict[str, Op] = {op.name: op for op in _RECORDS}
 if len(OPS) != len(_RECORDS):
     raise RuntimeError("raftps/ops.py declares an op twice")
 schema.OPS.update({name: op.request for name, op in OPS.items()})
+
+
+# A message's op (a request's, or a log entry's: push_step's entry is "step") -> its renamed fields
+_RENAMED = {**{op.name: op.renamed for op in OPS.values() if op.renamed},
+            **{op.entry: op.renamed for op in OPS.values() if op.renamed and op.entry}}
+
+
+def current_names(message: Any) -> Any:
+    """``message`` (a request, or a log entry) with every field it carries under an old name
+    (``Op.renamed``) under its name now: the one place old names are read, by the client port
+    before the schema and by the state machine before it applies an entry, so that an entry
+    logged by an older server applies exactly as the same entry with the names of today. A
+    message that carries a field under both names with different values is refused
+    (InvalidRequest); anything else that is not a known op's map is returned as it is."""
+    if not isinstance(message, dict):
+        return message
+    op = message.get("op")
+    renamed = _RENAMED.get(op) if isinstance(op, str) else None
+    if not renamed:
+        return message
+    out = message
+    for old, new in renamed:
+        *inner, old_key = old.split(".")
+        new_key = new.split(".")[-1]
+        holder = out.get(inner[0]) if inner else out
+        if not isinstance(holder, dict) or old_key not in holder:
+            continue
+        if new_key in holder and holder[new_key] != holder[old_key]:
+            raise InvalidRequest(f"{op}: {old!r} is the old name of {new!r}, and this {op} carries both, with "
+                                 f"different values ({holder[old_key]!r} and {holder[new_key]!r}): send only {new!r}")
+        moved = {k: v for k, v in holder.items() if k != old_key}
+        moved[new_key] = holder[old_key]
+        out = {**out, inner[0]: moved} if inner else moved
+    return out
 
 
 def served_by_replica() -> dict[str, str]:

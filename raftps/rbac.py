@@ -10,9 +10,10 @@ Roles, each including the ones before it:
 
 An identity holds grants ``(prefix, role)``; its role on a name is the highest role among grants
 whose prefix starts the name. An op that names tensors is checked for every name it carries (a
-push's ``NAME:indices`` companions are names too). Groups are names in the same space: a sync or
-SSP group ``jobA/sync`` needs a role on a prefix of ``jobA/sync``, and the store-wide default
-group ``""`` (no group given) only the prefix ``""``, i.e. a grant over every name. ``status``,
+push's ``NAME:indices`` companions are names too). Jobs and SSP groups are names in the same
+space: a job (a sync step sequence) or SSP group ``jobA/sync`` needs a role on a prefix of
+``jobA/sync``, and the store-wide default job ``""`` (no job given) only the prefix ``""``, i.e. a
+grant over every name. ``status``,
 ``stats`` and ``hello`` need only a valid token.
 
 Identities live in a JSON file (``serve --auth-file``) that every node re-reads when it changes
@@ -50,9 +51,10 @@ CLUSTER_IDENTITY = "cluster"
 RELOAD_CHECK_SECONDS = 1.0
 MIN_TOKEN_CHARS = 16
 
-# op -> (role, where the request names tensors or groups), from each op's record (ops.py). A field
-# is "tensors" (the map's keys), "names" (a list, or null for every tensor: then the reply is
-# filtered), "name", "group" (null or "": the default group), "ssp" (a push's {group, worker}).
+# op -> (role, where the request names tensors, jobs or SSP groups), from each op's record (ops.py).
+# A field is "tensors" (the map's keys), "names" (a list, or null for every tensor: then the reply
+# is filtered), "name", "job" (null or "": the default job), "ssp_group", "ssp" (a push's
+# {ssp_group, worker}).
 # An op missing here needs admin on every name.
 NEEDS: dict[str, tuple[str | None, tuple[str, ...]]] = {name: (op.role, op.names) for name, op in ops.OPS.items()}
 
@@ -109,10 +111,12 @@ def _resources(op: str, request: dict, fields: Iterable[str]) -> list[tuple[str,
             out.append(("tensor", value))
         elif f == "everything":
             out.append(("every name", ""))
-        elif f == "group":
-            out.append(("group", value or ""))
+        elif f == "job":
+            out.append(("job", value or ""))
+        elif f == "ssp_group":
+            out.append(("SSP group", value))
         elif f == "ssp" and isinstance(value, dict):
-            out.append(("group", value["group"]))
+            out.append(("SSP group", value["ssp_group"]))
     return out
 
 
@@ -128,7 +132,7 @@ def authorize(identity: Identity, request: dict) -> None:
                                f"it has {_grants(identity)}")
     for kind, name in _resources(op, request, fields):
         if not identity.allows(role, name):
-            what = f"the default group (\"\")" if kind == "group" and name == "" else \
+            what = f"the default job (\"\")" if kind == "job" and name == "" else \
                 "every name ('')" if kind == "every name" else f"{kind} {name!r}"
             raise PermissionDenied(f"{op}: identity {identity.name!r} has no {role} role on {what}; "
                                    f"it has {_grants(identity)}")

@@ -300,8 +300,9 @@ class Tagged(Spec):
 # ---- the request vocabulary -------------------------------------------------------------------------
 
 NAME = Str("a tensor name (1-200 characters from [A-Za-z0-9_.:/-])", NAME_PATTERN)
-GROUP = Str("a group name (1-200 characters from [A-Za-z0-9_.:/-], or \"\" for the store-wide default)",
-            re.compile(r"|[A-Za-z0-9_.:/\-]{1,200}"), nullable=True)
+# a sync job: the name of a sequence of synchronous steps (sync_jobs.py)
+JOB = Str("a job name (1-200 characters from [A-Za-z0-9_.:/-], or \"\" for the store-wide default job)",
+          re.compile(r"|[A-Za-z0-9_.:/\-]{1,200}"), nullable=True)
 SSP_GROUP = Str("an SSP group name (1-200 characters from [A-Za-z0-9_.:/-])", NAME_PATTERN)
 WORKER = Str("a worker name (a string of 1-200 characters)", min_len=1)
 TENSORS = MapOf(NAME, Array(), min_len=1)
@@ -328,7 +329,7 @@ ENCODING = MapOf(NAME, Tagged("kind", {
     "topk": Record({"kind": (Str(), True)}),
     "rows": Record({"kind": (Str(), True)}),
 }), min_len=1, nullable=True)
-SSP = Record({"group": (SSP_GROUP, True), "worker": (WORKER, True)}, "a map {group, worker}", nullable=True)
+SSP = Record({"ssp_group": (SSP_GROUP, True), "worker": (WORKER, True)}, "a map {ssp_group, worker}", nullable=True)
 
 
 RAFT_GROUP = Int(0, 63)

@@ -8,7 +8,8 @@ token: the cluster's, or a named identity's (rbac.py). Until the hello passes, t
 tiny frames and serves nothing, so a client without a token can make it allocate nothing and
 learns nothing but the refusal. Then every request is checked against its op's schema
 (schema.py) and against the identity's roles (rbac.py) before anything else runs; a request
-refused there never reaches Raft, and its reply says so (``refused``). Then the op's handler
+refused there never reaches Raft, and its reply says so (``refused``); a field under its old name
+(ops.py, ``Op.renamed``) is renamed first. Then the op's handler
 (its record in ops.py names it; handlers.py has them) answers.
 """
 from __future__ import annotations
@@ -201,6 +202,7 @@ class ClientServer:
                     and len(request["tensors"]) > self.max_tensors_per_push:
                 raise LimitExceeded(f"{len(request['tensors'])} tensors in one {request.get('op')!r} exceeds "
                                     f"max_tensors_per_push={self.max_tensors_per_push}")
+            request = ops.current_names(request)  # a field sent under its old name, renamed (ops.py)
             schema.check_request(request)         # every field's type, range and length, before anything runs
             op = request["op"]
             if op not in self._handlers and op not in self._node_handlers:
@@ -220,12 +222,12 @@ class ClientServer:
             return {"error": "Internal", "message": f"internal error: {exc!r}"}
 
     def _replica(self, request: dict) -> RaftNode:
-        group = request.get("raft_group", 0)
-        node = self.replicas.get(group)
+        raft_group = request.get("raft_group", 0)
+        node = self.replicas.get(raft_group)
         if node is None:
             hosted = sorted(self.replicas)
-            raise InvalidRequest(f"this node hosts Raft groups {hosted}, not {group}: ask a member of group "
-                                 f"{group} (the client finds them with the layout op)")
+            raise InvalidRequest(f"this node hosts Raft groups {hosted}, not {raft_group}: ask a member of Raft "
+                                 f"group {raft_group} (the client finds them with the layout op)")
         return node
 
     def close(self) -> None:

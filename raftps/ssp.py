@@ -15,33 +15,33 @@ from .client import Client
 
 
 class SspMember:
-    def __init__(self, client: Client, group: str, worker: str, staleness: int | None, timeout: float,
+    def __init__(self, client: Client, ssp_group: str, worker: str, staleness: int | None, timeout: float,
                  on_event: Callable[[str], None] | None = None):
-        self.client, self.group, self.worker = client, group, worker
+        self.client, self.ssp_group, self.worker = client, ssp_group, worker
         self.staleness, self.timeout = staleness, timeout
         self.on_event = on_event or (lambda text: None)
         self.join()
 
     def join(self) -> int:
         """Join (a no-op for a member); returns this worker's clock."""
-        return self.client.ssp_join(self.group, self.worker, self.staleness)
+        return self.client.ssp_join(self.ssp_group, self.worker, self.staleness)
 
     def field(self) -> dict:
         """The ``ssp`` field of this worker's pushes."""
-        return {"group": self.group, "worker": self.worker}
+        return {"ssp_group": self.ssp_group, "worker": self.worker}
 
     def wait_turn(self) -> int:
         """Block until this worker may take its next step; returns the store version then."""
         while True:
-            st = self.client.ssp_wait(self.group, self.worker, self.timeout)
+            st = self.client.ssp_wait(self.ssp_group, self.worker, self.timeout)
             if not st["member"]:
                 self.join()
                 continue
             if st["ready"]:
                 return st["version"]
             for worker, clock in st["slowest"]:
-                if self.client.ssp_drop(self.group, worker, clock):
+                if self.client.ssp_drop(self.ssp_group, worker, clock):
                     self.on_event(f"ssp: dropped {worker} (stuck at clock {clock} for {self.timeout:.0f} s)")
 
     def leave(self) -> None:
-        self.client.ssp_leave(self.group, self.worker)
+        self.client.ssp_leave(self.ssp_group, self.worker)

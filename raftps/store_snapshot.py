@@ -36,7 +36,7 @@ def message(store: Any, share: bool = True) -> dict:
         "ssp": store.ssp.snapshot(),
         "stats": [store.stats["pushes"], store.stats["rejected"], store.stats["duplicates"],
                   sorted(store.stats["staleness"].items())],
-        "moves": store.moves_snapshot(),
+        "moves": store.moves.snapshot(),
     }
 
 
@@ -56,7 +56,7 @@ def fill(fresh: Any, snap: Any) -> None:
     fresh.ssp.restore(snap.get("ssp", []))
     pushes, rejected, duplicates, staleness = snap["stats"]
     fresh.stats = {"pushes": pushes, "rejected": rejected, "duplicates": duplicates, "staleness": dict(staleness)}
-    fresh.restore_moves(snap.get("moves"))
+    fresh.moves.restore(snap.get("moves"))
 
 
 def snapshot_digest(snap: dict) -> str:

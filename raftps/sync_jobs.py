@@ -12,6 +12,17 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidRequest
+from .tensor import NAME_RE
+
+
+def check_job(job: Any) -> str:
+    """A job's name (a sync step sequence's): None or "" is the store-wide default job."""
+    if job is None or isinstance(job, str) and job == "":
+        return ""
+    if not isinstance(job, str) or not NAME_RE.fullmatch(job):
+        raise InvalidRequest(f"bad job name {job!r}: 1-200 characters from [A-Za-z0-9_.:/-], or \"\" "
+                             "for the store-wide default job")
+    return job
 
 
 class SyncJobs:

@@ -51,16 +51,6 @@ def check_name(name: Any) -> str:
     return name
 
 
-def check_group(group: Any) -> str:
-    """A sync group (a job's name): "" is the store-wide default group."""
-    if group is None or isinstance(group, str) and group == "":
-        return ""
-    if not isinstance(group, str) or not NAME_RE.fullmatch(group):
-        raise InvalidRequest(f"bad sync group {group!r}: 1-200 characters from [A-Za-z0-9_.:/-], or \"\" "
-                             "for the store-wide default")
-    return group
-
-
 def check_tensors(tensors: Any) -> dict[str, np.ndarray]:
     """A non-empty map of valid names to arrays, in sorted order."""
     if not isinstance(tensors, dict) or not tensors:

@@ -86,7 +86,7 @@ class Mover:
         # the move's id names its source and its freeze's version there: unique in the cluster
         self._send_write("move_install", target, name=name, move=f"g{source}.{move}", records=records,
                     tensors=arrays, **{"from": source})
-        self._send_write("place", 0, name=name, group=target)
+        self._send_write("place", 0, name=name, to=target)
         self._send_write("move_done", source, name=name, to=target, move=move)
         self._router.placement[name] = target
         return [r["name"] for r in records]

@@ -258,14 +258,14 @@ def test_bad_encoded_pushes_are_named_and_change_nothing(tensors, enc, message):
 # ---- SSP --------------------------------------------------------------------------------------
 
 def ssp_push(log, worker, group="g"):
-    return log("push", client=worker, tensors={"w": np.ones(4, F32)}, ssp={"group": group, "worker": worker})
+    return log("push", client=worker, tensors={"w": np.ones(4, F32)}, ssp={"ssp_group": group, "worker": worker})
 
 
 def test_ssp_bound_rejects_the_fast_worker_until_the_slowest_catches_up():
     log = Log()
     make(log)
     for w in ("a", "b"):
-        assert log("ssp_join", client=w, group="g", worker=w, staleness=1)["clock"] == 0
+        assert log("ssp_join", client=w, ssp_group="g", worker=w, staleness=1)["clock"] == 0
     assert ssp_push(log, "a")["clock"] == 1
     assert ssp_push(log, "a")["clock"] == 2                      # 1 ahead: allowed
     r = ssp_push(log, "a")                                       # 2 ahead of b: refused
@@ -278,23 +278,23 @@ def test_ssp_zero_is_bsp_and_leave_and_drop_unblock_the_others():
     log = Log()
     make(log)
     for w in ("a", "b", "c"):
-        log("ssp_join", client=w, group="g", worker=w, staleness=0)
+        log("ssp_join", client=w, ssp_group="g", worker=w, staleness=0)
     ssp_push(log, "a")
     assert ssp_push(log, "a")["error"] == "StalenessBound"
-    log("ssp_leave", client="b", group="g", worker="b")
-    assert log("ssp_drop", client="a", group="g", worker="c", clock=5)["dropped"] is False   # clock moved/wrong
-    assert log("ssp_drop", client="a", group="g", worker="c", clock=0)["dropped"] is True
+    log("ssp_leave", client="b", ssp_group="g", worker="b")
+    assert log("ssp_drop", client="a", ssp_group="g", worker="c", clock=5)["dropped"] is False   # clock moved/wrong
+    assert log("ssp_drop", client="a", ssp_group="g", worker="c", clock=0)["dropped"] is True
     assert ssp_push(log, "a")["clock"] == 2
     assert ssp_push(log, "c")["error"] == "NotInGroup"
-    assert log("ssp_join", client="c", group="g", worker="c", staleness=0)["clock"] == 2   # rejoins at the slowest
-    assert log("ssp_join", client="d", group="g", worker="d", staleness=3)["error"] == "InvalidRequest"
+    assert log("ssp_join", client="c", ssp_group="g", worker="c", staleness=0)["clock"] == 2   # rejoins at the slowest
+    assert log("ssp_join", client="d", ssp_group="g", worker="d", staleness=3)["error"] == "InvalidRequest"
 
 
 def test_ssp_unbounded_is_asp_and_state_is_in_snapshots():
     log = Log()
     make(log)
-    log("ssp_join", client="a", group="g", worker="a", staleness=None)
-    log("ssp_join", client="b", group="g", worker="b", staleness=None)
+    log("ssp_join", client="a", ssp_group="g", worker="a", staleness=None)
+    log("ssp_join", client="b", ssp_group="g", worker="b", staleness=None)
     for _ in range(10):
         ssp_push(log, "a")
     restored = TensorStore()
@@ -308,7 +308,7 @@ def test_mixed_log_is_deterministic():
         log = Log()
         make(log, name="w", spec={"name": "adam", "lr": 0.01, "staleness_aware": True})
         make(log, name="v", spec={"name": "adarevision", "lr": 0.1, "window": 3})
-        log("ssp_join", client="a", group="g", worker="a", staleness=2)
+        log("ssp_join", client="a", ssp_group="g", worker="a", staleness=2)
         rng = np.random.default_rng(7)
         topk = compress.TopK(0.25)
         for i in range(30):
@@ -317,7 +317,7 @@ def test_mixed_log_is_deterministic():
             tensors, enc = compress.encode_push(g, kind, topk)
             fields = {"encoding": enc} if enc else {}
             log("push", client="a", tensors=tensors, base_version=max(0, log.index - i % 4),
-                ssp={"group": "g", "worker": "a"}, **fields)
+                ssp={"ssp_group": "g", "worker": "a"}, **fields)
         return log.store
     a, b = feed(), feed()
     assert a.digest() == b.digest() and a.tensors["v"].version == 30

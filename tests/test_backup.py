@@ -34,7 +34,7 @@ def test_save_wipe_restore_and_go_on(tmp_path):
                 c.create_many({n: np.zeros(2, np.float32) for n in names}, {n: {"name": "adam", "lr": 0.1} for n in names})
             for _ in range(3):
                 c.push(grad)
-            c.push_sync({"b": np.ones(10)}, step=0, workers=2, group="job", rank=0)   # a half-full sync step
+            c.push_sync({"b": np.ones(10)}, step=0, workers=2, job="job", rank=0)   # a half-full sync step
             c.ssp_join("g", "w0", 2)
             done = raftps(cl.client_env, "snapshot", "save", str(backup))
             assert done.returncode == 0, done.stderr
@@ -60,7 +60,7 @@ def test_save_wipe_restore_and_go_on(tmp_path):
             assert c.push(grad) > version                # versions go on from the backup's
             got, _ = c.pull(["w", "b"])
             assert np.array_equal(got["w"], expected["w"]) and np.array_equal(got["b"], expected["b"])
-            assert c.push_sync({"b": np.ones(10)}, step=0, workers=2, group="job", rank=1) > version
+            assert c.push_sync({"b": np.ones(10)}, step=0, workers=2, job="job", rank=1) > version
             assert c.sync_applied("job") == 0          # the half-full step was in the backup
             # The restored nodes persist as usual: a SIGKILLed follower comes back and catches up.
             follower = next(r["node"] for r in c.status() if r["role"] == "follower")

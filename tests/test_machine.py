@@ -183,34 +183,34 @@ def test_sync_groups_have_their_own_steps_and_buffers():
     make(log, spec={"name": "sgd", "lr": 1.0})
     one = np.ones(4, F32)
     # Job A and job B both number their steps from 0; neither applies the other's step.
-    assert not log("push_sync", client="a0", tensors={"w": one}, step=0, workers=2, group="jobA")["applied"]
-    assert not log("push_sync", client="b0", tensors={"w": 3 * one}, step=0, workers=2, group="jobB")["applied"]
+    assert not log("push_sync", client="a0", tensors={"w": one}, step=0, workers=2, job="jobA")["applied"]
+    assert not log("push_sync", client="b0", tensors={"w": 3 * one}, step=0, workers=2, job="jobB")["applied"]
     assert log.store.sync_step_applied("jobA") == -1 and log.store.sync_step_applied("jobB") == -1
-    assert log("push_sync", client="a1", tensors={"w": one}, step=0, workers=2, group="jobA")["applied"]
+    assert log("push_sync", client="a1", tensors={"w": one}, step=0, workers=2, job="jobA")["applied"]
     assert log.store.sync_step_applied("jobA") == 0 and log.store.sync_step_applied("jobB") == -1
     assert np.array_equal(log.store.tensors["w"].data, -one)            # only A's mean (1)
     assert log.store.sync_applied == -1                                  # the default group is untouched
-    assert log("close_step", client="b0", step=0, group="jobB")["count"] == 1
+    assert log("close_step", client="b0", step=0, job="jobB")["count"] == 1
     assert np.array_equal(log.store.tensors["w"].data, -4 * one)         # B's mean of one contribution (3)
     # the default group ("" or no group) still works as before
     assert log("push_sync", client="c0", tensors={"w": one}, step=0, workers=1)["applied"]
     assert log.store.sync_applied == 0 and log.store.sync_step_applied("") == 0
-    assert log("push_sync", client="c0", tensors={"w": one}, step=0, workers=1, group="")["late"]
+    assert log("push_sync", client="c0", tensors={"w": one}, step=0, workers=1, job="")["late"]
 
 
 def test_sync_rank_is_counted_once_and_a_restarted_worker_changes_nothing():
     log = Log()
     make(log, spec={"name": "sgd", "lr": 1.0})
     g = [np.full(4, x, F32) for x in (2.0, 4.0)]
-    r0 = log("push_sync", client="w0", tensors={"w": g[0]}, step=5, workers=2, rank=0, group="job")
+    r0 = log("push_sync", client="w0", tensors={"w": g[0]}, step=5, workers=2, rank=0, job="job")
     assert r0 == {"version": 2, "step": 5, "applied": False, "count": 1}
     before = log.store.digest()
     # rank 0 died after its push and restarted: a new session pushes step 5 again
-    again = log("push_sync", client="w0-restarted", tensors={"w": g[1]}, step=5, workers=2, rank=0, group="job")
+    again = log("push_sync", client="w0-restarted", tensors={"w": g[1]}, step=5, workers=2, rank=0, job="job")
     assert again == {"version": 3, "step": 5, "applied": False, "count": 1, "duplicate_rank": True}
     assert log.store.sync.jobs["job"]["buffers"][5]["ranks"] == [0]
     assert np.array_equal(log.store.sync.jobs["job"]["buffers"][5]["sum"]["w"], g[0])
-    done = log("push_sync", client="w1", tensors={"w": g[1]}, step=5, workers=2, rank=1, group="job")
+    done = log("push_sync", client="w1", tensors={"w": g[1]}, step=5, workers=2, rank=1, job="job")
     assert done["applied"] and done["count"] == 2
     assert np.array_equal(log.store.tensors["w"].data, -np.full(4, 3.0, F32))
     assert before != log.store.digest()
@@ -223,8 +223,8 @@ def test_sync_rank_is_counted_once_and_a_restarted_worker_changes_nothing():
     (dict(rank=2), "rank must be an int in [0, workers=2)"),
     (dict(rank=-1), "rank must be an int in [0, workers=2)"),
     (dict(rank=True), "rank must be an int"),
-    (dict(group="bad group!"), "bad sync group 'bad group!'"),
-    (dict(group=7), "bad sync group 7"),
+    (dict(job="bad group!"), "bad job name 'bad group!'"),
+    (dict(job=7), "bad job name 7"),
 ])
 def test_sync_bad_rank_or_group_is_refused_and_changes_nothing(fields, words):
     log = Log()
@@ -232,7 +232,7 @@ def test_sync_bad_rank_or_group_is_refused_and_changes_nothing(fields, words):
     r = log("push_sync", tensors={"w": np.ones(4, F32)}, step=0, workers=2, **fields)
     assert r["error"] == "InvalidRequest" and words in r["message"]
     assert log.store.sync.jobs == {} and np.array_equal(log.store.tensors["w"].data, np.zeros(4))
-    assert log("close_step", step=0, group="bad group!")["error"] == "InvalidRequest"
+    assert log("close_step", step=0, job="bad group!")["error"] == "InvalidRequest"
     assert log.store.sync.jobs == {}
 
 
@@ -249,8 +249,8 @@ def test_sync_groups_and_ranks_survive_snapshot_restore_and_digest():
     a, b = Log(), Log()
     for log in (a, b):
         make(log)
-        log("push_sync", client="w0", tensors={"w": np.ones(4, F32)}, step=3, workers=3, rank=2, group="j1")
-        log("push_sync", client="w1", tensors={"w": np.ones(4, F32)}, step=0, workers=1, group="j2")
+        log("push_sync", client="w0", tensors={"w": np.ones(4, F32)}, step=3, workers=3, rank=2, job="j1")
+        log("push_sync", client="w1", tensors={"w": np.ones(4, F32)}, step=0, workers=1, job="j2")
     assert a.store.digest() == b.store.digest()
     restored = TensorStore()
     restored.restore(codec.decode(codec.encode_bytes(a.store.snapshot())))
@@ -258,7 +258,7 @@ def test_sync_groups_and_ranks_survive_snapshot_restore_and_digest():
     assert restored.sync_step_applied("j2") == 0 and restored.sync.jobs["j1"]["buffers"][3]["ranks"] == [2]
     r = Log(restored); r.index, r.seq = a.index, dict(a.seq)
     assert r("push_sync", client="w9", tensors={"w": np.ones(4, F32)}, step=3, workers=3, rank=2,
-             group="j1")["duplicate_rank"]
+             job="j1")["duplicate_rank"]
 
 
 def test_restore_reads_a_format_1_snapshot():

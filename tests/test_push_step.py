@@ -38,7 +38,7 @@ def contribute_all(address: str, grads: list[np.ndarray], step: int, workers: in
 
     def worker(rank: int) -> None:
         with Client(address, timeout=20.0) as c:
-            answers[rank] = c.push_step({"w": grads[rank]}, step, workers, group="job", rank=rank, **kwargs)
+            answers[rank] = c.push_step({"w": grads[rank]}, step, workers, job="job", rank=rank, **kwargs)
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(grads))]
     for t in threads:
         t.start()
@@ -77,7 +77,7 @@ def test_a_missing_worker_is_given_up_after_the_timeout_and_a_late_one_is_told(s
         c.create("w", np.zeros(3, np.float64), {"name": "sgd", "lr": 1.0})
         answers = contribute_all(address, [np.ones(3), np.full(3, 3.0)], 0, 3, timeout=0.5)
         assert all(a["applied"] and a["count"] == 2 for a in answers)
-        late = c.push_step({"w": np.full(3, 100.0)}, 0, 3, group="job", rank=2)
+        late = c.push_step({"w": np.full(3, 100.0)}, 0, 3, job="job", rank=2)
         assert late["late"] and late["applied"]
         np.testing.assert_array_equal(c.pull(["w"])[0]["w"], np.full(3, -2.0))   # the mean of 1 and 3, once
 
@@ -87,7 +87,7 @@ def test_a_contribution_sent_again_finds_its_answer_and_a_restarted_rank_counts_
     with Client(address, timeout=10.0) as c:
         c.create("w", np.zeros(2, np.float32), {"name": "sgd", "lr": 1.0})
     request = {"op": "push_step", "client": "worker-0", "seq": 1, "ack": 1, "step": 0, "workers": 2, "rank": 0,
-               "group": "job", "timeout": 10.0, "tensors": {"w": np.ones(2, np.float32)}}
+               "job": "job", "timeout": 10.0, "tensors": {"w": np.ones(2, np.float32)}}
     answers: dict[str, dict] = {}
 
     def send(key: str, message: dict) -> None:
@@ -102,7 +102,7 @@ def test_a_contribution_sent_again_finds_its_answer_and_a_restarted_rank_counts_
     again.start()
     time.sleep(0.3)
     with Client(address, timeout=20.0) as c:
-        other = c.push_step({"w": np.full(2, 3.0, np.float32)}, 0, 2, group="job", rank=1)
+        other = c.push_step({"w": np.full(2, 3.0, np.float32)}, 0, 2, job="job", rank=1)
     first.join(20.0)
     again.join(20.0)
     assert other["count"] == 2 and answers["first"]["count"] == 2
@@ -162,7 +162,7 @@ def test_contributions_held_by_a_killed_leader_are_sent_again_and_count_once(mak
         def worker(rank: int) -> None:
             with cl.client(timeout=60) as w:
                 answers[rank] = w.push_step({"w": np.full(big, float(rank + 1), np.float32)}, 0, 3,
-                                            group="job", rank=rank, timeout=20.0)
+                                            job="job", rank=rank, timeout=20.0)
         early = [threading.Thread(target=worker, args=(r,)) for r in (0, 1)]
         for t in early:
             t.start()

@@ -48,7 +48,7 @@ def test_step_entry_applies_scale_and_hyper_to_the_mean():
     log = Log()
     make(log, spec={"name": "momentum", "lr": 1.0, "momentum": 0.5})
     sums = np.array([4, 0, 0, 0], F32)          # two contributions: mean [2, 0, 0, 0]
-    result = log("step", group="job", step=0, workers=2, count=2, contributors=[["a", 1, 1, True], ["b", 1, 1, True]],
+    result = log("step", job="job", step=0, workers=2, count=2, contributors=[["a", 1, 1, True], ["b", 1, 1, True]],
                  tensors={"w": sums}, scale=0.25, hyper={"w": {"lr": 0.5}})
     assert result["applied"], result
     # mean 2 * 0.25 = 0.5; velocity 0.5; param -= 0.5 * 0.5
@@ -59,7 +59,7 @@ def test_step_entry_with_a_bad_scale_is_refused():
     log = Log()
     make(log)
     for scale in (0.0, 1.5, 1, "x"):
-        result = log("step", group="job", step=0, workers=1, count=1, contributors=[["a", 1, 1, True]],
+        result = log("step", job="job", step=0, workers=1, count=1, contributors=[["a", 1, 1, True]],
                      tensors={"w": np.ones(4, F32)}, scale=scale)
         assert "error" in result and "scale" in result["message"]
     assert log.store.tensors["w"].version == 0

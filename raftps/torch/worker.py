@@ -180,7 +180,7 @@ class Worker:
         # store name -> the spec its tensor is created with (easgd: the worker's own, the store's is elastic)
         self.specs = {s.store_name: specs[id(s.tensor)] for s in self.params}
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
-        self.group = jobs.group(prefix)
+        self.job = jobs.group(prefix)             # the job's step sequence, and its SSP group
 
         self._stage = _PinnedStage()
         self._dtypes = {s.store_name: s.dtype for s in self.params}
@@ -199,7 +199,7 @@ class Worker:
                 self._create()
             except PermissionDenied as refused:   # a `write` identity trains tensors an admin created
                 self._create_refused = refused
-            self.ssp = (SspMember(self.client, self.group, f"rank{self.rank}", ssp_staleness, ssp_timeout)
+            self.ssp = (SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout)
                         if mode == "ssp" else None)
             self.start_step = self._resume()
         except BaseException:
@@ -263,7 +263,7 @@ class Worker:
             raise (refused or exc) from None                 # the create's refusal says more
         self._install(result["tensors"], result["version"])
         if self.mode == "sync":
-            return self.client.sync_applied(self.group) + 1
+            return self.client.sync_applied(self.job) + 1
         # A crash between the groups' parts of one push leaves some groups a push ahead: start
         # where every group is, and leave the groups ahead out of pushes until the others catch up.
         applied = {g: int(result["tensors"][name][0]) for g, name in self.counters.items()}
@@ -342,13 +342,13 @@ class Worker:
         t0 = time.perf_counter()
         # answered once the step is applied; a rank that died is left out step_timeout seconds
         # after the step's first contribution
-        result = self.client.push_step(grads, step, self.world_size, group=self.group, rank=self.rank,
+        result = self.client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
                                        timeout=self.step_timeout, pull=True, hyper=self._hyper or None,
                                        clip_norm=self._clip_norm)
         self._timed("push", t0)
         self.last_grad_norm = result.get("grad_norm")
         if result.get("late"):     # the step was applied without us (we were away): rejoin at the job's step
-            self.step_count = max(self.step_count, self.client.sync_applied(self.group))
+            self.step_count = max(self.step_count, self.client.sync_applied(self.job))
         tensors = result.get("tensors") or {}
         if set(self._pulled_names()) <= set(tensors):     # the step's values came with the answer
             self._install(tensors, result["version"])

@@ -84,10 +84,10 @@ def test_sync_step_over_groups_applies_the_mean_once(cluster) -> None:
     names = [f"s{i}" for i in range(6)]
     with cluster.client(timeout=30.0) as a, cluster.client(timeout=30.0) as b:
         a.create_many({n: np.zeros(2, np.float32) for n in names}, {n: SGD for n in names})
-        a.push_sync({n: np.full(2, 2.0, np.float32) for n in names}, step=0, workers=2, group="job", rank=0)
-        b.push_sync({n: np.full(2, 4.0, np.float32) for n in names}, step=0, workers=2, group="job", rank=1)
-        b.push_sync({n: np.full(2, 4.0, np.float32) for n in names}, step=0, workers=2, group="job", rank=1)
-        a.wait_step(0, timeout=10.0, group="job")
+        a.push_sync({n: np.full(2, 2.0, np.float32) for n in names}, step=0, workers=2, job="job", rank=0)
+        b.push_sync({n: np.full(2, 4.0, np.float32) for n in names}, step=0, workers=2, job="job", rank=1)
+        b.push_sync({n: np.full(2, 4.0, np.float32) for n in names}, step=0, workers=2, job="job", rank=1)
+        a.wait_step(0, timeout=10.0, job="job")
         assert a.sync_applied("job") == 0
         tensors, _ = a.pull(names)
         for n in names:

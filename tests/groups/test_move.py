@@ -74,7 +74,7 @@ def test_each_step_is_idempotent_and_writes_are_refused_while_frozen() -> None:
     assert w(dst, "move_install", **fields)["installed"] == []                     # a retry: no-op
     assert dst.tensors["x"] is after
     assert w(dst, "move_install", **dict(fields, move="g0.999"))["error"] == "TensorExists"
-    w(meta, "place", name="x", group=1)
+    w(meta, "place", name="x", to=1)
     assert meta.placement_table() == {"x": 1}
     done = w(src, "move_done", name="x", to=1, move=frozen["move"])
     assert done["names"] == ["x", "x:indices"] and "x" not in src.tensors
@@ -96,7 +96,7 @@ def test_snapshots_carry_moves_and_old_formats_still_restore() -> None:
     a, b = TensorStore(), TensorStore()
     for store in (a, b):
         w(store, "create", tensors={"y": np.ones(3)}, optimizer={"y": SGD})
-        w(store, "place", name="z", group=2)
+        w(store, "place", name="z", to=2)
         w(store, "move_freeze", name="y", to=2)
         w(store, "push", tensors={"y": np.ones(3)})                 # refused: Moving
     assert a.digest() == b.digest()
@@ -104,12 +104,12 @@ def test_snapshots_carry_moves_and_old_formats_still_restore() -> None:
     assert snap["format"] == 3
     c = TensorStore()
     c.restore(snap)
-    assert c.digest() == a.digest() and c.moving == a.moving and c.placement == {"z": 2}
+    assert c.digest() == a.digest() and c.moves.moving == a.moves.moving and c.moves.placement == {"z": 2}
     old = {k: v for k, v in snap.items() if k != "moves"}
     old["format"] = 2
     d = TensorStore()
     d.restore(old)
-    assert d.moving == {} and d.moved == {} and d.placement == {} and set(d.tensors) == {"y"}
+    assert d.moves.moving == {} and d.moves.moved == {} and d.moves.placement == {} and set(d.tensors) == {"y"}
 
 
 def test_a_sync_step_entry_after_the_freeze_applies_nothing_and_tells_every_contributor() -> None:
@@ -121,7 +121,7 @@ def test_a_sync_step_entry_after_the_freeze_applies_nothing_and_tells_every_cont
     w(store, "move_freeze", name="x", to=1)
     before = dict(store.tensors)
     result = store.apply(store.version + 1, {
-        "op": "step", "group": "job", "step": 0, "workers": 2, "count": 2,
+        "op": "step", "job": "job", "step": 0, "workers": 2, "count": 2,
         "contributors": [["a", 1, 1, True], ["b", 1, 1, True]],
         "tensors": {"x": np.full(2, -2.0), "y": np.full(2, -2.0)}})
     assert result["error"] == "Moving" and [e["error"] for e in result["each"]] == ["Moving", "Moving"]
@@ -154,7 +154,7 @@ def test_a_sync_step_entry_after_the_freeze_applies_nothing_and_tells_every_cont
         {"name": "q", "version": 0, "optimizer": SGD, "scalars": {}}], "tensors": {"0": np.arange(3)}},
     {"op": "move_install", "name": "q", "move": "g1.2", "records": [
         {"name": "q", "version": 0, "optimizer": SGD, "scalars": {}}], "tensors": {"0": np.ones(2), "0.m": np.ones(2)}},
-    {"op": "place", "name": "y", "group": -1},
+    {"op": "place", "name": "y", "to": -1},
 ])
 def test_bad_move_commands_get_typed_errors_and_change_no_tensor(command) -> None:
     w = Writer()
@@ -162,10 +162,10 @@ def test_bad_move_commands_get_typed_errors_and_change_no_tensor(command) -> Non
     w(store, "create", tensors={"y": np.ones(2), "r": np.ones(2), "s": np.ones(2)},
       optimizer={"y": SGD, "r": {"name": "adarevision", "lr": 0.1}, "s": SGD})
     w(store, "push_sync", tensors={"s": np.ones(2)}, step=0, workers=2)
-    tensors, moves = dict(store.tensors), store.moves_snapshot()
+    tensors, moves = dict(store.tensors), store.moves.snapshot()
     result = w(store, command.pop("op"), **command)
     assert result.get("error") in ("InvalidRequest", "UnknownTensor", "InvalidOptimizer", "InvalidGradient"), result
-    assert store.tensors == tensors and store.moves_snapshot() == moves
+    assert store.tensors == tensors and store.moves.snapshot() == moves
 
 
 # ---- real clusters -----------------------------------------------------------------------------------
@@ -473,7 +473,7 @@ def test_aggregated_sync_steps_go_on_through_a_move(cluster, layout) -> None:
             try:
                 for step in range(steps):
                     out = workers[rank].push_step({hot: np.full(2, -1.0), stay: np.full(2, -1.0)}, step, workers=2,
-                                                  group=job, rank=rank, timeout=10.0)
+                                                  job=job, rank=rank, timeout=10.0)
                     assert out["applied"] and not out.get("duplicate_rank"), out
                     if out.get("late"):
                         late[rank].add(step)
@@ -509,11 +509,11 @@ def test_index_tensor_moves_with_its_tensor_and_a_sync_step_blocks_a_move(cluste
     with cluster.client(timeout=30.0) as c:
         c.create_many({"emb": np.ones((4, 2)), "emb:indices": np.arange(3.0)}, {"emb": SGD, "emb:indices": SGD})
         source, target = c.group_of("emb"), other_group(c, "emb")
-        c.push_sync({"emb": np.ones((4, 2))}, step=0, workers=2, group="movejob")
+        c.push_sync({"emb": np.ones((4, 2))}, step=0, workers=2, job="movejob")
         with pytest.raises(InvalidRequest, match="sync step 0 of sync job 'movejob'"):
             c.move("emb", target)
         assert group_state(c, source, "emb")["moving"] is None
-        c.close_step(0, group="movejob")
+        c.close_step(0, job="movejob")
         out = c.move("emb", target)
         assert out["names"] == ["emb", "emb:indices"]
         tensors, version = c.pull(["emb", "emb:indices"])
@@ -552,7 +552,7 @@ def test_bad_moves_are_refused_and_change_nothing(cluster) -> None:
         with pytest.raises(InvalidRequest, match="cannot move to the group it is in"):
             c._write("move_freeze", here, name="bad/x", to=here)
         with pytest.raises(InvalidRequest, match="placement table lives in Raft group 0"):
-            c._write("place", 1, name="bad/x", group=2)
+            c._write("place", 1, name="bad/x", to=2)
         with pytest.raises(InvalidRequest, match="adarevision"):
             c.move("bad/ada", (c.group_of("bad/ada") + 1) % 3)
         c.create("bad/_raftps/steps.rank0", np.zeros(1), SGD)

@@ -256,7 +256,7 @@ def test_ranks_with_different_hyperparameters_are_refused_by_name(cluster):
 
     def rank(r: int) -> None:
         try:
-            answers[r] = clients[r].push_step({"native-hyper/w": np.ones(4, np.float32)}, 0, 2, group="native-hyper", rank=r,
+            answers[r] = clients[r].push_step({"native-hyper/w": np.ones(4, np.float32)}, 0, 2, job="native-hyper", rank=r,
                                      timeout=5.0, hyper={"native-hyper/w": {"lr": 0.1 * (r + 1)}})
         except InvalidRequest as exc:
             answers[r] = exc

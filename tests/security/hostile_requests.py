@@ -47,7 +47,7 @@ def hostile_value(rng: random.Random) -> Any:
         return rng.choice([[], [1], ["hx.w"], [None], [np.ones(2)], [[1]], list(range(50))])
     if kind == 4:
         return rng.choice([{}, {"a": 1}, {"kind": "topk"}, {"name": "adam", "lr": 1.0}, {"hx.w": np.ones(8)},
-                           {"group": "hx", "worker": "w"}, {1: 2}, {"hx.w": {"hx.w": None}}])
+                           {"ssp_group": "hx", "worker": "w"}, {1: 2}, {"hx.w": {"hx.w": None}}])
     return rng.choice([rng.randrange(-2 ** 63, 2 ** 63), rng.uniform(-1e300, 1e300), rng.randbytes(4).hex()])
 
 
@@ -83,11 +83,11 @@ def valid_request(rng: random.Random) -> dict:
         if rng.random() < 0.5:
             req.update(linearizable=False, min_version=rng.choice([0, 1, None]), wait=0.1)
     elif op == "wait_step":
-        req.update(step=rng.choice([-1, 0]), timeout=0.1, group=rng.choice(GROUPS))
+        req.update(step=rng.choice([-1, 0]), timeout=0.1, job=rng.choice(GROUPS))
     elif op == "sync_applied":
-        req["group"] = rng.choice(GROUPS)
+        req["job"] = rng.choice(GROUPS)
     elif op == "ssp_wait":
-        req.update(group=SSP_GROUP, worker=rng.choice(["w1", "w2"]), timeout=0.1)
+        req.update(ssp_group=SSP_GROUP, worker=rng.choice(["w1", "w2"]), timeout=0.1)
     elif op == "create":
         name = f"hx.c{rng.randrange(20)}"
         req.update(tensors={name: np.zeros(rng.choice([(4,), (2, 3)]), np.float32)},
@@ -108,25 +108,25 @@ def valid_request(rng: random.Random) -> dict:
                        encoding={TABLE: {"kind": "rows"}})
         else:
             req.update(tensors={ELASTIC: np.full(3, 0.25)}, base_version=0,
-                       ssp={"group": SSP_GROUP, "worker": "w1"})
+                       ssp={"ssp_group": SSP_GROUP, "worker": "w1"})
     elif op == "push_sync":
         req.update(tensors={TENSOR: _grad(rng)}, step=rng.randrange(3), workers=2, rank=rng.randrange(2),
-                   group=rng.choice(GROUPS[:2]))
+                   job=rng.choice(GROUPS[:2]))
     elif op == "push_step":     # held by the leader until its step applies: short timeouts
         req.update(tensors={TENSOR: _grad(rng)}, step=rng.randrange(3), workers=2, rank=rng.randrange(2),
-                   group=rng.choice(GROUPS[2:] or GROUPS), timeout=rng.choice([0.0, 0.05]))
+                   job=rng.choice(GROUPS[2:] or GROUPS), timeout=rng.choice([0.0, 0.05]))
     elif op == "assign":
         req["tensors"] = {ELASTIC: np.zeros(3)}
     elif op == "delete":
         req["names"] = [f"hx.c{rng.randrange(20)}"]
     elif op == "close_step":
-        req.update(step=rng.randrange(3), group=rng.choice(GROUPS[:2]))
+        req.update(step=rng.randrange(3), job=rng.choice(GROUPS[:2]))
     elif op == "ssp_join":
-        req.update(group=SSP_GROUP, worker=rng.choice(["w1", "w2"]), staleness=2)
+        req.update(ssp_group=SSP_GROUP, worker=rng.choice(["w1", "w2"]), staleness=2)
     elif op == "ssp_leave":
-        req.update(group=SSP_GROUP, worker="w2")
+        req.update(ssp_group=SSP_GROUP, worker="w2")
     elif op == "ssp_drop":
-        req.update(group=SSP_GROUP, worker="w2", clock=0)
+        req.update(ssp_group=SSP_GROUP, worker="w2", clock=0)
     elif op == "export":
         req["prefix"] = rng.choice(["hx.", "nope/"])
     elif op == "member":             # list only: a valid add/remove would really change the cluster

@@ -183,7 +183,7 @@ F = np.ones(8, np.float32)
      InvalidRequest, "push: encoding['w'].scale: expected a finite number > 0, got nothing (the field is required)"),
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "base_version": -1}, InvalidRequest,
      "push: base_version: expected an int >= 0, got an int -1"),
-    ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "ssp": {"group": "g", "worker": F}},
+    ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "ssp": {"ssp_group": "g", "worker": F}},
      InvalidRequest, "push: ssp.worker: expected a worker name (a string of 1-200 characters), got an array"),
     ({"op": "push", "client": "c", "seq": True, "tensors": {"w": F}}, InvalidRequest,
      "push: seq: expected an int >= 1, got a bool True"),
@@ -208,9 +208,9 @@ F = np.ones(8, np.float32)
      "pull: wait: expected a finite number >= 0 (seconds), got a float inf"),
     ({"op": "pull_rows", "name": "w", "rows": np.ones((2, 2), np.int64)}, InvalidRequest,
      "pull_rows: rows: expected a 1-D array, got an array (int64, shape (2, 2))"),
-    ({"op": "sync_applied", "group": F}, InvalidRequest, "sync_applied: group: expected a group name"),
+    ({"op": "sync_applied", "job": F}, InvalidRequest, "sync_applied: job: expected a job name"),
     ({"op": "wait_step", "step": 1.0}, InvalidRequest, "wait_step: step: expected an int, got a float 1.0"),
-    ({"op": "ssp_join", "client": "c", "seq": 1, "group": "g", "worker": "w", "staleness": -1}, InvalidRequest,
+    ({"op": "ssp_join", "client": "c", "seq": 1, "ssp_group": "g", "worker": "w", "staleness": -1}, InvalidRequest,
      "ssp_join: staleness: expected an int >= 0, got an int -1"),
     ({"op": "status", "x": 1}, InvalidRequest, "status: x: unknown field (this map takes digest, op, raft_group)"),
     ({"op": F}, InvalidRequest, "a request is a map with an 'op' string, got op an array"),
@@ -248,7 +248,7 @@ def test_state_machine_refuses_hostile_commands_without_the_schema():
                  TENSOR: np.zeros(8, np.float32), TABLE: np.zeros((16, 4), np.float32), ELASTIC: np.zeros(3)},
               "optimizer": {TENSOR: {"name": "sgd", "lr": 1.0}, TABLE: {"name": "adam", "lr": 0.01},
                             ELASTIC: {"name": "elastic"}}},
-             {"op": "ssp_join", "client": "s", "seq": 2, "group": SSP_GROUP, "worker": "w1", "staleness": 2}]
+             {"op": "ssp_join", "client": "s", "seq": 2, "ssp_group": SSP_GROUP, "worker": "w1", "staleness": 2}]
     rng = random.Random(SEED)
     commands = setup + []
     for i in range(int(os.environ.get("RAFTPS_HOSTILE_MACHINE_CASES", "10000"))):

@@ -80,25 +80,25 @@ REFUSALS = [   # (identity, call, message)
     ("jobA", lambda c: c.pull(["jobB/w"]), "pull: identity 'jobA' has no read role on tensor 'jobB/w'"),
     ("jobA", lambda c: c.pull_rows("jobB/w", [0]), "pull_rows: identity 'jobA' has no read role on tensor 'jobB/w'"),
     ("jobA", lambda c: c.push_sync({"jobA/w": np.ones(4, np.float32)}, 0, 1),
-     "push_sync: identity 'jobA' has no write role on the default group (\"\")"),
-    ("jobA", lambda c: c.push_sync({"jobA/w": np.ones(4, np.float32)}, 0, 1, group="jobB/sync"),
-     "push_sync: identity 'jobA' has no write role on group 'jobB/sync'"),
-    ("jobA", lambda c: c.close_step(0, group="jobB/sync"),
-     "close_step: identity 'jobA' has no write role on group 'jobB/sync'"),
-    ("jobA", lambda c: c.sync_applied(), "sync_applied: identity 'jobA' has no read role on the default group"),
-    ("jobA", lambda c: c.wait_step(0, 0.1, group="jobB/sync"), "wait_step: identity 'jobA' has no read role on group"),
-    ("jobA", lambda c: c.ssp_join("jobB/ssp", "w0", 1), "ssp_join: identity 'jobA' has no write role on group 'jobB/ssp'"),
-    ("jobA", lambda c: c.ssp_drop("jobB/ssp", "w0", 0), "ssp_drop: identity 'jobA' has no write role on group"),
-    ("jobA", lambda c: c.ssp_leave("jobB/ssp", "w0"), "ssp_leave: identity 'jobA' has no write role on group"),
-    ("jobA", lambda c: c.ssp_wait("jobB/ssp", "w0", 0.1), "ssp_wait: identity 'jobA' has no read role on group"),
-    ("jobA", lambda c: c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"group": "jobB/ssp", "worker": "w0"}),
-     "push: identity 'jobA' has no write role on group 'jobB/ssp'"),
+     "push_sync: identity 'jobA' has no write role on the default job (\"\")"),
+    ("jobA", lambda c: c.push_sync({"jobA/w": np.ones(4, np.float32)}, 0, 1, job="jobB/sync"),
+     "push_sync: identity 'jobA' has no write role on job 'jobB/sync'"),
+    ("jobA", lambda c: c.close_step(0, job="jobB/sync"),
+     "close_step: identity 'jobA' has no write role on job 'jobB/sync'"),
+    ("jobA", lambda c: c.sync_applied(), "sync_applied: identity 'jobA' has no read role on the default job"),
+    ("jobA", lambda c: c.wait_step(0, 0.1, job="jobB/sync"), "wait_step: identity 'jobA' has no read role on job 'jobB/sync'"),
+    ("jobA", lambda c: c.ssp_join("jobB/ssp", "w0", 1), "ssp_join: identity 'jobA' has no write role on SSP group 'jobB/ssp'"),
+    ("jobA", lambda c: c.ssp_drop("jobB/ssp", "w0", 0), "ssp_drop: identity 'jobA' has no write role on SSP group"),
+    ("jobA", lambda c: c.ssp_leave("jobB/ssp", "w0"), "ssp_leave: identity 'jobA' has no write role on SSP group"),
+    ("jobA", lambda c: c.ssp_wait("jobB/ssp", "w0", 0.1), "ssp_wait: identity 'jobA' has no read role on SSP group"),
+    ("jobA", lambda c: c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"ssp_group": "jobB/ssp", "worker": "w0"}),
+     "push: identity 'jobA' has no write role on SSP group 'jobB/ssp'"),
     ("jobA-admin", lambda c: c.delete(["jobB/w"]), "delete: identity 'jobA-admin' has no admin role on tensor 'jobB/w'"),
     ("jobA-admin", lambda c: c.create("shared2", np.zeros(2, np.float32), {"name": "sgd", "lr": 1.0}),
      "create: identity 'jobA-admin' has no admin role on tensor 'shared2'"),
     ("eval", lambda c: c.push({"jobA/w": np.ones(4, np.float32)}),
      "push: identity 'eval' has no write role on tensor 'jobA/w'; it has read on ''"),
-    ("eval", lambda c: c.push_sync({"jobA/w": np.ones(4, np.float32)}, 0, 2, group="jobA/sync"),
+    ("eval", lambda c: c.push_sync({"jobA/w": np.ones(4, np.float32)}, 0, 2, job="jobA/sync"),
      "push_sync: identity 'eval' has no write role on tensor 'jobA/w'"),
     ("evalA", lambda c: c.pull(["jobA/w", "shared"]), "pull: identity 'evalA' has no read role on tensor 'shared'"),
 ]
@@ -124,7 +124,7 @@ def test_a_refused_write_does_not_spend_the_clients_session(rbac_cluster):
         with pytest.raises(PermissionDenied):
             c.push({"jobB/w": np.ones(4, np.float32)})
         with pytest.raises(InvalidRequest):
-            c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"group": "jobA/ssp", "worker": ""})
+            c.push({"jobA/w": np.ones(4, np.float32)}, ssp={"ssp_group": "jobA/ssp", "worker": ""})
         v = c.push({"jobA/w": np.zeros(4, np.float32)})
         assert c.push({"jobA/w": np.zeros(4, np.float32)}) > v and c._session._seqs[0] == 2
 
@@ -142,7 +142,7 @@ def test_two_jobs_share_a_cluster_each_under_its_prefix(rbac_cluster):
         wa, wb = a.pull(["jobA/w"])[0]["jobA/w"], b.pull(["jobB/w"])[0]["jobB/w"]
         for step in range(3):
             a.push({"jobA/w": np.full(4, 1.0, np.float32)})
-            b.push_sync({"jobB/w": np.full(4, 2.0, np.float32)}, step, 1, group="jobB/sync", rank=0)
+            b.push_sync({"jobB/w": np.full(4, 2.0, np.float32)}, step, 1, job="jobB/sync", rank=0)
         assert np.array_equal(a.pull(["jobA/w"])[0]["jobA/w"], wa - 3.0)
         assert np.array_equal(b.pull(["jobB/w"])[0]["jobB/w"], wb - 6.0)
         assert b.sync_applied("jobB/sync") == 2

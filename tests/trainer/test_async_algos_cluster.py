@@ -33,20 +33,20 @@ def test_ssp_wait_blocks_the_fast_worker_and_a_stuck_one_is_dropped_by_a_log_ent
         a.create("ssp/w", np.zeros(4, np.float32), {"name": "sgd", "lr": 1.0})
         for client, worker in ((a, "a"), (b, "b")):
             assert client.ssp_join("g", worker, 0) == 0
-        assert a.push_result({"ssp/w": np.ones(4, np.float32)}, ssp={"group": "g", "worker": "a"})["clock"] == 1
+        assert a.push_result({"ssp/w": np.ones(4, np.float32)}, ssp={"ssp_group": "g", "worker": "a"})["clock"] == 1
         waited = a.ssp_wait("g", "a", 0.3)
         assert not waited["ready"] and waited["slowest"] == [["b", 0]]
-        threading.Timer(0.3, lambda: b.push({"ssp/w": np.ones(4, np.float32)}, ssp={"group": "g", "worker": "b"})).start()
+        threading.Timer(0.3, lambda: b.push({"ssp/w": np.ones(4, np.float32)}, ssp={"ssp_group": "g", "worker": "b"})).start()
         t0 = time.monotonic()
         assert a.ssp_wait("g", "a", 10.0)["ready"]                 # released by b's push, not the timeout
         assert time.monotonic() - t0 < 8.0
-        a.push({"ssp/w": np.ones(4, np.float32)}, ssp={"group": "g", "worker": "a"})      # a: 2, b: 1
+        a.push({"ssp/w": np.ones(4, np.float32)}, ssp={"ssp_group": "g", "worker": "a"})      # a: 2, b: 1
         stuck = a.ssp_wait("g", "a", 0.2)
         assert not stuck["ready"]
         assert a.ssp_drop("g", "b", stuck["slowest"][0][1]) is True
         assert a.ssp_wait("g", "a", 0.2)["ready"]
         with pytest.raises(NotInGroup):
-            b.push({"ssp/w": np.ones(4, np.float32)}, ssp={"group": "g", "worker": "b"})
+            b.push({"ssp/w": np.ones(4, np.float32)}, ssp={"ssp_group": "g", "worker": "b"})
         assert b.ssp_join("g", "b", 0) == 2                         # rejoins at the slowest clock
 
 
