@@ -357,7 +357,7 @@ class TensorStore:
         if type(step) is not int or step < 0 or type(workers) is not int or workers < 1 \
                 or type(count) is not int or not 0 <= count <= workers or not isinstance(contributors, list) \
                 or not all(_is_contributor(c) for c in contributors):
-            raise InvalidRequest("a step entry needs job, step (int >= 0), workers (int >= 1), count "
+            raise InvalidRequest("a step entry needs group, step (int >= 0), workers (int >= 1), count "
                                  "(0..workers) and contributors ([client, seq, ack, counted] each)")
         sums = check_tensors(command.get("tensors")) if count else {}
         scale = command.get("scale", 1.0)

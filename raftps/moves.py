@@ -224,7 +224,8 @@ class Moves:
 
     def place(self, index: int, command: dict) -> dict:
         """place (group 0): the placement table says the tensor lives in Raft group ``to``."""
-        name, to = _move_name(command), _group(command.get("to"), "to")
+        # "group": its message names the field as it was called before the renaming (see check_job)
+        name, to = _move_name(command), _group(command.get("to"), "group")
         self.placement[name] = to
         return {"version": index}
 

@@ -13,7 +13,7 @@ def fields(command: dict) -> tuple[str, str]:
     """The SSP group and worker a command (or a push's ``ssp`` map) names."""
     ssp_group, worker = command.get("ssp_group"), command.get("worker")
     if not isinstance(ssp_group, str) or not ssp_group or not isinstance(worker, str) or not worker:
-        raise InvalidRequest("SSP needs ssp_group (str) and worker (str)")
+        raise InvalidRequest("SSP needs group (str) and worker (str)")   # word for word as before: see check_job
     return ssp_group, worker
 
 
@@ -43,7 +43,7 @@ class SspClocks:
         if ssp is None:
             return None
         if not isinstance(ssp, dict):
-            raise InvalidRequest("'ssp' must be {ssp_group, worker}")
+            raise InvalidRequest("'ssp' must be {group, worker}")
         ssp_group, worker = fields(ssp)
         g = self.ssp_groups.get(ssp_group)
         if g is None or worker not in g["clocks"]:

@@ -16,12 +16,14 @@ from .tensor import NAME_RE
 
 
 def check_job(job: Any) -> str:
-    """A job's name (a sync step sequence's): None or "" is the store-wide default job."""
+    """A job's name (a sync step sequence's): None or "" is the store-wide default job. The
+    message is the one of before the renaming, word for word: a result is kept in its client's
+    session, so in the snapshot, and an entry logged then must give the same bits now."""
     if job is None or isinstance(job, str) and job == "":
         return ""
     if not isinstance(job, str) or not NAME_RE.fullmatch(job):
-        raise InvalidRequest(f"bad job name {job!r}: 1-200 characters from [A-Za-z0-9_.:/-], or \"\" "
-                             "for the store-wide default job")
+        raise InvalidRequest(f"bad sync group {job!r}: 1-200 characters from [A-Za-z0-9_.:/-], or \"\" "
+                             "for the store-wide default")
     return job
 
 

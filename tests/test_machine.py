@@ -223,8 +223,8 @@ def test_sync_rank_is_counted_once_and_a_restarted_worker_changes_nothing():
     (dict(rank=2), "rank must be an int in [0, workers=2)"),
     (dict(rank=-1), "rank must be an int in [0, workers=2)"),
     (dict(rank=True), "rank must be an int"),
-    (dict(job="bad group!"), "bad job name 'bad group!'"),
-    (dict(job=7), "bad job name 7"),
+    (dict(job="bad group!"), "bad sync group 'bad group!'"),
+    (dict(job=7), "bad sync group 7"),
 ])
 def test_sync_bad_rank_or_group_is_refused_and_changes_nothing(fields, words):
     log = Log()
