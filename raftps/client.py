@@ -9,6 +9,9 @@
 - a router (router.py): the layout, the placement of moved tensors, each group's leader and the
   retries that find it, and the merging of a request's per-group parts.
 
+and of the jobs' steps across Raft groups (job_steps.py), push_async's lanes (pipeline.py) and a
+tensor's move (tensor_move.py), each in a file of its own.
+
 A write is atomic and exactly-once within each Raft group; with several groups versions are
 ``{group: version}`` maps (an int with one group).
 """
@@ -17,15 +20,16 @@ from __future__ import annotations
 import math
 import ssl
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
 from . import auth, codec
 from .deprecated import renamed_keyword
-from .errors import ProtocolError, RaftpsError, StepTimeout
+from .errors import ProtocolError, RaftpsError
+from .job_steps import JobSteps
+from .pipeline import Pipeline
 from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
 from .session import Session
@@ -55,12 +59,9 @@ class Client:
         self._transport: Transport = self._new_transport()
         self._session = Session()
         self._router = Router(addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
-        self.max_in_flight = max_in_flight        # push_async: pushes on their way at once
-        self._pipeline: ThreadPoolExecutor | None = None
-        self._pipeline_lock = threading.Lock()
-        self._lanes = threading.local()
-        self._lane_transports: list[Transport] = []
-        self._synced: dict[str, set[int]] = {}    # job -> Raft groups this client contributed to
+        # push_async: up to max_in_flight pushes on their way at once
+        self._pipeline = Pipeline(max_in_flight, lambda: self._new_transport())
+        self._steps = JobSteps(self._router, self._write, self._request, self._lock)
 
     def _new_transport(self) -> Transport:
         return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
@@ -130,19 +131,15 @@ class Client:
             fields["base_version"] = int(base_version)
         if encoding is not None:
             fields["encoding"] = encoding
-        with self._pipeline_lock:
-            if self._pipeline is None:
-                self._pipeline = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="raftps-push")
-        return self._pipeline.submit(lambda: self._send_write("push", 0, fields, call=self._lane().call))
+        return self._pipeline.submit(lambda call: self._send_write("push", 0, fields, call=call))
 
-    def _lane(self) -> Transport:
-        """This pipeline thread's own connections (same session, same router)."""
-        lane = getattr(self._lanes, "transport", None)
-        if lane is None:
-            lane = self._lanes.transport = self._new_transport()
-            with self._pipeline_lock:
-                self._lane_transports.append(lane)
-        return lane
+    @property
+    def max_in_flight(self) -> int:
+        return self._pipeline.max_in_flight
+
+    @max_in_flight.setter
+    def max_in_flight(self, value: int) -> None:        # before the first push_async
+        self._pipeline.max_in_flight = value
 
     # ---- Raft groups -----------------------------------------------------------------------
 
@@ -268,34 +265,7 @@ class Client:
                          rank: int | None = None) -> dict:
         """As push_sync, but the whole result: version, step, applied, count, and late (the step
         was applied before) or duplicate_rank (this rank had contributed; nothing changed)."""
-        return self._contribute("push_sync", grads, step, workers, job, rank)
-
-    def _contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
-                    rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
-        """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group."""
-        hyper = extra.pop("hyper", None)
-        fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
-        if job is not None:
-            fields["job"] = job
-        if rank is not None:
-            fields["rank"] = int(rank)
-        grads = {k: np.asarray(v) for k, v in grads.items()}
-        if self.groups() == 1:
-            return self._write(op, tensors=grads, waits=waits, **fields, **({"hyper": hyper} if hyper else {}))
-
-        def write(g: int, part: dict) -> dict:
-            mine = {k: v for k, v in (hyper or {}).items() if k in part}
-            return self._write(op, g, waits=waits, tensors=part, **fields, **({"hyper": mine} if mine else {}))
-        return self._each_job_part(job, self._split(grads), write)
-
-    def _each_job_part(self, job: str | None, parts: dict[int, Any], write: Any) -> dict:
-        """_each_group for a step's parts, remembering which Raft groups the job's steps live in."""
-        synced = self._synced.setdefault(job or "", set())
-        synced.update(parts)
-        result = self._each_group(write, parts)
-        synced.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
-        synced.update(result["version"])
-        return result
+        return self._steps.contribute("push_sync", grads, step, workers, job, rank)
 
     @renamed_keyword("group", "job")
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
@@ -323,57 +293,25 @@ class Client:
             extra["hyper"] = hyper
         if clip_norm is not None:
             extra["clip_norm"] = float(clip_norm)
-        return self._contribute("push_step", grads, step, workers, job, rank, waits=float(timeout),
-                                timeout=float(timeout), **extra)
-
-    def _job_raft_groups(self, job: str | None) -> list[int]:
-        """The Raft groups a job's steps live in: those this client contributed to, else all."""
-        return sorted(self._synced.get(job or "") or range(self.groups()))
+        return self._steps.contribute("push_step", grads, step, workers, job, rank, waits=float(timeout),
+                                      timeout=float(timeout), **extra)
 
     @renamed_keyword("group", "job")
     def close_step(self, step: int, job: str | None = None) -> Any:
         """Apply sync step ``step`` of job ``job`` now with the contributions that arrived (no-op if applied)."""
-        fields: dict[str, Any] = {"step": int(step)}
-        if job is not None:
-            fields["job"] = job
-        if self.groups() == 1:
-            return self._write("close_step", **fields)["version"]
-        parts = {g: None for g in self._job_raft_groups(job)}
-        return self._each_group(lambda g, _: self._write("close_step", g, **fields), parts)["version"]
+        return self._steps.close(step, job)
 
     @renamed_keyword("group", "job")
     def wait_step(self, step: int, timeout: float, job: str | None = None) -> Any:
-        """Block until sync step ``step`` of job ``job`` is applied; returns the store version then."""
-        deadline = time.monotonic() + timeout
-        versions = {}
-        for g in ([0] if self.groups() == 1 else self._job_raft_groups(job)):
-            while True:
-                left = deadline - time.monotonic()
-                request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0))}
-                if job is not None:
-                    request["job"] = job
-                try:
-                    with self._lock:
-                        versions[g] = self._request(request, attempt_timeout=min(left, 5.0) + 5.0, raft_group=g)["version"]
-                    break
-                except StepTimeout:
-                    if deadline - time.monotonic() <= 0:
-                        raise
-        return versions[0] if self.groups() == 1 else versions
+        """Block until sync step ``step`` of job ``job`` is applied; returns the store version then
+        (with several Raft groups: {raft_group: version} over the Raft groups the job's steps live in)."""
+        return self._steps.wait(step, timeout, job)
 
     @renamed_keyword("group", "job")
     def sync_applied(self, job: str | None = None) -> int:
         """The last applied sync step of job ``job`` (-1 if none), a linearizable read at the leader.
         With several Raft groups: the lowest over the Raft groups that have applied a step of it."""
-        request: dict[str, Any] = {"op": "sync_applied"}
-        if job is not None:
-            request["job"] = job
-        with self._lock:
-            if self.groups() == 1:
-                return self._request(request)["applied"]
-            applied = [self._request(request, raft_group=g)["applied"] for g in self._job_raft_groups(job)]
-        started = [a for a in applied if a >= 0]
-        return min(started) if started else -1
+        return self._steps.applied(job)
 
     # ---- SSP groups (bounded staleness); with several Raft groups, one clock per Raft group ----
 
@@ -535,10 +473,7 @@ class Client:
         return out
 
     def close(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.shutdown(wait=True)
-        for lane in self._lane_transports:
-            lane.close()
+        self._pipeline.close()
         with self._lock:
             self._transport.close()
 

@@ -152,13 +152,22 @@ def current_names(message: Any) -> Any:
         holder = out.get(inner[0]) if inner else out
         if not isinstance(holder, dict) or old_key not in holder:
             continue
-        if new_key in holder and holder[new_key] != holder[old_key]:
+        if new_key in holder and not _same(holder[new_key], holder[old_key]):
             raise InvalidRequest(f"{op}: {old!r} is the old name of {new!r}, and this {op} carries both, with "
-                                 f"different values ({holder[old_key]!r} and {holder[new_key]!r}): send only {new!r}")
+                                 f"different values ({schema.describe(holder[old_key])} and "
+                                 f"{schema.describe(holder[new_key])}): send only {new!r}")
         moved = {k: v for k, v in holder.items() if k != old_key}
         moved[new_key] = holder[old_key]
         out = {**out, inner[0]: moved} if inner else moved
     return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of one type (an array, or anything whose == is not a bool, is never the same)."""
+    try:
+        return type(a) is type(b) and (a == b) is True
+    except Exception:
+        return False
 
 
 def served_by_replica() -> dict[str, str]:

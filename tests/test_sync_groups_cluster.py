@@ -35,12 +35,12 @@ def test_two_jobs_step_independently_and_a_restarted_rank_counts_once(make_clust
         assert c.sync_applied("jobA") == 0 and c.sync_applied() == -1
         tensors, _ = c.pull(["w"])
         assert np.array_equal(tensors["w"], np.full(8, -(10.0 + 2.0), np.float32))   # B's 10, A's mean of 1 and 3
-        with pytest.raises(raftps.InvalidRequest, match="group: expected a group name"):
+        with pytest.raises(raftps.InvalidRequest, match="job: expected a job name"):
             c.push_sync({"w": np.ones(8, np.float32)}, 1, 2, job="no spaces", rank=0)
         with pytest.raises(raftps.InvalidRequest,
                            match=r"push_sync: rank: expected an int in \[0, workers=2\), got an int 2"):
             c.push_sync({"w": np.ones(8, np.float32)}, 1, 2, job="jobA", rank=2)
-        with pytest.raises(raftps.InvalidRequest, match="group: expected a group name"):
+        with pytest.raises(raftps.InvalidRequest, match="job: expected a job name"):
             c.sync_applied("no spaces")
         assert c.close_step(1, job="jobA") > 0 and c.sync_applied("jobA") == 1
         wait_converged(c, 3)

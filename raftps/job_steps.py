@@ -1,0 +1,90 @@
+"""A Client's synchronous steps, sent across Raft groups: a job's steps (push_sync, push_step,
+close_step, wait_step, sync_applied) each split into one part per Raft group that holds some of
+its tensors, and the Raft groups each job's steps live in, remembered from the parts this client
+sent (a wait or a read asks those; a client that sent none asks every group). With one Raft
+group every call is one request. ``Client`` (client.py) keeps the public methods.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import StepTimeout
+from .router import Router
+
+
+class JobSteps:
+    """``write(op, raft_group, waits=..., **fields)``: one exactly-once write (Client._write);
+    ``request(message, attempt_timeout=..., raft_group=...)``: one read until a definite reply
+    (Client._request), sent holding ``lock``."""
+
+    def __init__(self, router: Router, write: Callable[..., dict], request: Callable[..., dict],
+                 lock: threading.RLock):
+        self._router, self._write, self._request, self._lock = router, write, request, lock
+        self._raft_groups: dict[str, set[int]] = {}     # job -> Raft groups this client contributed to
+
+    def contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
+                   rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
+        """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group."""
+        hyper = extra.pop("hyper", None)
+        fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
+        if job is not None:
+            fields["job"] = job
+        if rank is not None:
+            fields["rank"] = int(rank)
+        grads = {k: np.asarray(v) for k, v in grads.items()}
+        if self._router.groups() == 1:
+            return self._write(op, 0, waits=waits, tensors=grads, **fields, **({"hyper": hyper} if hyper else {}))
+
+        def write(g: int, part: dict) -> dict:
+            mine = {k: v for k, v in (hyper or {}).items() if k in part}
+            return self._write(op, g, waits=waits, tensors=part, **fields, **({"hyper": mine} if mine else {}))
+        parts = self._router.split(grads)
+        sent = self._raft_groups.setdefault(job or "", set())
+        sent.update(parts)
+        result = self._router.each_group(write, parts)
+        sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
+        sent.update(result["version"])
+        return result
+
+    def raft_groups(self, job: str | None) -> list[int]:
+        """The Raft groups a job's steps live in: those this client contributed to, else all."""
+        return sorted(self._raft_groups.get(job or "") or range(self._router.groups()))
+
+    def close(self, step: int, job: str | None) -> Any:
+        fields: dict[str, Any] = {"step": int(step), **({"job": job} if job is not None else {})}
+        if self._router.groups() == 1:
+            return self._write("close_step", 0, **fields)["version"]
+        parts = {g: None for g in self.raft_groups(job)}
+        return self._router.each_group(lambda g, _: self._write("close_step", g, **fields), parts)["version"]
+
+    def wait(self, step: int, timeout: float, job: str | None) -> Any:
+        deadline = time.monotonic() + timeout
+        versions = {}
+        one = self._router.groups() == 1
+        for g in ([0] if one else self.raft_groups(job)):
+            while True:               # in waits of at most 5 s, so that a dead leader costs one of them
+                left = deadline - time.monotonic()
+                request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0)),
+                                           **({"job": job} if job is not None else {})}
+                try:
+                    with self._lock:
+                        versions[g] = self._request(request, attempt_timeout=min(left, 5.0) + 5.0,
+                                                    raft_group=g)["version"]
+                    break
+                except StepTimeout:
+                    if deadline - time.monotonic() <= 0:
+                        raise
+        return versions[0] if one else versions
+
+    def applied(self, job: str | None) -> int:
+        request: dict[str, Any] = {"op": "sync_applied", **({"job": job} if job is not None else {})}
+        with self._lock:
+            if self._router.groups() == 1:
+                return self._request(request)["applied"]
+            applied = [self._request(request, raft_group=g)["applied"] for g in self.raft_groups(job)]
+        started = [a for a in applied if a >= 0]
+        return min(started) if started else -1
