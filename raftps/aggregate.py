@@ -99,7 +99,7 @@ class StepAggregator:
         # references only: the checks below run outside the apply lock
         applied, tensors, misplaced = self.node.read_locked(lambda machine: (
             machine.sync_step_applied(job), {name: machine.tensors.get(name) for name in grads},
-            machine.placement_refusal(grads)))     # a tensor frozen or moved away (moves.py)
+            machine.moves.placement_refusal(grads)))     # a tensor frozen or moved away (moves.py)
         if step <= applied:
             return self._late(job, step, workers, [client, seq, ack, False])
         if misplaced is not None:        # Moving / Moved: the client sends it again, by the new placement
@@ -232,7 +232,7 @@ class StepAggregator:
         with self._lock:
             steps = [s for s in self._open.values() if not s.proposed]
         for s in steps:
-            refusal = self.node.read_locked(lambda m: m.placement_refusal(dict.fromkeys(s.names)))
+            refusal = self.node.read_locked(lambda m: m.moves.placement_refusal(dict.fromkeys(s.names)))
             if refusal is not None:
                 self._abandon(s, refusal["message"], _refusal_error(refusal))
 

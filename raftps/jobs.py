@@ -21,12 +21,12 @@ def step_counter(prefix: str, rank: int, raft_group: int = 0, groups: int = 1) -
 
 
 def group(prefix: str) -> str:
-    """The job's sync group (its step sequence) and SSP group."""
+    """The name of the job's step sequence (its job), also its SSP group's name."""
     return f"{prefix}/_raftps/group"
 
 
 def diloco_group(prefix: str, fragment: int, fragments: int) -> str:
-    """The round sequence (sync group) of fragment ``fragment`` of ``fragments`` in a DiLoCo job
+    """The round sequence (a job) of fragment ``fragment`` of ``fragments`` in a DiLoCo job
     (diloco.py): F names a layout, so a job resumed with another F starts new round counters."""
     return f"{prefix}/_raftps/diloco.f{fragment}of{fragments}"
 

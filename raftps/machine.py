@@ -465,10 +465,6 @@ class TensorStore:
     def placement_table(self) -> dict[str, int]:
         return self.moves.table()
 
-    def placement_refusal(self, tensors: dict) -> dict | None:
-        """The Moving or Moved error a write of ``tensors`` gets here (aggregate.py asks), or None."""
-        return self.moves.placement_refusal(tensors)
-
     # ---- snapshot / restore / digest --------------------------------------------------------
 
     def snapshot(self, share: bool = True) -> dict:

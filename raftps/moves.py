@@ -35,7 +35,7 @@ MOVE_OPS = ops.moving_writes()
 MAX_GROUP = 63
 # AdaRevision keeps gradient sums by store version, which means nothing in another group's log.
 UNMOVABLE_OPTIMIZERS = ("adarevision",)
-# A training job's step counters (jobs.py) are named to live in one group each: they stay there.
+# A training job's step counters (jobs.py) are named to live in one Raft group each: they stay there.
 JOB_COUNTERS = "/_raftps/"
 
 
