@@ -44,3 +44,21 @@ def test_the_tables_are_made_from_the_records() -> None:
     assert set(MOVE_OPS) == {"move_freeze", "move_install", "move_done", "place"}
     assert set(ops.served_by_node()) == {"status", "layout"}
     assert set(ops.served_by_node()) | set(ops.served_by_replica()) == set(ops.OPS) - {"hello"}
+
+
+def test_a_renamed_field_is_a_field_now_and_its_old_name_is_not() -> None:
+    """``Op.renamed``: each old name leads to a field the request takes, and is not one itself (so
+    the schema would refuse it, were it not renamed first), and "group" alone names no field."""
+    renamed = {name: op.renamed for name, op in ops.OPS.items() if op.renamed}
+    assert set(renamed) == {"push", "push_sync", "push_step", "close_step", "wait_step", "sync_applied",
+                            "ssp_join", "ssp_leave", "ssp_drop", "ssp_wait", "place"}
+    for name, pairs in renamed.items():
+        for old, new in pairs:
+            record = ops.OPS[name].request
+            *inner, old_key = old.split(".")
+            assert new.split(".")[:-1] == inner, name
+            if inner:
+                record = record.fields[inner[0]][0]
+            assert new.split(".")[-1] in record.fields and old_key not in record.fields, name
+    for name, op in ops.OPS.items():
+        assert "group" not in op.request.fields and "group" not in op.names, name
