@@ -295,10 +295,11 @@ def move(args: argparse.Namespace) -> int:
     def run() -> int:
         from .backup import SAVE_LIMITS
         from .errors import InvalidRequest
+        from .tensor_move import check_move_request
         # a tensor's data and optimizer state come through us in one frame: read as much as a backup
         with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=SAVE_LIMITS) as client:
             try:
-                client._check_move_request(args.name, args.to, client.groups())
+                check_move_request(args.name, args.to, client.groups())
             except InvalidRequest as exc:          # bad input: nothing was sent
                 print(f"raftps move: {exc}", file=sys.stderr)
                 return 2

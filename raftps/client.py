@@ -33,7 +33,7 @@ from .pipeline import Pipeline
 from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
 from .session import Session
-from .tensor_move import Mover, check_move_request
+from .tensor_move import Mover
 from .transport import InProcessTransport, TcpTransport, Transport
 
 if TYPE_CHECKING:
@@ -438,8 +438,6 @@ class Client:
         then leave a tombstone that sends every later request to ``raft_group``. Every step is idempotent:
         a move interrupted at any point completes when run again. Returns {tensor, from, to, names}."""
         return Mover(self._router, self._request, self._write, self.limits, self._lock).move(name, raft_group)
-
-    _check_move_request = staticmethod(check_move_request)   # raftps move checks its input with it
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
         """Cluster membership (Raft addresses): ``list``, or ``add`` / ``remove`` ``node``, or

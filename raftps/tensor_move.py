@@ -14,16 +14,16 @@ from .router import Router
 from .schema import NAME_PATTERN
 
 
-def check_move_request(name: Any, group: Any, count: int) -> None:
-    """Bad input, refused before anything is sent."""
+def check_move_request(name: Any, raft_group: Any, count: int) -> None:
+    """Bad input to a move of tensor ``name`` to ``raft_group`` of ``count``, refused before anything is sent."""
     if count == 1:
         raise InvalidRequest("move: this cluster has one Raft group: there is no other group to move a tensor to")
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidRequest(f"move: bad tensor name {name!r}: 1-200 characters from [A-Za-z0-9_.:/-]")
     if name.endswith(INDICES_SUFFIX):
         raise InvalidRequest(f"move: {name!r} is an index tensor: it moves with {name[:-len(INDICES_SUFFIX)]!r}")
-    if type(group) is not int or not 0 <= group < count:
-        raise InvalidRequest(f"move: Raft group {group!r} is out of range: this cluster has groups 0..{count - 1}")
+    if type(raft_group) is not int or not 0 <= raft_group < count:
+        raise InvalidRequest(f"move: Raft group {raft_group!r} is out of range: this cluster has groups 0..{count - 1}")
 
 
 class Mover:
@@ -35,15 +35,15 @@ class Mover:
         self._router, self._send, self._send_write = router, send, send_write
         self.limits, self._lock = limits, lock
 
-    def move(self, name: str, group: int) -> dict:
+    def move(self, name: str, target: int) -> dict:
         """Move tensor ``name`` (with its index tensor ``name:indices``, if stored) to Raft group
-        ``group``, online: freeze it in its group (writes to it wait), read its whole state there,
-        install that state in ``group``, record the placement in group 0, then leave a tombstone
-        that sends every later request to ``group``. Every step is idempotent: a move interrupted
+        ``target``, online: freeze it in its Raft group (writes to it wait), read its whole state there,
+        install that state in ``target``, record the placement in group 0, then leave a tombstone
+        that sends every later request to ``target``. Every step is idempotent: a move interrupted
         at any point (this process killed, a leader killed) completes when run again.
         Returns {tensor, from, to, names}."""
         count = self._router.groups()
-        check_move_request(name, group, count)
+        check_move_request(name, target, count)
         with self._lock:
             for _ in range(3):          # at most: finish an interrupted move elsewhere, then this one
                 states = {g: self._send({"op": "move_state", "name": name}, raft_group=g) for g in range(count)}
@@ -51,19 +51,19 @@ class Mover:
                 if pending:             # a move that was interrupted: finish it first
                     source, frozen = pending[0], states[pending[0]]["moving"]
                     names = self._finish(name, source, frozen["to"], frozen["move"])
-                    if frozen["to"] == group:
-                        return {"tensor": name, "from": source, "to": group, "names": names}
+                    if frozen["to"] == target:
+                        return {"tensor": name, "from": source, "to": target, "names": names}
                     continue
                 holders = [g for g, st in states.items() if st["present"]]
                 if not holders:
                     raise UnknownTensor(f"move: unknown tensor {name!r} (no Raft group holds it)")
                 source = holders[0]
-                if source == group:
-                    raise InvalidRequest(f"move: tensor {name!r} is already in Raft group {group}")
-                self._check_fits(name, states[source]["bytes"], states[group].get("max_frame_bytes"))
-                frozen = self._send_write("move_freeze", source, name=name, to=group)
-                names = self._finish(name, source, group, frozen["move"])
-                return {"tensor": name, "from": source, "to": group, "names": names}
+                if source == target:
+                    raise InvalidRequest(f"move: tensor {name!r} is already in Raft group {target}")
+                self._check_fits(name, states[source]["bytes"], states[target].get("max_frame_bytes"))
+                frozen = self._send_write("move_freeze", source, name=name, to=target)
+                names = self._finish(name, source, target, frozen["move"])
+                return {"tensor": name, "from": source, "to": target, "names": names}
         raise InvalidRequest(f"move: tensor {name!r} kept being moved by someone else meanwhile; run it again")
 
     def _check_fits(self, name: str, size: int, node_limit: int | None) -> None:
