@@ -27,7 +27,7 @@ def test_two_jobs_step_independently_and_a_restarted_rank_counts_once(make_clust
             # job B's step 0 does not apply job A's, and vice versa
             c.push_sync({"w": np.full(8, 10.0, np.float32)}, 0, 1, job="jobB", rank=0)
             assert c.sync_applied("jobB") == 0 and c.sync_applied("jobA") == -1
-            with pytest.raises(raftps.StepTimeout, match="sync step 0 of group 'jobA'"):
+            with pytest.raises(raftps.StepTimeout, match="sync step 0 of job 'jobA'"):
                 c.wait_step(0, 0.5, job="jobA")
             version = c.push_sync({"w": np.full(8, 3.0, np.float32)}, 0, 2, job="jobA", rank=1)
             waiter.join(30)

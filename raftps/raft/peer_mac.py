@@ -4,7 +4,7 @@ With a ``password`` pysyncobj 0.3.17 wraps every peer message in a Fernet token 
 HMAC-SHA256 and base64) in its single tick thread, and a replicated entry costs two of them to
 make and two to check per follower: an encryption and a base64 pass on top of the HMAC.
 Encryption bought no confidentiality: tensors above 8 KiB cross between nodes on the data plane,
-which authenticates every frame and encrypts none (README, Security). So the Raft port gets the data plane's
+which authenticates every frame and encrypts none (docs/security.md). So the Raft port gets the data plane's
 guarantee at the data plane's cost: a message is
 
     b"R1" | timestamp (8 bytes, big-endian) | message | HMAC-SHA256(key, everything before)

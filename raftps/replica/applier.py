@@ -155,7 +155,7 @@ class Replica:
         machine = self._machine
         with self._applied:
             if not self._applied.wait_for(lambda: machine.sync_step_applied(job) >= step, timeout):
-                where = f" of group {job!r}" if job else ""
+                where = f" of job {job!r}" if job else ""
                 raise StepTimeout(f"sync step {step}{where} not applied within {timeout:.1f} s "
                                   f"({machine.sync_count(job, step)} contribution(s) so far)")
             return machine.version

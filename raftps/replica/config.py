@@ -39,7 +39,7 @@ class NodeConfig:
     # Group commit (group_commit.py): log entries proposed and not yet applied, at most; writes
     # arriving meanwhile share the next entry. 0: every write its own entry, at once.
     entries_in_flight: int = 2
-    # "fsync": nothing acknowledged is lost to a power cut (README, Durability): the Raft journal,
+    # "fsync": nothing acknowledged is lost to a power cut (docs/guarantees/durability.md): the Raft journal,
     # term and vote, payloads (on disk in the data dir, not tmpfs) and snapshots are fsynced before
     # they count. "none": they survive a process crash, not a power loss (the default, measured).
     # What each mode means for each file is decided in one place: raft/durability.py.
@@ -48,7 +48,7 @@ class NodeConfig:
     # over the nodes); a leader hands over to it once it is connected and caught up. None: any.
     preferred_leader: str | None = None
     limits: codec.Limits = field(default_factory=codec.Limits)   # frame, tensor and array-count limits
-    # The client port (see README, Security). No token: any client that reaches the port is served.
+    # The client port (docs/security.md). No token: any client that reaches the port is served.
     client_token: str | None = None
     token_file: str | None = None             # where client_token came from: re-read when it changes
     auth_file: str | None = None              # named identities with roles (rbac.py), re-read when it changes
@@ -61,8 +61,8 @@ class NodeConfig:
     idle_timeout: float = 600.0               # an idle client connection is closed after this
     # Linearizable reads: "readindex" (Raft ReadIndex, no log entry: see RaftNode.linearizable),
     # "lease" (ReadIndex whose confirmation rounds also grant the leader a lease that most reads
-    # are served on: no round trip; rests on a bound on clock-rate drift, README "Linearizable
-    # reads") or "log" (a barrier entry through the log, the way every read went before).
+    # are served on: no round trip; rests on a bound on clock-rate drift, docs/design/reads.md,
+    # "lease") or "log" (a barrier entry through the log, the way every read went before).
     read_mode: str = "lease"
     # Tests only: skip ReadIndex's confirmation round (step 3). UNSAFE: a deposed leader that does
     # not know it yet then serves stale reads; tests/test_readindex.py shows it.
