@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import optim
-from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError
+from . import compress, optim
+from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError, UnknownTensor
 from .tensor import check_fits
 from .raft import NotApplied
 
@@ -104,6 +104,7 @@ class StepAggregator:
             return self._late(job, step, workers, [client, seq, ack, False])
         if misplaced is not None:        # Moving / Moved: the client sends it again, by the new placement
             raise _refusal_error(misplaced)
+        grads = _decoded(grads, request.get("encoding"), tensors)
         for name, grad in grads.items():
             check_fits(name, grad, tensors[name], "gradient")
         _check_hyper(request.get("hyper"), tensors)
@@ -293,6 +294,24 @@ def _check_hyper(hyper: Any, tensors: dict) -> None:
         raise InvalidRequest(f"'hyper' names {stray[:5]}, which this contribution does not carry")
     for name in sorted(hyper):
         optim.with_hyperparameters(tensors[name].optimizer, hyper[name], name)
+
+
+def _decoded(grads: dict[str, np.ndarray], encoding: Any, tensors: dict) -> dict[str, np.ndarray]:
+    """A contribution's gradients as arrays of their tensors' dtypes: fp16 is decoded here, per
+    contribution, so the step's sum and its one entry are plain arrays (the state machine never
+    sees the encoding). Only fp16: top-k and rows carry index arrays that a step's dense sum and
+    its entry do not take."""
+    if encoding is None:
+        return grads
+    for name in sorted(grads):
+        if tensors.get(name) is None:
+            raise UnknownTensor(f"unknown tensor {name!r}")
+    other = sorted(n for n, enc in encoding.items() if enc.get("kind") != "fp16")
+    if other:
+        raise InvalidRequest(f"push_step: tensor {other[0]!r} is encoded as {encoding[other[0]].get('kind')}: "
+                             "a sync step takes fp16 or no encoding")
+    like = {name: t.data for name, t in tensors.items() if t is not None}
+    return compress.decode_push(grads, encoding, like)
 
 
 def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: int | None, request: dict) -> None:

@@ -270,7 +270,7 @@ class Client:
     @renamed_keyword("group", "job")
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                   rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
-                  clip_norm: float | None = None) -> dict:
+                  clip_norm: float | None = None, encoding: dict | None = None) -> dict:
         """One worker's contribution to synchronous step ``step`` of job ``job``, summed on
         the leader with the step's other contributions and replicated once as the step (aggregation
         before replication); returns when the step is applied: version, step, applied, count (the
@@ -285,7 +285,9 @@ class Client:
         ``hyper``: as push's, and every contribution to a step must carry the same (else refused).
         ``clip_norm``: the leader scales the step's mean gradient to at most this L2 norm, as
         ``torch.nn.utils.clip_grad_norm_`` on one process's full batch (each Raft group clips its
-        own part); the answer's ``grad_norm`` is the mean's norm before clipping."""
+        own part); the answer's ``grad_norm`` is the mean's norm before clipping. ``encoding``: as
+        push's, fp16 only (``raftps.compress.encode_fp16``); the leader decodes each contribution
+        before it joins the step's sum."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
         extra: dict[str, Any] = {"pull": True} if pull else {}
@@ -293,6 +295,8 @@ class Client:
             extra["hyper"] = hyper
         if clip_norm is not None:
             extra["clip_norm"] = float(clip_norm)
+        if encoding:
+            extra["encoding"] = encoding
         return self._steps.contribute("push_step", grads, step, workers, job, rank, waits=float(timeout),
                                       timeout=float(timeout), **extra)
 

@@ -66,8 +66,9 @@ pseudo-gradient: ``python -m bench.diloco_state``), so 3x a round's traffic and 
 arrays more in the store, to save a few inner steps of moment warm-up.
 
 Compression: ``compress="fp16"`` sends pseudo-gradients as float16 with a power-of-two scale
-(raftps.compress) in asynchronous mode; synchronous rounds go through push_step, which takes no
-encoding today, so it is refused there.
+(raftps.compress), half the bytes: synchronous rounds' contributions are decoded by the leader
+before they join the round's sum (push_step's ``encoding``), asynchronous ones by the state
+machine (push's).
 
 Bad input (H < 1, F outside [1, number of tensors], an outer spec the store would refuse, a rank
 outside [0, K), a non-float parameter) raises before any I/O: the constructor sends nothing.
@@ -159,9 +160,6 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: step_timeout must be seconds in [0, {MAX_STEP_TIMEOUT:g}], got {step_timeout!r}")
         if compress not in (None, "none", "fp16"):
             raise ValueError(f"DiLoCo: compress must be None or 'fp16', got {compress!r}")
-        if compress == "fp16" and not asynchronous:
-            raise ValueError("DiLoCo: compress='fp16' works in asynchronous mode only: synchronous rounds go "
-                             "through push_step, which takes no encoding")
         self.outer = outer_spec(outer, bool(asynchronous))
         self.init = _checked_params(prefix, params)
         names = list(self.init)
@@ -266,10 +264,14 @@ class DiLoCo:
     def _sync(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self.fragments[f]
         grads = {self.store_name(n): _pseudo_gradient(self.anchor[n], params[n], n) for n in names}
+        encoding: dict[str, dict] = {}
+        if self.compress == "fp16":
+            for name in grads:
+                grads[name], encoding[name] = encode_fp16(grads[name])
         sent = sum(g.nbytes for g in grads.values())
         round_ = self.next_round[f]
         answer = self.client.push_step(grads, round_, self.world_size, job=self.groups[f], rank=self.rank,
-                                       timeout=self.step_timeout, pull=True)
+                                       timeout=self.step_timeout, pull=True, encoding=encoding or None)
         late = bool(answer.get("late"))
         tensors = answer.get("tensors") or {}
         self.version = answer["version"]

@@ -28,8 +28,9 @@ class JobSteps:
 
     def contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
                    rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
-        """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group."""
-        hyper = extra.pop("hyper", None)
+        """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group
+        (with it the per-tensor fields, ``hyper`` and ``encoding``: each part takes its tensors')."""
+        per_tensor = {key: extra.pop(key) for key in ("hyper", "encoding") if extra.get(key)}
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
         if job is not None:
             fields["job"] = job
@@ -37,11 +38,11 @@ class JobSteps:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self._router.groups() == 1:
-            return self._write(op, 0, waits=waits, tensors=grads, **fields, **({"hyper": hyper} if hyper else {}))
+            return self._write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
 
         def write(g: int, part: dict) -> dict:
-            mine = {k: v for k, v in (hyper or {}).items() if k in part}
-            return self._write(op, g, waits=waits, tensors=part, **fields, **({"hyper": mine} if mine else {}))
+            mine = {key: {k: v for k, v in by_name.items() if k in part} for key, by_name in per_tensor.items()}
+            return self._write(op, g, waits=waits, tensors=part, **fields, **{k: v for k, v in mine.items() if v})
         parts = self._router.split(grads)
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)

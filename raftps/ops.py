@@ -82,7 +82,8 @@ _RECORDS = [
     Op("push_step", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
                              "rank": (Int(0, nullable=True), False), "job": (JOB, False),
                              "timeout": (Seconds(), False), "pull": (Bool(), False), "hyper": (HYPER, False),
-                             "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False)}),
+                             "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False),
+                             "encoding": (ENCODING, False)}),
        "write", ("tensors", "job"), "_push_step", apply="_step", entry="step", renamed=_JOB),
     Op("assign", request_record({**WRITE, "tensors": (TENSORS, True)}), "admin", ("tensors",), "_write", apply="_assign"),
     # optimizer state: as an assign of the tensors; its arrays are named by part ("0", "0.m", ...)

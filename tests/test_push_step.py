@@ -184,3 +184,40 @@ def test_contributions_held_by_a_killed_leader_are_sent_again_and_count_once(mak
         assert c.sync_applied("job") == 0
         cl.start_node(leader)
         wait_converged(c, 3)
+
+
+def test_fp16_contributions_are_decoded_by_the_leader_before_the_sum(store) -> None:
+    """push_step's encoding: each contribution decoded (fp16 -> the tensor's dtype, / scale) on
+    the leader, then summed as plain ones are; bad encodings refused before anything joins."""
+    from raftps.compress import encode_fp16
+    node, address = store
+    rng = np.random.default_rng(3)
+    with Client(address, timeout=10.0) as c:
+        c.create("w", np.zeros(6, np.float32), {"name": "sgd", "lr": 1.0})
+        grads = [rng.standard_normal(6).astype(np.float32) * np.float32(0.01) for _ in range(2)]
+        sent = [encode_fp16(g) for g in grads]
+        answers: list = [None, None]
+
+        def worker(rank: int) -> None:
+            values, enc = sent[rank]
+            with Client(address, timeout=20.0) as w:
+                answers[rank] = w.push_step({"w": values}, 0, 2, job="fp16", rank=rank, encoding={"w": enc})
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30.0)
+        assert [a["count"] for a in answers] == [2, 2]
+        decoded = [v.astype(np.float32) / np.float32(e["scale"]) for v, e in sent]
+        want = np.zeros(6, np.float32) - (decoded[0] + decoded[1]) / np.float32(2)
+        assert c.pull(["w"])[0]["w"].tobytes() == want.tobytes()
+        version = node.version
+        values, enc = sent[0]
+        for encoding, tensors, error, match in (
+                ({"w": {"kind": "topk"}}, {"w": values}, raftps.InvalidRequest, "takes fp16 or no encoding"),
+                ({"w": enc}, {"w": grads[0]}, raftps.InvalidRequest, "needs float16 values"),
+                ({"nope": enc}, {"nope": values}, raftps.UnknownTensor, "nope"),
+                ({"w": {"kind": "fp16", "scale": -1.0}}, {"w": values}, raftps.InvalidRequest, "scale")):
+            with pytest.raises(error, match=match):
+                c.push_step(tensors, 1, 2, job="fp16", timeout=0.2, encoding=encoding)
+        assert node.version == version and c.status()[0]["open_steps"] == 0
