@@ -23,7 +23,7 @@ from .client import Client
 from .groups import Layout, data_dir
 from .machine import TensorStore
 from .store_snapshot import snapshot_digest
-from .models import UsageError
+from .errors import UsageError
 from .raft.durability import JOURNAL_DIR, PLAIN_JOURNAL
 
 BACKUP_FORMAT = 1           # one Raft group: the store at one version

@@ -15,7 +15,7 @@ from . import auth, codec, localcluster_cli
 from .client import Client
 from .errors import RaftpsError
 from .localcluster import ClusterError, LocalCluster
-from .models import UsageError
+from .errors import UsageError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -23,17 +23,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-def status_table(rows: list[dict]) -> str:
-    cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader", "metrics"]
-    if any(r.get("group") for r in rows):          # several Raft groups: a row per node and group
-        cols.insert(1, "group")
-    lines = [cols]
-    for r in rows:
-        lines.append(["-" if r.get(c) is None else (str(r[c])[:16] if c == "digest" else str(r[c])) for c in cols])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str | None]:
@@ -191,7 +180,7 @@ def status(args: argparse.Namespace) -> int:
         if args.output == "json":
             print(json.dumps(rows, indent=1, sort_keys=True))
         else:
-            print(status_table(rows))
+            print(localcluster_cli.status_table(rows))
         return 0
     return _run("status", run)
 

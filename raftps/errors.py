@@ -162,3 +162,8 @@ def raise_for(result: dict) -> dict:
     # The node refused the request before proposing it: it is in no log (see Client._write).
     exc.refused = bool(result.get("refused"))
     raise exc
+
+
+class UsageError(ValueError):
+    """A bad request or file for an operator command (export, import, snapshot); nothing was
+    written. Not a wire error: the command line prints it as one line."""

@@ -2,7 +2,19 @@
 the job's prefix, so a role on ``PREFIX/`` (rbac.py) covers everything the job writes."""
 from __future__ import annotations
 
+from .errors import UsageError
 from .groups import group_of
+from .tensor import NAME_RE
+
+INTERNAL = "_raftps/"          # under PREFIX/: the job's own bookkeeping (step counters, DiLoCo's), not its model
+
+
+def prefix_root(prefix: str) -> str:
+    """``P/`` for prefix ``P`` (a trailing slash is optional): ``job1`` selects ``job1/...``, never ``job10/...``."""
+    root = (prefix or "").rstrip("/")
+    if not root or not NAME_RE.fullmatch(root):
+        raise UsageError(f"bad prefix {prefix!r}: 1-200 characters from [A-Za-z0-9_.:/-], e.g. 'job1'")
+    return root + "/"
 
 
 def tensor(prefix: str, name: str) -> str:

@@ -8,7 +8,20 @@ import os
 from typing import Callable
 
 from .localcluster import ClusterError, LocalCluster
-from .models import UsageError
+from .errors import UsageError
+
+
+def status_table(rows: list[dict]) -> str:
+    """Status rows (Client.status, LocalCluster.status) as an aligned text table, one row per node
+    (per node and Raft group when there are several)."""
+    cols = ["node", "pid", "address", "role", "term", "applied", "version", "digest", "leader", "metrics"]
+    if any(r.get("group") for r in rows):          # several Raft groups: a row per node and group
+        cols.insert(1, "group")
+    lines = [cols]
+    for r in rows:
+        lines.append(["-" if r.get(c) is None else (str(r[c])[:16] if c == "digest" else str(r[c])) for c in cols])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def add_parser(sub: argparse._SubParsersAction, env_int: Callable[[str, int], int]) -> None:
@@ -55,7 +68,6 @@ def open_cluster(args: argparse.Namespace) -> LocalCluster:
 def cluster(args: argparse.Namespace) -> int:
     """A stopped cluster or node is named in one line (exit 1), a node the cluster never had too
     (exit 2); stop and wipe of a stopped cluster succeed, saying nothing was running."""
-    from .cli import status_table          # here: cli imports this module
     if args.action == "kill" and args.node is None:
         raise UsageError("give the number of the node to kill")
     try:

@@ -20,30 +20,18 @@ import numpy as np
 
 from . import optim
 from .client import Client
-from .errors import InvalidOptimizer, RaftpsError
+from .errors import InvalidOptimizer, RaftpsError, UsageError
+from .jobs import INTERNAL, prefix_root
 from .tensor import NAME_RE, check_finite
 
 FORMATS = ("safetensors", "npz", "torch")     # torch: {"model", "optimizer"} state_dicts (raftps.torch.checkpoint)
 NPZ_METADATA = "__metadata__"          # the npz member holding the metadata (JSON in a 0-d str array)
-INTERNAL = "_raftps/"                  # raftps.torch's step counters live under PREFIX/_raftps/
 STORED = (np.dtype(np.float32), np.dtype(np.float64))
 # Like raftps.torch: half precision is kept in float32 in the store (its optimizers need the range).
 UPCAST = {np.dtype(np.float16): np.dtype(np.float32)}
 # One create per batch, well below max_tensors_per_push (1024) and small enough to replicate within
 # a node's request timeout (3 s) on a busy machine: a 256 MiB create never did here (load 5-10).
 BATCH_TENSORS, BATCH_BYTES = 256, 32 << 20
-
-
-class UsageError(ValueError):
-    """A bad request or file for an operator command (export, import, snapshot); nothing was written."""
-
-
-def prefix_root(prefix: str) -> str:
-    """``P/`` for prefix ``P`` (a trailing slash is optional): ``job1`` selects ``job1/...``, never ``job10/...``."""
-    root = (prefix or "").rstrip("/")
-    if not root or not NAME_RE.fullmatch(root):
-        raise UsageError(f"bad prefix {prefix!r}: 1-200 characters from [A-Za-z0-9_.:/-], e.g. 'job1'")
-    return root + "/"
 
 
 def parse_optimizer(text: str) -> dict:

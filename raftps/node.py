@@ -23,7 +23,7 @@ from . import snapshot_file
 from .dataplane import DataPlaneServer, Peers
 from .group_commit import GroupCommit
 from .machine import TensorStore
-from .metrics import Instruments
+from .instruments import Instruments
 from .payloads import PayloadStore
 from .raft import RaftSettings, ReplicatedLog
 from .raft.durability import Durability, default_payload_dir, sweep_abandoned_payload_dirs  # noqa: F401 (re-exported)

@@ -1,7 +1,7 @@
 """Every client op, declared once: its request schema, the role it needs, whether it is a write
 through Raft, the client server's handler and the state machine's handler.
 
-``schema.OPS`` (request checks), ``rbac.NEEDS`` (roles), ``server.WRITES`` and the server's
+``REQUESTS`` (request checks, with schema.py's specs), ``rbac.NEEDS`` (roles), ``server.WRITES`` and the server's
 handler table, and ``TensorStore._OPS`` (the state machine's handlers) are all made from
 ``OPS`` below. Adding a write op is: its record here, its state-machine handler, its ``Client``
 method, its tests. ``tests/test_ops.py`` checks that every record is complete.
@@ -25,7 +25,7 @@ from .schema import (ENCODING, HYPER, JOB, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME
 @dataclass(frozen=True)
 class Op:
     name: str
-    request: schema.Record        # every field of the request (schema.check_request)
+    request: schema.Record        # every field of the request (check_request)
     role: str | None              # the role it needs on every name it carries; None: a valid token
     names: tuple[str, ...]        # the request's fields whose names the role is checked on (rbac.py)
     serve: str | None             # the handlers.Handlers method that answers it; None: the connection (hello)
@@ -125,7 +125,13 @@ _RECORDS = [
 OPS: dict[str, Op] = {op.name: op for op in _RECORDS}
 if len(OPS) != len(_RECORDS):
     raise RuntimeError("raftps/ops.py declares an op twice")
-schema.OPS.update({name: op.request for name, op in OPS.items()})
+REQUESTS: dict[str, schema.Record] = {name: op.request for name, op in OPS.items()}
+
+
+def check_request(request: Any) -> dict:
+    """``request`` if it follows its op's request schema (schema.check_request), else
+    InvalidRequest naming the op, the field and what was expected."""
+    return schema.check_request(request, REQUESTS)
 
 
 # A message's op (a request's, or a log entry's: push_step's entry is "step") -> its renamed fields

@@ -12,14 +12,14 @@ op, the field path and what was expected, e.g.
 The schema is about shape, not state: "is this a tensor the store has, of this shape" stays with
 the state machine, which keeps every check of its own (it must stay authoritative: a log entry is
 applied by code that trusts nothing). Each op's request schema is part of its record in
-``ops.py``; ``OPS`` here is made from those records.
+``ops.py``, which checks a request with ``check_request`` here and its table of records.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -361,11 +361,6 @@ WRITE = {"client": (Str("a client id (1-64 characters from [A-Za-z0-9_-])", CLIE
          "seq": (Int(1), True), "ack": (Int(1), False)}
 STALE_READ = {"linearizable": (Bool(), False), "min_version": (VERSION, False), "wait": (Seconds(), False)}
 
-# op -> its request's schema: filled from each op's record in raftps/ops.py (imported at the end
-# of this module, so that checking a request never depends on who imported what first)
-OPS: dict[str, Record] = {}
-
-
 def _cross_checks(op: str, request: dict) -> None:
     """The few constraints between fields that a field's own spec cannot state."""
     if "ack" in request and "seq" in request and request["ack"] > request["seq"]:
@@ -387,17 +382,18 @@ def _cross_checks(op: str, request: dict) -> None:
                                       got=None if idx in tensors else "nothing")
 
 
-def check_request(request: Any) -> dict:
-    """``request`` if it follows its op's schema, else InvalidRequest (or InvalidOptimizer) naming
-    the op, the field path and what was expected."""
+def check_request(request: Any, requests: Mapping[str, Record]) -> dict:
+    """``request`` if it follows its op's schema in ``requests`` (op -> its request's Record:
+    ops.REQUESTS), else InvalidRequest (or InvalidOptimizer) naming the op, the field path and
+    what was expected."""
     if not isinstance(request, dict):
         raise InvalidRequest(f"a request is a map with an 'op' string, got {describe(request)}")
     op = request.get("op")
     if not isinstance(op, str):
         raise InvalidRequest(f"a request is a map with an 'op' string, got op {describe(op)}")
-    schema = OPS.get(op)
+    schema = requests.get(op)
     if schema is None:
-        raise InvalidRequest(f"unknown op {op[:40]!r} (known: {sorted(OPS)})")
+        raise InvalidRequest(f"unknown op {op[:40]!r} (known: {sorted(requests)})")
     try:
         schema.validate(request, "")
         _cross_checks(op, request)
@@ -405,5 +401,3 @@ def check_request(request: Any) -> dict:
         raise exc.error(exc.message(op)) from None
     return request
 
-
-from . import ops as _ops  # noqa: E402,F401  (fills OPS; ops.py imports this module's specs)

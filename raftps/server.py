@@ -21,12 +21,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import auth, codec, ops, rbac, schema
+from . import auth, codec, ops, rbac
 from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
                      TLSRequired, error_result, exception_result)
 from .groups import Layout
 from .handlers import Handlers, retry
-from .metrics import ServerInstruments
+from .instruments import ServerInstruments
 from .node import RaftNode
 from .rbac import Identity
 
@@ -203,7 +203,7 @@ class ClientServer:
                 raise LimitExceeded(f"{len(request['tensors'])} tensors in one {request.get('op')!r} exceeds "
                                     f"max_tensors_per_push={self.max_tensors_per_push}")
             request = ops.current_names(request)  # a field sent under its old name, renamed (ops.py)
-            schema.check_request(request)         # every field's type, range and length, before anything runs
+            ops.check_request(request)            # every field's type, range and length, before anything runs
             op = request["op"]
             if op not in self._handlers and op not in self._node_handlers:
                 raise InvalidRequest(f"op {op!r} is not served here "

@@ -33,7 +33,7 @@ def test_every_op_has_one_complete_record() -> None:
 
 
 def test_the_tables_are_made_from_the_records() -> None:
-    assert schema.OPS == {name: op.request for name, op in ops.OPS.items()}
+    assert ops.REQUESTS == {name: op.request for name, op in ops.OPS.items()}
     assert rbac.NEEDS == {name: (op.role, op.names) for name, op in ops.OPS.items()}
     assert set(WRITES) == {name for name, op in ops.OPS.items() if op.serve == "_write"}
     assert set(WRITES) <= {name for name, op in ops.OPS.items() if op.write}

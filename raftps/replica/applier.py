@@ -24,7 +24,7 @@ from ..errors import StepTimeout
 from ..group_commit import BATCH
 from ..machine import TensorStore
 from ..ssp_clocks import ahead as ssp_ahead
-from ..metrics import Instruments
+from ..instruments import Instruments
 from ..payloads import PayloadStore
 from ..raft import NotReady, SnapshotMeta
 from ..raft.storage import Storage

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from ..dataplane import Peers
-from ..metrics import Instruments
+from ..instruments import Instruments
 from ..raft import ReplicatedLog, SnapshotMeta
 from .applier import Replica
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import codec
 from ..group_commit import GroupCommit
-from ..metrics import Instruments
+from ..instruments import Instruments
 from ..payloads import PayloadStore, digest_of
 from ..raft import NotApplied
 from .config import NodeConfig

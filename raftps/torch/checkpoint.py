@@ -17,7 +17,8 @@ import torch
 
 from .. import optim
 from ..client import Client
-from ..models import INTERNAL, UsageError, prefix_root
+from ..errors import UsageError
+from ..jobs import INTERNAL, prefix_root
 from . import optimizers
 
 CLASSES = {"sgd": "SGD", "momentum": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}

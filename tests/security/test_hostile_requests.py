@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from raftps import codec, schema
+from raftps import codec, ops
 from raftps.errors import InvalidOptimizer, InvalidRequest
 from hostile_requests import ELASTIC, SSP_GROUP, TABLE, TENSOR, lying_frame, mutate, valid_request
 from security_helpers import hello_connection, start, state
@@ -218,23 +218,23 @@ F = np.ones(8, np.float32)
 ])
 def test_schema_names_the_field_and_what_was_expected(request_, error, message):
     with pytest.raises(error) as info:
-        schema.check_request(request_)
+        ops.check_request(request_)
     assert type(info.value) is error and str(info.value).startswith(message), str(info.value)
 
 
 def test_every_served_op_has_a_schema():
     from raftps.server import WRITES
     served = {"status", "stats", "pull", "pull_rows", "wait_step", "sync_applied", "ssp_wait", "tensors", *WRITES}
-    assert served <= set(schema.OPS)
+    assert served <= set(ops.REQUESTS)
 
 
 def test_valid_requests_pass_the_schema():
     rng = random.Random(1)
     for _ in range(500):
         req = valid_request(rng)
-        req.update(client="c", seq=1, ack=1) if req["op"] in schema.OPS and "seq" in schema.OPS[req["op"]].fields \
+        req.update(client="c", seq=1, ack=1) if req["op"] in ops.REQUESTS and "seq" in ops.REQUESTS[req["op"]].fields \
             else None
-        schema.check_request(req)
+        ops.check_request(req)
 
 
 # ---- the state machine alone: authoritative even without the schema --------------------------------
@@ -273,7 +273,7 @@ def test_the_poison_pill_that_stopped_the_cluster_is_refused():
             "tensors": {TENSOR: np.ones(8, np.float16)},
             "encoding": {b"op": {"kind": "fp16", "scale": 1024.0}, TENSOR: {"kind": "fp16", "scale": 1.0}}}
     with pytest.raises(InvalidRequest, match=r"push: encoding key: expected a tensor name .*, got bytes"):
-        schema.check_request(push)
+        ops.check_request(push)
     m = TensorStore()
     m.apply(1, {"op": "create", "client": "c", "seq": 1, "tensors": {TENSOR: np.zeros(8, np.float32)},
                 "optimizer": {TENSOR: {"name": "sgd", "lr": 1.0}}})

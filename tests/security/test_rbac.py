@@ -238,8 +238,8 @@ def test_rotate_and_revoke_without_a_restart(rbac_cluster):
 # ---- no cluster ------------------------------------------------------------------------------------
 
 def test_every_served_op_has_a_role():
-    from raftps import schema
-    assert set(schema.OPS) == set(rbac.NEEDS)
+    from raftps import ops
+    assert set(ops.REQUESTS) == set(rbac.NEEDS)
     assert {role for role, _ in rbac.NEEDS.values()} == {None, "read", "write", "admin"}
 
 

@@ -1,0 +1,49 @@
+"""What the node's code paths count and time as it happens, between scrapes: the client server's
+``ServerInstruments`` and each replica's ``Instruments``. The node and its replicas write to
+these; metrics.py (the ``/metrics`` exporter) reads them, and imports the node, not the other way.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+APPLY_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+
+ERRORS_HELP = "Errors by class: refused requests, internal errors, failed payload fetches"
+
+
+class ServerInstruments:
+    """What the node's client server counts as it happens, for the node as a whole (a request
+    may span Raft groups): requests by op and outcome, client bytes, refused requests."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("raftps_requests", "Client requests answered, by op and outcome "
+                                "(ok, retry, or the error's class)", ["op", "outcome"], registry=r)
+        self.client_bytes = Counter("raftps_client_bytes", "Bytes of client frames, by direction (in, out)",
+                                    ["direction"], registry=r)
+        self.errors = Counter("raftps_errors", ERRORS_HELP, ["class"], registry=r)
+        for direction in ("in", "out"):
+            self.client_bytes.labels(direction)
+
+
+class Instruments:
+    """What one replica's code paths count and time as it happens: its writes, commits and
+    applies, leader changes, snapshots and failed payload fetches."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.write_seconds = Histogram("raftps_write_seconds", "A write at the leader: payload replication, "
+                                       "commit and apply, until its result", buckets=LATENCY_BUCKETS, registry=r)
+        self.commit_seconds = Histogram("raftps_commit_seconds", "From proposing an entry to Raft to its apply "
+                                        "on this leader", buckets=LATENCY_BUCKETS, registry=r)
+        self.apply_seconds = Histogram("raftps_apply_seconds", "One log entry through the state machine",
+                                       buckets=APPLY_BUCKETS, registry=r)
+        self.leader_changes = Counter("raftps_leader_changes", "Times this node saw a new leader", registry=r)
+        self.snapshots = Counter("raftps_snapshots", "Snapshots written (write) and loaded (load)",
+                                 ["kind"], registry=r)
+        self.errors = Counter("raftps_errors", ERRORS_HELP, ["class"], registry=r)
+        for kind in ("write", "load"):
+            self.snapshots.labels(kind)
