@@ -388,8 +388,10 @@ def _finish(s: Setup, run: Run, rows: list[dict], completed: bool, extra: dict[s
 
 def measure(run_dir: str, base_port: int, mode: str, out: str, configs: list[str] | None = None,
             command: str = "python -m bench.goodput", sync_every: int | None = None,
-            outer: str = "average") -> list[dict[str, Any]]:
+            outer: str = "average", budget: int | None = None) -> list[dict[str, Any]]:
     cfg = {**MODES[mode], **({"sync_every": sync_every} if sync_every else {})}
+    if budget:          # a longer or shorter run of the mode: its per-run limit scales with it
+        cfg.update(budget=budget, timeout=cfg["timeout"] * budget / cfg["budget"])
     uptime0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     t0 = time.monotonic()
     s = Setup(mode, run_dir, base_port, cfg["budget"], cfg["eval_every"], cfg["sync_every"], cfg["timeout"],
@@ -431,7 +433,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, configs: list[str
         torchft_version = getattr(torchft, "__version__", None) or _dist_version("torchft")
     except ImportError:
         torchft_version = "missing"
-    meta = {"mode": mode, "budget": s.budget, "eval_every": s.eval_every, "sync_every": s.sync_every, "outer": outer,
+    meta = {"mode": mode, "suffix": "" if not budget else f"_{budget}", "budget": s.budget, "eval_every": s.eval_every, "sync_every": s.sync_every, "outer": outer,
             "command": command + " " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
             "seconds": round(time.monotonic() - t0, 1), "uptime_start": uptime0,
@@ -464,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--base-port", type=int, default=23000)
     ap.add_argument("--configs", help=f"comma list of {CONFIGS} ((a) ddp always runs: it sets the target)")
+    ap.add_argument("--budget", type=int, help="global batches, instead of the mode's (its reports are named "
+                    "goodput[_quick]_BUDGET.*)")
     ap.add_argument("--sync-every", type=int, help="DiLoCo's H (default: the mode's, "
                     + ", ".join(f"{m} {c['sync_every']}" for m, c in MODES.items()) + ")")
     ap.add_argument("--outer", choices=("average", "nesterov"), default="average",
@@ -473,13 +477,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.sync_every is not None and a.sync_every < 1:
         ap.error(f"--sync-every must be >= 1, got {a.sync_every}")
+    if a.budget is not None and a.budget < 10:
+        ap.error(f"--budget must be >= 10 global batches, got {a.budget}")
     configs = [c.strip() for c in a.configs.split(",")] if a.configs else None
     unknown = set(configs or []) - set(CONFIGS)
     if unknown:
         ap.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     with tempfile.TemporaryDirectory(prefix="raftps-goodput-") as run_dir:
         results = measure(run_dir, a.base_port, "full" if a.full else "quick", a.out, configs,
-                          sync_every=a.sync_every, outer=a.outer)
+                          sync_every=a.sync_every, outer=a.outer, budget=a.budget)
     return 1 if any("error" in r for r in results) else 0
 
 

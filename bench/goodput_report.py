@@ -155,7 +155,7 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) -> str:
     """goodput.{md,json,png} (quick: goodput_quick.*)."""
-    sfx = "" if meta["mode"] == "full" else "_quick"
+    sfx = ("" if meta["mode"] == "full" else "_quick") + meta.get("suffix", "")
     os.makedirs(out, exist_ok=True)
     png = plot(results, os.path.join(out, f"goodput{sfx}.png"), meta)
     target = next((r["target"] for r in results if "target" in r), None)
