@@ -16,7 +16,7 @@ from multiprocessing.connection import wait
 from .config import Config
 from .data import load_dataset
 from .models import Params, make_model
-from .run import Recorder, eval_every
+from .recorder import Recorder, eval_every
 from .worker import from_store, run_worker, ssp_worker, store_names
 
 
