@@ -39,8 +39,17 @@ class Torchrun:
         return self.proc.poll() == 0
 
     def stop(self) -> None:
+        """SIGKILL torchrun and every process under it, by PID. torch's elastic agent starts each
+        worker in a session of its own, so killing torchrun's session alone left the workers it
+        had restarted running (found: a restarted DDP group training on, minutes after its run)."""
+        workers = _descendants(self.proc.pid)
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)      # the session we started: torchrun and its workers
+            os.killpg(self.proc.pid, signal.SIGKILL)      # the session we started: torchrun itself
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(10)
         self.log.close()
 
@@ -51,6 +60,16 @@ def _children(pid: int) -> list[int]:
             return [int(p) for p in f.read().split()]
     except OSError:
         return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), parents first."""
+    out, todo = [], _children(pid)
+    while todo:
+        child = todo.pop(0)
+        out.append(child)
+        todo.extend(_children(child))
+    return out
 
 
 class Supervised:

@@ -195,10 +195,20 @@ class LocalCluster:
 
     def start(self, timeout: float = 60.0) -> str:
         """Start every node that is down; return the client addresses once a leader is elected
-        and every node answers."""
-        for node in range(1, self.nodes + 1):
+        and every node answers. If that fails (a node exits, the timeout passes), the nodes this
+        call started are stopped, by PID, before the error is raised: a failed start leaves no
+        process behind (found: two nodes of a start whose third could not bind its port, still
+        running an hour later)."""
+        started = [node for node in range(1, self.nodes + 1) if not self.is_up(node)]
+        for node in started:
             self.start_node(node)
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            for node in started:
+                if self.is_up(node):
+                    self.kill(node)
+            raise
         return self.addresses
 
     def wait_ready(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:

@@ -6,6 +6,7 @@ import sys
 import threading
 
 import numpy as np
+import pytest
 
 from tests.conftest import wait_converged
 
@@ -172,3 +173,22 @@ def test_serve_names_a_port_in_use(tmp_path):
     finally:
         taken.close()
     assert done.returncode == 1 and f"127.0.0.1:{BASE + 161}" in one_line(done)
+
+
+def test_a_failed_cluster_start_leaves_no_node_running(tmp_path):
+    """Node 2 cannot bind its client port: start raises NodeExited naming it, and the nodes
+    that start launched are stopped, by PID, before it returns."""
+    import socket
+    from raftps.localcluster import LocalCluster, NodeExited
+    cl = LocalCluster(str(tmp_path / "run"), nodes=3, base_port=BASE + 60)
+    host, port = cl.addresses.split(",")[1].split(":")
+    taken = socket.socket()
+    try:
+        taken.bind((host, int(port)))
+        taken.listen()
+        with pytest.raises(NodeExited, match=r"node\(s\) \[2\] exited during start"):
+            cl.start(timeout=30.0)
+        assert [n for n in (1, 2, 3) if cl.is_up(n)] == []
+    finally:
+        taken.close()
+        cl.wipe()
