@@ -261,13 +261,24 @@ class DiLoCo:
             out.update(self._sync_async(f, params) if self.asynchronous else self._sync(f, params))
         return out
 
+    def _outgoing(self, f: int, params: Mapping[str, np.ndarray],
+                  scale: float = 1.0) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+        """Fragment ``f``'s pseudo-gradients by store name, times ``scale``, as they are sent
+        (fp16 with ``compress``), and their encoding (empty when sent as they are)."""
+        grads: dict[str, np.ndarray] = {}
+        encoding: dict[str, dict] = {}
+        for n in self.fragments[f]:
+            g = _pseudo_gradient(self.anchor[n], params[n], n)
+            if scale != 1:
+                np.multiply(g, g.dtype.type(scale), out=g)
+            if self.compress == "fp16":
+                g, encoding[self.store_name(n)] = encode_fp16(g)
+            grads[self.store_name(n)] = g
+        return grads, encoding
+
     def _sync(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self.fragments[f]
-        grads = {self.store_name(n): _pseudo_gradient(self.anchor[n], params[n], n) for n in names}
-        encoding: dict[str, dict] = {}
-        if self.compress == "fp16":
-            for name in grads:
-                grads[name], encoding[name] = encode_fp16(grads[name])
+        grads, encoding = self._outgoing(f, params)
         sent = sum(g.nbytes for g in grads.values())
         round_ = self.next_round[f]
         answer = self.client.push_step(grads, round_, self.world_size, job=self.groups[f], rank=self.rank,
@@ -288,14 +299,7 @@ class DiLoCo:
 
     def _sync_async(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self.fragments[f]
-        grads: dict[str, np.ndarray] = {}
-        encoding: dict[str, dict] = {}
-        for n in names:
-            g = _pseudo_gradient(self.anchor[n], params[n], n)
-            g = np.multiply(g, g.dtype.type(self.push_scale), out=g) if self.push_scale != 1 else g
-            if self.compress == "fp16":
-                g, encoding[self.store_name(n)] = encode_fp16(g)
-            grads[self.store_name(n)] = g
+        grads, encoding = self._outgoing(f, params, self.push_scale)
         sent = sum(g.nbytes for g in grads.values())
         count = np.zeros(len(self.fragments), np.float64)
         count[f] = -1.0                                  # the counter's sgd lr 1 adds one
