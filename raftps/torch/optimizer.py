@@ -35,13 +35,23 @@ class _Distributed:
 
     # ---- torch.optim.Optimizer's API --------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> int:
+    def step(self, closure: Any = None) -> Any:
         """Send this step's gradients with each param group's current hyperparameters (an LR
-        scheduler's lr among them) and bring the model up to date; returns the store version."""
-        if closure is not None:
-            raise ValueError("step(closure) is not supported: the store applies the step, so a closure could not be "
-                             "re-evaluated on its result; call loss.backward() before step()")
+        scheduler's lr among them) and bring the model up to date. As torch defines it, a
+        ``closure`` (Lightning's automatic optimization passes one: forward, zero_grad, backward)
+        is called once, with grad enabled, before the step, and its loss is returned; without
+        one, the store version the model now holds is returned."""
+        if closure is None:
+            return self._store_step()
+        if not callable(closure):
+            raise TypeError(f"step(closure): closure must be callable, got {type(closure).__name__}")
+        with torch.enable_grad():
+            loss = closure()
+        self._store_step()
+        return loss
+
+    @torch.no_grad()
+    def _store_step(self) -> int:
         if self._raftps.mode in DILOCO_MODES:     # the inner step is torch's own; the store's part is the round
             return self._raftps.step()
         hyper, lrs = {}, {}
