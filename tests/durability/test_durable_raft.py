@@ -219,6 +219,9 @@ def test_hook_acks_and_commits_only_durable_entries(tmp_path, batch, fixes, port
         journals.append(journal)
     try:
         commit_on_leader(boxes, 500)
+        deadline = time.monotonic() + 10        # a loaded machine may commit all 500 in fewer ticks
+        while checks[1] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert checks[0] >= 2 and checks[1] >= 3, checks           # acks sent, leader ticks checked
         assert not violations, violations[:5]
         fsyncs = sum(j.fsync_count for j in journals)
