@@ -302,6 +302,12 @@ def test_bad_input_is_refused_clearly_before_any_io(cluster):
     model = Net()
     with pytest.raises(ValueError, match="SGD, Adam, AdamW, Adagrad.*RMSprop.*diloco"):
         rpt.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), model=model, cluster=cluster.client())
+    class ClippingAdamW(torch.optim.AdamW):          # its own step(): the store would run AdamW's instead
+        def step(self, closure=None):
+            torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], 1.0)
+            return super().step(closure)
+    with pytest.raises(ValueError, match="ClippingAdamW defines its own step.*AdamW.*diloco"):
+        rpt.DistributedOptimizer(ClippingAdamW(model.parameters()), model=model, cluster=cluster.client())
     with pytest.raises(ValueError, match="lr_decay"):
         rpt.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr_decay=0.1), model=model,
                                  cluster=cluster.client())
