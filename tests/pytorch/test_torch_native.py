@@ -389,3 +389,22 @@ def test_step_hyperparameters_are_what_changed_and_fixed_options_stay():
                                            stored) == {"lr": 0.05}
     with pytest.raises(ValueError, match="amsgrad"):
         optimizers.step_hyperparameters(optimizers.store_spec(torch.optim.AdamW, {**group, "amsgrad": True}), stored)
+
+
+def test_clip_grad_norm_returns_torchs_norm_without_torch_2_6_apis(cluster, monkeypatch):
+    """pyproject declares torch>=2.1: sync mode's clip_grad_norm_ must not need
+    torch.nn.utils.get_total_norm (2.6+). Without it, it returns the norm torch's own
+    clip_grad_norm_ computes for the same gradients."""
+    monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
+    x, y = batches(1, seed=13)[0]
+    plain = Net()
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+    model = Net()
+    with rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",
+                                  prefix="native-norm") as opt:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        got = opt.clip_grad_norm_(CLIP)
+        opt.step()
+        assert got.item() == pytest.approx(want.item(), rel=1e-6) and want.item() > CLIP
+        assert opt.last_grad_norm == pytest.approx(want.item(), rel=1e-5)
