@@ -312,7 +312,8 @@ class Worker:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
             src = torch.from_numpy(values)
-        slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.dtype))
+        # rows and values onto the parameter's device (a GPU table takes no host tensor)
+        slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.device, slot.tensor.dtype))
         return version
 
     @torch.no_grad()
@@ -415,8 +416,9 @@ class Worker:
         for name, g in self._pending.items():
             if g.is_sparse:                        # row indices + rows; the store updates those rows only
                 g = g.coalesce()
-                self._touched[name] = g.indices()[0]
-                parts, enc = codecs.encode_rows(name, g.indices()[0].numpy(),
+                rows = g.indices()[0].cpu()          # numpy reads host memory only (a GPU table's too)
+                self._touched[name] = rows
+                parts, enc = codecs.encode_rows(name, rows.numpy(),
                                                 _as_numpy(g.values(), self._dtypes[name]))
                 grads.update(parts)
                 encoding.update(enc)

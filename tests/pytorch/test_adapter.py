@@ -234,6 +234,35 @@ def test_sparse_embedding_push_changes_exactly_the_rows_looked_up(cluster, spec)
         assert torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
 
 
+def train_sparse_async(cluster, device: str, prefix: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A sparse embedding on ``device`` trained 5 steps in async mode (pushed by rows, the touched
+    rows pulled back by rows) and the same model trained by torch.optim.SGD on the CPU."""
+    g = torch.Generator().manual_seed(4)
+    data = [torch.randint(0, 5000, (4, 6), generator=g) for _ in range(5)]
+
+    def loop(model: torch.nn.Module, opt: torch.optim.Optimizer, on: str) -> None:
+        for tokens in data:
+            opt.zero_grad()
+            model(tokens.to(on)).pow(2).mean().backward()
+            opt.step()
+    want = Bag()
+    loop(want, torch.optim.SGD(want.parameters(), lr=0.5), "cpu")
+    got = Bag().to(device)
+    with rpt.DistributedOptimizer(torch.optim.SGD(got.parameters(), lr=0.5), model=got, cluster=cluster.client(),
+                                  mode="async", prefix=prefix) as opt:
+        loop(got, opt, device)
+    return got, want
+
+
+def test_sparse_embedding_async_equals_torch_sgd(cluster):
+    """The row-sparse push and the pull by rows (the path a GPU model takes too: test_cuda.py)
+    train as torch.optim.SGD on the same sparse gradients."""
+    got, want = train_sparse_async(cluster, "cpu", "sparse-vs-torch")
+    assert (want.emb.weight - Bag().emb.weight).abs().max() > 1e-3        # it trained
+    for p, q in zip(got.parameters(), want.parameters()):
+        assert (p.detach().cpu() - q).abs().max().item() < 1e-6
+
+
 def test_close_pushes_the_steps_not_pushed_yet(cluster):
     """Downpour with n_push 3: 5 steps are two pushes (3 + the 2 that close() flushes), and the
     step counter says 5, so a resumed worker neither loses nor repeats them."""
