@@ -197,7 +197,7 @@ class Worker:
                 self.counters = {g: jobs.step_counter(prefix, self.rank, g, groups) for g in held}
             try:
                 self._create()
-            except PermissionDenied as refused:   # a `write` identity trains tensors an admin created
+            except PermissionDenied as refused:   # a `read` identity, or a prefix outside its grants
                 self._create_refused = refused
             self.ssp = (SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout)
                         if mode == "ssp" else None)
@@ -258,7 +258,7 @@ class Worker:
             if refused is None:
                 raise
             raise PermissionDenied(f"{exc}: this identity may not create the job's tensors ({refused}); "
-                                   f"a first run needs admin on {self.prefix + '/'!r}") from None
+                                   f"a first run needs write on {self.prefix + '/'!r}") from None
         except PermissionDenied as exc:
             raise (refused or exc) from None                 # the create's refusal says more
         self._install(result["tensors"], result["version"])
