@@ -16,6 +16,7 @@ import raftps.torch as rpt  # noqa: E402
 from raftps import InvalidOptimizer  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
+from tests.pytorch.compare import max_diff, state_diff  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
 
 BASE_PORT = 23000
@@ -49,9 +50,12 @@ def loss_fn(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data, world: int = 2) -> list:
-    """``world`` sync workers in threads, each on its 1/world of every batch; their models."""
+def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data,
+                     world: int = 2) -> tuple[list, list[dict]]:
+    """``world`` sync workers in threads, each on its 1/world of every batch; their models and
+    their optimizers' state_dicts."""
     models = [copy.deepcopy(model) for _ in range(world)]
+    states: list[dict] = [{}] * world
 
     def worker(rank: int) -> None:
         with rpt.DistributedOptimizer(models[rank], cluster=cluster.client(), optimizer=spec, mode="sync",
@@ -62,8 +66,9 @@ def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, d
                 opt.zero_grad()
                 loss_fn(models[rank], x[part], y[part]).backward()
                 opt.step()
+            states[rank] = opt.state_dict()
     run_ranks(world, worker, timeout=120)
-    return models
+    return models, states
 
 
 @pytest.mark.parametrize("spec,reference", [
@@ -79,11 +84,13 @@ def test_sync_two_workers_equal_one_process_with_torch_optim(cluster, spec, refe
         opt.zero_grad()
         loss_fn(local, x, y).backward()
         opt.step()
-    workers = run_sync_workers(cluster, model, spec, f"parity-{spec['name']}", data)
+    workers, states = run_sync_workers(cluster, model, spec, f"parity-{spec['name']}", data)
     for name, p in local.named_parameters():
         for w in workers:
             diff = (dict(w.named_parameters())[name] - p).abs().max().item()
             assert diff < 1e-5, f"{spec['name']}: {name} differs by {diff} after {STEPS} steps"
+    for state in states:                        # momentum's velocity, Adam's m, v and step: torch's
+        assert state_diff(state, opt.state_dict()) < 1e-5, spec["name"]
     # Not trivially equal: the parameters moved.
     assert max((p - q).abs().max().item() for p, q in zip(local.parameters(), model.parameters())) > 1e-3
 
@@ -145,26 +152,38 @@ def test_half_precision_parameters_are_kept_in_float32_and_cast_back(cluster):
         assert dtypes == {"float32"}
 
 
-def test_batchnorm_running_stats_are_averaged_through_the_store(cluster):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
-    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01},
-                                  prefix="bn") as opt:
-        x = torch.randn(64, 4) * 3 + 5
-        for _ in range(5):
+def test_batchnorm_running_stats_go_through_the_store_as_torch_keeps_them(cluster):
+    """Async, one worker pulling every step: the running statistics (pushed as their drift, added
+    by the store) and the parameters equal plain torch's SGD loop, and the store holds them; a
+    fresh replica starts from the store's statistics. (Sync mode, K = 1 and 2: test_batchnorm.py.)"""
+    def bn_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+    g = torch.Generator().manual_seed(6)
+    data = [torch.randn(64, 4, generator=g) * 3 + 5 for _ in range(5)]
+
+    def loop(model, opt):
+        for x in data:
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
-        mean_local = model[1].running_mean.clone()
+    want = bn_model()
+    loop(want, torch.optim.SGD(want.parameters(), lr=0.01))
+    model = bn_model()
+    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01},
+                                  prefix="bn") as opt:
+        loop(model, opt)
+    assert max_diff(model, want) < 1e-5
+    assert float(want[1].running_mean.abs().max()) > 0.1      # it moved from zeros
     with cluster.client() as c:
-        stored, _ = c.pull(["bn/1.running_mean"])
-    np.testing.assert_array_equal(stored["bn/1.running_mean"], mean_local.numpy())
-    assert float(mean_local.abs().max()) > 0.1      # it moved from zeros
+        stored, _ = c.pull(["bn/1.running_mean", "bn/1.running_var"])
+    np.testing.assert_array_equal(stored["bn/1.running_mean"], model[1].running_mean.numpy())
+    np.testing.assert_array_equal(stored["bn/1.running_var"], model[1].running_var.numpy())
     # A fresh replica starts from the store's running statistics.
     fresh = copy.deepcopy(model)
     fresh[1].reset_running_stats()
     rpt.DistributedOptimizer(fresh, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01}, prefix="bn").close()
-    assert torch.equal(fresh[1].running_mean, mean_local)
+    assert torch.equal(fresh[1].running_mean, model[1].running_mean)
 
 
 def test_bad_arguments_are_refused_before_anything_is_created(cluster):

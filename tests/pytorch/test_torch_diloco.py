@@ -14,7 +14,8 @@ from raftps import jobs  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
-from tests.pytorch.test_torch_native import Net, batches, max_diff  # noqa: E402
+from tests.pytorch.compare import max_diff  # noqa: E402
+from tests.pytorch.test_torch_native import Net, batches  # noqa: E402
 
 BASE_PORT = 23500
 H, ROUNDS, WORLD = 3, 2, 2
