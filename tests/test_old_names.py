@@ -17,7 +17,7 @@ from raftps.machine import TensorStore
 
 F32 = np.float32
 SNAPSHOT = pathlib.Path(__file__).parent / "data" / "old_names_snapshot.bin"
-BASE_PORT = 26300        # one node: raft 26301, client 26401, data plane 26501
+BASE_PORT = 18400        # one node: raft 18401, client 18501, data plane 18601
 OLD_DIGEST = "347ca2977042ff88e0f7cfb520f4864e993b9016d21a39fa9a0c078210746dac"
 
 

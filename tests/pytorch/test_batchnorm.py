@@ -20,7 +20,7 @@ from tests.conftest import start_cluster  # noqa: E402
 from tests.pytorch.compare import max_diff, state_diff  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
 
-BASE_PORT = 26100
+BASE_PORT = 18100
 STEPS = 10
 BATCH = 16
 CLIP = 0.5
