@@ -25,8 +25,8 @@ job's tensors created and resumed, and each mode's pushes and pulls.
   weights. Other dtypes are refused.
 - Buffers (BatchNorm's running statistics): floating buffers are averaged over the workers
   through the store: each worker adds its change since its last pull (divided by the world size
-  in async modes; sync steps average it) to a tensor with the ``elastic`` rule, and every pull
-  brings the store's value back. Integer buffers (``num_batches_tracked``) stay local.
+  in async modes; sync steps average it, and their clipping leaves it out: aggregate.py) to a
+  tensor with the ``elastic`` rule, and every pull brings the store's value back. Integer buffers (``num_batches_tracked``) stay local.
 - Sparse gradients (``nn.Embedding(sparse=True)``) are pushed row-sparse: the store applies the
   optimizer to the touched rows only. Sync mode densifies them (a step averages dense tensors).
 - Parameters on a GPU: gradients go to the host through pinned buffers with non-blocking copies
