@@ -178,9 +178,7 @@ class StepAggregator:
         if s.hyper is not None:
             command["hyper"] = s.hyper
         if s.clip_norm is not None and s.count:
-            scale, s.grad_norm = clip_scale(s.sums, s.count, s.clip_norm)
-            if scale < 1.0:
-                command["scale"] = scale
+            self._clip(s)
         try:
             s.result = self.node.submit(command, s.sums, payload_name=f"step_{secrets.token_hex(8)}-{s.step}",
                                         on_applied=self._reader(s.names) if s.pullers else None)
@@ -199,6 +197,21 @@ class StepAggregator:
             for o in older:
                 self._abandon(o, f"a later step ({s.step}) was applied first")
             s.done.set()
+
+    def _clip(self, s: _Step) -> None:
+        """Clip the step's mean gradient as torch.nn.utils.clip_grad_norm_ clips the parameters'
+        gradients: the norm over the gradients only, and the factor applied to them alone. The
+        ``elastic`` tensors a step carries (a model's running statistics: their drift, averaged
+        and added) are no gradients: never in the norm, never scaled. The leader scales the sums
+        itself, so the entry carries the clipped sums as bits and every replica (of any version)
+        applies them alike."""
+        elastic = self.node.read_locked(lambda machine: {name for name in s.names if name in machine.tensors
+                                                         and machine.tensors[name].optimizer["name"] == "elastic"})
+        gradients = {name: total for name, total in s.sums.items() if name not in elastic}
+        scale, s.grad_norm = clip_scale(gradients, s.count, s.clip_norm)
+        if scale < 1.0:
+            for name, total in gradients.items():
+                s.sums[name] = total * total.dtype.type(scale)
 
     def _reader(self, names: list[str]) -> Any:
         """Called in the log's thread right after the step's entry applied: the step's tensors as
@@ -274,9 +287,8 @@ def _refusal_error(refusal: dict) -> RaftpsError:
 
 def clip_scale(sums: dict[str, np.ndarray], count: int, max_norm: float) -> tuple[float, float]:
     """(the factor that clips the step's mean gradient to ``max_norm``, the mean's L2 norm over
-    every tensor of the step), as torch.nn.utils.clip_grad_norm_ computes them. Taken on the
-    leader and replicated as a number, so replicas never compute a norm (a reduction's order is
-    not the same on every machine)."""
+    the gradients in ``sums``), as torch.nn.utils.clip_grad_norm_ computes them. Taken on the leader
+    only, so replicas never compute a norm (a reduction's order is not the same on every machine)."""
     squares = 0.0
     for name in sorted(sums):
         flat = sums[name].reshape(-1).astype(np.float64)

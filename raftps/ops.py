@@ -70,8 +70,9 @@ _RECORDS = [
                                          NAME_PATTERN), True), "state": (Bool(), False)}),
        "read", ("prefix",), "_export"),                     # every tensor under the prefix
     # ---- writes through Raft ----
+    # create, assign and assign_state need `write`: a job creates and seeds its own tensors (rbac.py)
     Op("create", request_record({**WRITE, "tensors": (TENSORS, True), "optimizer": (MapOf(NAME, OPTIMIZER), False)}),
-       "admin", ("tensors", "optimizer"), "_write", apply="_create"),
+       "write", ("tensors", "optimizer"), "_write", apply="_create"),
     Op("push", request_record({**WRITE, "tensors": (TENSORS, True), "base_version": (VERSION, False),
                         "encoding": (ENCODING, False), "ssp": (SSP, False), "hyper": (HYPER, False)}),
        "write", ("tensors", "ssp"), "_write", apply="_push", renamed=(("ssp.group", "ssp.ssp_group"),)),
@@ -85,11 +86,11 @@ _RECORDS = [
                              "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False),
                              "encoding": (ENCODING, False)}),
        "write", ("tensors", "job"), "_push_step", apply="_step", entry="step", renamed=_JOB),
-    Op("assign", request_record({**WRITE, "tensors": (TENSORS, True)}), "admin", ("tensors",), "_write", apply="_assign"),
+    Op("assign", request_record({**WRITE, "tensors": (TENSORS, True)}), "write", ("tensors",), "_write", apply="_assign"),
     # optimizer state: as an assign of the tensors; its arrays are named by part ("0", "0.m", ...)
     Op("assign_state", request_record({**WRITE, "records": (ListOf(STATE_RECORD, min_len=1, max_len=4096), True),
                                 "tensors": (MapOf(STATE_PART, Array(), min_len=1), True)}),
-       "admin", ("records",), "_parts_write", apply="_assign_state"),
+       "write", ("records",), "_parts_write", apply="_assign_state"),
     Op("delete", request_record({**WRITE, "names": (ListOf(NAME, min_len=1), True)}), "admin", ("names",), "_write",
        apply="_delete"),
     Op("close_step", request_record({**WRITE, "step": (Int(0), True), "job": (JOB, False)}),

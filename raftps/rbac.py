@@ -4,9 +4,12 @@ etcd's RBAC, with prefixes for key ranges).
 Roles, each including the ones before it:
 
     read    pull, pull_rows, tensors, sync_applied, wait_step, ssp_wait (placement: any token, filtered)
-    write   push, push_sync, push_step, close_step, ssp_join, ssp_leave, ssp_drop
-    admin   create, assign, delete, a move's steps (moves.py), and any op without an entry in NEEDS
-            (fail closed)
+    write   push, push_sync, push_step, close_step, ssp_join, ssp_leave, ssp_drop, and create,
+            assign, assign_state: a training job creates its tensors and seeds them (a torch
+            state_dict) under its own prefix. A push can already drive a tensor it may write to
+            any value, so setting values adds no power; create never changes a tensor that exists.
+    admin   delete, a move's steps (moves.py), and any op without an entry in NEEDS (fail closed);
+            with admin on every name: snapshot, member
 
 An identity holds grants ``(prefix, role)``; its role on a name is the highest role among grants
 whose prefix starts the name. An op that names tensors is checked for every name it carries (a

@@ -1,5 +1,6 @@
 """Fields renamed when "group" stopped meaning three things (a Raft group, a job, an SSP group):
-a log entry, a snapshot or a client of before applies, restores and is answered as today.
+a log entry, a snapshot or a client of before (over a real socket, to a real node) applies,
+restores and is answered as today.
 
 ``data/old_names_snapshot.bin`` is the snapshot that the code of before the renaming (main at
 c91e5e0) wrote after applying ``entries(old=True)``: made with that checkout's raftps first on
@@ -16,6 +17,7 @@ from raftps.machine import TensorStore
 
 F32 = np.float32
 SNAPSHOT = pathlib.Path(__file__).parent / "data" / "old_names_snapshot.bin"
+BASE_PORT = 18400        # one node: raft 18401, client 18501, data plane 18601
 OLD_DIGEST = "347ca2977042ff88e0f7cfb520f4864e993b9016d21a39fa9a0c078210746dac"
 
 
@@ -121,21 +123,22 @@ def test_both_names_with_one_value_are_taken_as_one():
     assert store.digest() == twin.digest()
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One real node: a client of before speaks to it over a TCP socket, as it did."""
+    from tests.conftest import start_cluster
+    cl = start_cluster(tmp_path_factory.mktemp("old-names") / "run", BASE_PORT, nodes=1)
+    yield cl
+    cl.wipe()
+
+
 @pytest.fixture
-def client(tmp_path):
-    """A Client of a one-member store over the in-process transport (test_client_parts.py's)."""
-    from raftps.client import in_process_client
-    from raftps.node import NodeConfig, RaftNode
-    from raftps.raft.memory import MemoryLog
-    from raftps.server import ClientServer
-    config = NodeConfig(node_id=1, peers=["127.0.0.1:33760"], data_dir=str(tmp_path / "n1"), secret=b"")
-    node = RaftNode(config, log_factory=MemoryLog)
-    server = ClientServer(node, *config.bind(config.client_offset))
-    server.close()
-    with in_process_client({config.address(1, config.client_offset): server}, timeout=10.0) as c:
-        c.create("w", np.zeros(4, F32), {"name": "sgd", "lr": 1.0})
+def client(cluster):
+    """A Client over a real socket; each test names its own tensor, jobs and SSP groups."""
+    with cluster.client(timeout=10.0) as c:
+        for name in ("w", "w2"):
+            c.create(name, np.zeros(4, F32), {"name": "sgd", "lr": 1.0})
         yield c
-    node.stop()
 
 
 def test_a_client_of_before_is_served_and_two_values_under_two_names_are_refused(client):
@@ -165,13 +168,13 @@ def test_a_client_of_before_is_served_and_two_values_under_two_names_are_refused
 
 def test_a_public_keyword_of_before_works_with_a_deprecation_warning(client):
     with pytest.warns(DeprecationWarning, match=r"push_sync_result\(group=...\) is deprecated: pass job=..."):
-        assert client.push_sync_result({"w": np.ones(4, F32)}, 0, 1, group="jobA")["applied"]
+        assert client.push_sync_result({"w2": np.ones(4, F32)}, 0, 1, group="jobD")["applied"]
     with pytest.warns(DeprecationWarning, match="pass ssp_group="):
-        assert client.ssp_join(group="sspA", worker="a", staleness=None) == 0
+        assert client.ssp_join(group="sspD", worker="a", staleness=None) == 0
     with pytest.warns(DeprecationWarning):
-        assert client.sync_applied(group="jobA") == 0
+        assert client.sync_applied(group="jobD") == 0
     with pytest.raises(TypeError, match="got both group= .* and job="):
-        client.close_step(1, group="jobA", job="jobA")
+        client.close_step(1, group="jobD", job="jobD")
 
 
 def main(out: str) -> None:

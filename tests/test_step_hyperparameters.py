@@ -65,11 +65,24 @@ def test_step_entry_with_a_bad_scale_is_refused():
     assert log.store.tensors["w"].version == 0
 
 
-def test_clip_scale_is_torchs_clip_grad_norm():
-    sums = {"a": np.array([6.0, 8.0], F32), "b": np.array([0.0], F32)}     # mean (3, 4, 0): norm 5
-    scale, norm = clip_scale(sums, 2, 1.0)
-    assert norm == 5.0 and scale == 1.0 / (5.0 + 1e-6)
-    assert clip_scale(sums, 2, 10.0) == (1.0, 5.0)
+@pytest.mark.parametrize("max_norm", [0.3, 100.0])
+def test_clip_scale_is_torchs_clip_grad_norm(max_norm):
+    """The step's clipping against torch.nn.utils.clip_grad_norm_ on the mean of the same two
+    contributions: the same total norm, and the scaled mean equals torch's clipped gradients
+    (max_norm 0.3 clips, 100 does not)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    contributions = [{"a": rng.normal(size=(3, 4)).astype(F32), "b": rng.normal(size=5).astype(F32)} for _ in range(2)]
+    sums = {name: contributions[0][name] + contributions[1][name] for name in ("a", "b")}
+    scale, norm = clip_scale(sums, 2, max_norm)
+    params = {name: torch.nn.Parameter(torch.zeros(sums[name].shape)) for name in sums}
+    for name, p in params.items():
+        p.grad = (torch.from_numpy(contributions[0][name]) + torch.from_numpy(contributions[1][name])) / 2
+    want_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+    assert norm == pytest.approx(want_norm.item(), rel=1e-6)
+    assert (scale < 1.0) == (max_norm < norm)
+    for name, p in params.items():
+        np.testing.assert_allclose(sums[name] / 2 * F32(scale), p.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def _adam_state(step=3, fill=0.5):

@@ -67,9 +67,11 @@ def parser() -> argparse.ArgumentParser:
                    help="diloco: sync F parts of the model, each every H steps at staggered offsets (streaming)")
     t.add_argument("--diloco-async", action="store_true",
                    help="diloco: the store applies each worker's pseudo-gradient on arrival (staleness-aware lr)")
-    t.add_argument("--outer-lr", type=float, default=0.7, help="diloco: the store's outer learning rate")
-    t.add_argument("--outer-momentum", type=float, default=0.9,
-                   help="diloco: the outer Nesterov momentum (0: plain SGD; with --outer-lr 1: averaging)")
+    t.add_argument("--outer-lr", type=float, default=None,
+                   help="diloco: the store's outer learning rate (default 0.7; with --diloco-async 1.0)")
+    t.add_argument("--outer-momentum", type=float, default=None,
+                   help="diloco: the outer Nesterov momentum (0: plain SGD; with --outer-lr 1: averaging); "
+                        "default 0.9; with --diloco-async 0 (averaging: Nesterov diverges when rounds apply on arrival)")
     t.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead worker")
     t.add_argument("--max-time", type=float, default=1800.0, help="abort the run after this many seconds")
     t.add_argument("--evals-per-epoch", type=int, default=2)
@@ -109,10 +111,8 @@ def demo(args: argparse.Namespace) -> int:
         print("demo: cluster stopped", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.command == "demo":
-        return demo(args)
+def config(args: argparse.Namespace) -> Config:
+    """The run's Config from ``train``'s arguments (the parser's error, and exit, on a bad combination)."""
     if args.kill_leader_at is not None and not args.run_dir:
         parser().error("--kill-leader-at needs --run-dir (where the cluster's pid files are)")
     if args.workers < 1 or args.batch < 1 or args.epochs < 1 or args.n_fetch < 1 or args.n_push < 1 \
@@ -127,17 +127,24 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(exc))
     if args.mode == "sync" and not args.local and args.batch % args.workers:
         parser().error(f"sync mode needs --batch ({args.batch}) divisible by --workers ({args.workers})")
-    cfg = Config(cluster=args.cluster, local=args.local, mode=args.mode, workers=args.workers, model=args.model,
-                 hidden=args.hidden, dataset=args.dataset, epochs=args.epochs, steps=args.steps, batch=args.batch,
-                 optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                 staleness_aware=args.staleness_aware, adarevision_window=args.adarevision_window,
-                 staleness=args.staleness, ssp_on_bound=args.ssp_on_bound, ssp_timeout=args.ssp_timeout,
-                 easgd_alpha=args.easgd_alpha, compress=args.compress,
-                 n_fetch=args.n_fetch, n_push=args.n_push, warmup=args.warmup, fresh_pull=args.fresh_pull, step_timeout=args.step_timeout,
-                 sync_every=args.sync_every, fragments=args.fragments, diloco_async=args.diloco_async,
-                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                 max_restarts=args.max_restarts, max_time=args.max_time, evals_per_epoch=args.evals_per_epoch,
-                 prefix=args.prefix, out=args.out, kill_leader_at=args.kill_leader_at, run_dir=args.run_dir)
+    return Config(cluster=args.cluster, local=args.local, mode=args.mode, workers=args.workers, model=args.model,
+                  hidden=args.hidden, dataset=args.dataset, epochs=args.epochs, steps=args.steps, batch=args.batch,
+                  optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                  staleness_aware=args.staleness_aware, adarevision_window=args.adarevision_window,
+                  staleness=args.staleness, ssp_on_bound=args.ssp_on_bound, ssp_timeout=args.ssp_timeout,
+                  easgd_alpha=args.easgd_alpha, compress=args.compress,
+                  n_fetch=args.n_fetch, n_push=args.n_push, warmup=args.warmup, fresh_pull=args.fresh_pull, step_timeout=args.step_timeout,
+                  sync_every=args.sync_every, fragments=args.fragments, diloco_async=args.diloco_async,
+                  outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                  max_restarts=args.max_restarts, max_time=args.max_time, evals_per_epoch=args.evals_per_epoch,
+                  prefix=args.prefix, out=args.out, kill_leader_at=args.kill_leader_at, run_dir=args.run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "demo":
+        return demo(args)
+    cfg = config(args)
     from .run import train
     summary = train(cfg)
     print(json.dumps({k: summary[k] for k in ("mode", "final_test_acc", "updates", "wall_s", "worker_restarts",

@@ -40,8 +40,9 @@ class Config:
     sync_every: int = 20                # diloco: inner steps per round (H)
     fragments: int = 1                  # diloco: fragments synced at staggered offsets (streaming)
     diloco_async: bool = False          # diloco: apply each worker's pseudo-gradient on arrival
-    outer_lr: float = 0.7               # diloco: the store's outer step (Nesterov momentum SGD) ...
-    outer_momentum: float = 0.9         # ... 0: plain SGD (with outer_lr 1.0: averaging)
+    outer_lr: float | None = None       # diloco: the store's outer step (Nesterov momentum SGD) ...
+    outer_momentum: float | None = None # ... 0: plain SGD (with outer_lr 1.0: averaging); None: the
+                                        # library's default for the mode (raftps/diloco.py)
     client_timeout: float = 30.0
     max_restarts: int = 3               # per worker
     max_time: float = 1800.0            # the whole run, in seconds
@@ -63,10 +64,16 @@ class Config:
         return self.local_spec()
 
     def outer_spec(self) -> dict:
-        """DiLoCo's outer optimizer, applied by the store to the pseudo-gradients."""
-        if self.outer_momentum == 0:
-            return {"name": "sgd", "lr": self.outer_lr}
-        return {"name": "momentum", "lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": True}
+        """DiLoCo's outer optimizer, applied by the store to the pseudo-gradients: what is not given
+        is raftps.diloco's default for the mode (synchronous: the paper's Nesterov momentum, lr 0.7,
+        momentum 0.9; asynchronous: plain averaging, lr 1.0, as Nesterov diverges there)."""
+        from raftps.diloco import ASYNC_DEFAULT_OUTER, DEFAULT_OUTER
+        default = ASYNC_DEFAULT_OUTER if self.diloco_async else DEFAULT_OUTER
+        lr = default["lr"] if self.outer_lr is None else self.outer_lr
+        momentum = default.get("momentum", 0.0) if self.outer_momentum is None else self.outer_momentum
+        if momentum == 0:
+            return {"name": "sgd", "lr": lr}
+        return {"name": "momentum", "lr": lr, "momentum": momentum, "nesterov": True}
 
     def local_spec(self) -> dict:
         """The update rule itself: the store's for async/sync/ssp, each EASGD and DiLoCo worker's own."""

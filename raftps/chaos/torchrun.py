@@ -4,7 +4,9 @@ are SIGKILLed: the fault case behind the PyTorch demo and its test.
 torchrun (``python -m torch.distributed.run``) runs in a session of its own; its workers are its
 direct children. A killed worker makes torchrun stop the others and start the worker group again
 (``--max-restarts``); every new worker resumes from the store (``DistributedOptimizer.start_step``).
-Every process started here is stopped by PID on exit.
+Every process started here is stopped by PID on exit. ``PerRankJob`` (one process per rank,
+each restarted alone) is how users launch such a job: it lives in raftps/launch.py and is
+imported here under its old name too.
 """
 from __future__ import annotations
 
@@ -17,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from raftps import Client, UnknownTensor, jobs
+from raftps.launch import PerRankJob, wait_for_exit
 from raftps.localcluster import LocalCluster
 
 from .harness import children
+
+__all__ = ["PerRankJob", "TorchrunJob", "KillRun", "steps_done", "train_through_kills"]
 
 
 class TorchrunJob:
@@ -59,7 +64,7 @@ class TorchrunJob:
 
     def wait(self, timeout: float) -> int | None:
         """torchrun's exit code, or None if it still runs after ``timeout``."""
-        return _wait(self, timeout)
+        return wait_for_exit(self, timeout)
 
     def stop(self) -> None:
         self.workers()
@@ -70,68 +75,6 @@ class TorchrunJob:
                 pass
         self.proc.wait(10)
         self.log.close()
-
-
-class PerRankJob:
-    """One process per rank (RANK and WORLD_SIZE set), each supervised on its own: a rank that
-    dies by a signal is started again alone, at most ``restarts`` times in all, while the others
-    keep training (they share no process group: the store is their only meeting point). The
-    same interface as TorchrunJob."""
-
-    def __init__(self, argv: Sequence[str], ranks: int, env: dict[str, str], log_dir: str, restarts: int = 3):
-        self.argv, self.ranks, self.env, self.log_dir, self.restarts = list(argv), ranks, env, log_dir, restarts
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.restarted: list[tuple[float, int]] = []     # (unix time, rank) of every restart
-        for r in range(ranks):
-            self._start(r)
-
-    def _start(self, rank: int) -> None:
-        with open(os.path.join(self.log_dir, f"rank{rank}.log"), "ab") as log:
-            self.procs[rank] = subprocess.Popen(
-                self.argv, env={**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.ranks)},
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def workers(self) -> list[int]:
-        return sorted(p.pid for p in self.procs.values() if p.poll() is None)
-
-    def kill_worker(self, rank: int | None = None) -> int:
-        """SIGKILL one rank's process (the last rank by default); poll() starts it again."""
-        proc = self.procs[self.ranks - 1 if rank is None else rank]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        return proc.pid
-
-    def poll(self) -> int | None:
-        """Restart the ranks killed by a signal (while restarts remain); None while any rank runs,
-        else 0 if every rank exited 0, else the first other exit code."""
-        for rank, proc in sorted(self.procs.items()):
-            if proc.poll() is not None and proc.returncode < 0 and self.restarts > 0:
-                self.restarts -= 1
-                self.restarted.append((time.time(), rank))
-                self._start(rank)
-        codes = [p.poll() for _, p in sorted(self.procs.items())]
-        if any(c is None for c in codes):
-            return None
-        return next((c for c in codes if c != 0), 0)
-
-    def wait(self, timeout: float) -> int | None:
-        return _wait(self, timeout)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _wait(job: "TorchrunJob | PerRankJob", timeout: float) -> int | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        code = job.poll()
-        if code is not None:
-            return code
-        time.sleep(0.2)
-    return None
 
 
 def steps_done(client: Client, prefix: str, ranks: int, sync_every: int | None = None) -> int:

@@ -139,8 +139,7 @@ class _Distributed:
         if self._raftps.mode != "sync":
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         self._raftps_clip = float(max_norm)
-        grads = [p.grad for p in params if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+        return _total_norm([p.grad for p in params if p.grad is not None])
 
     def flush(self) -> None:
         """Push the gradients of steps not pushed yet (async with n_push > 1); close() does."""
@@ -181,6 +180,15 @@ class _Distributed:
 
     def _group_names(self) -> list[list[str]]:
         return self._raftps_names
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``grads`` together (the L2 norm of their norms), as
+    torch.nn.utils.clip_grad_norm_ returns it, with what torch 2.1 has (get_total_norm is 2.6+)."""
+    if not grads:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
 def _shorthand_spec(stored: dict, group: dict) -> dict:

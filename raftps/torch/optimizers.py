@@ -24,12 +24,20 @@ def store_spec(torch_class: type, group: dict) -> dict:
     """The store optimizer spec that runs ``group`` of a ``torch_class`` optimizer (normalized),
     or ValueError naming what the store cannot run."""
     name = torch_class.__name__
-    base = next((c.__name__ for c in torch_class.__mro__ if c.__name__ in SUPPORTED
-                 and c.__module__.startswith("torch.optim")), None)
-    if base is None:
+    mro = torch_class.__mro__
+    at = next((i for i, c in enumerate(mro)
+               if c.__name__ in SUPPORTED and c.__module__.startswith("torch.optim")), None)
+    if at is None:
         raise ValueError(f"the store runs torch.optim.{', '.join(SUPPORTED)} (and their options); {name} is not "
                          "one of them: wrap one of those, or use mode='diloco', where any torch optimizer runs "
                          "locally")
+    base = mro[at].__name__
+    # a subclass's own step() would never run: the store applies the base class's update
+    own_step = next((c.__name__ for c in mro[:at] if "step" in vars(c)), None)
+    if own_step is not None:
+        raise ValueError(f"{own_step} defines its own step(), which the store cannot run (it would apply "
+                         f"torch.optim.{base}'s update instead); wrap torch.optim.{base} itself, or use "
+                         "mode='diloco', where the torch optimizer's own step runs locally")
     for key, allowed in _REFUSED_IF_SET.items():
         if key in group and group[key] != allowed:
             raise ValueError(f"{name}: option {key}={group[key]!r} is not supported by the store (only {allowed!r})")

@@ -25,8 +25,8 @@ job's tensors created and resumed, and each mode's pushes and pulls.
   weights. Other dtypes are refused.
 - Buffers (BatchNorm's running statistics): floating buffers are averaged over the workers
   through the store: each worker adds its change since its last pull (divided by the world size
-  in async modes; sync steps average it) to a tensor with the ``elastic`` rule, and every pull
-  brings the store's value back. Integer buffers (``num_batches_tracked``) stay local.
+  in async modes; sync steps average it, and their clipping leaves it out: aggregate.py) to a
+  tensor with the ``elastic`` rule, and every pull brings the store's value back. Integer buffers (``num_batches_tracked``) stay local.
 - Sparse gradients (``nn.Embedding(sparse=True)``) are pushed row-sparse: the store applies the
   optimizer to the touched rows only. Sync mode densifies them (a step averages dense tensors).
 - Parameters on a GPU: gradients go to the host through pinned buffers with non-blocking copies
@@ -197,7 +197,7 @@ class Worker:
                 self.counters = {g: jobs.step_counter(prefix, self.rank, g, groups) for g in held}
             try:
                 self._create()
-            except PermissionDenied as refused:   # a `write` identity trains tensors an admin created
+            except PermissionDenied as refused:   # a `read` identity, or a prefix outside its grants
                 self._create_refused = refused
             self.ssp = (SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout)
                         if mode == "ssp" else None)
@@ -258,7 +258,7 @@ class Worker:
             if refused is None:
                 raise
             raise PermissionDenied(f"{exc}: this identity may not create the job's tensors ({refused}); "
-                                   f"a first run needs admin on {self.prefix + '/'!r}") from None
+                                   f"a first run needs write on {self.prefix + '/'!r}") from None
         except PermissionDenied as exc:
             raise (refused or exc) from None                 # the create's refusal says more
         self._install(result["tensors"], result["version"])
@@ -312,7 +312,8 @@ class Worker:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
             src = torch.from_numpy(values)
-        slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.dtype))
+        # rows and values onto the parameter's device (a GPU table takes no host tensor)
+        slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.device, slot.tensor.dtype))
         return version
 
     @torch.no_grad()
@@ -415,8 +416,9 @@ class Worker:
         for name, g in self._pending.items():
             if g.is_sparse:                        # row indices + rows; the store updates those rows only
                 g = g.coalesce()
-                self._touched[name] = g.indices()[0]
-                parts, enc = codecs.encode_rows(name, g.indices()[0].numpy(),
+                rows = g.indices()[0].cpu()          # numpy reads host memory only (a GPU table's too)
+                self._touched[name] = rows
+                parts, enc = codecs.encode_rows(name, rows.numpy(),
                                                 _as_numpy(g.values(), self._dtypes[name]))
                 grads.update(parts)
                 encoding.update(enc)

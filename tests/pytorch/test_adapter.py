@@ -16,6 +16,7 @@ import raftps.torch as rpt  # noqa: E402
 from raftps import InvalidOptimizer  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
+from tests.pytorch.compare import max_diff, state_diff  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
 
 BASE_PORT = 23000
@@ -49,9 +50,12 @@ def loss_fn(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data, world: int = 2) -> list:
-    """``world`` sync workers in threads, each on its 1/world of every batch; their models."""
+def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data,
+                     world: int = 2) -> tuple[list, list[dict]]:
+    """``world`` sync workers in threads, each on its 1/world of every batch; their models and
+    their optimizers' state_dicts."""
     models = [copy.deepcopy(model) for _ in range(world)]
+    states: list[dict] = [{}] * world
 
     def worker(rank: int) -> None:
         with rpt.DistributedOptimizer(models[rank], cluster=cluster.client(), optimizer=spec, mode="sync",
@@ -62,8 +66,9 @@ def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, d
                 opt.zero_grad()
                 loss_fn(models[rank], x[part], y[part]).backward()
                 opt.step()
+            states[rank] = opt.state_dict()
     run_ranks(world, worker, timeout=120)
-    return models
+    return models, states
 
 
 @pytest.mark.parametrize("spec,reference", [
@@ -79,11 +84,13 @@ def test_sync_two_workers_equal_one_process_with_torch_optim(cluster, spec, refe
         opt.zero_grad()
         loss_fn(local, x, y).backward()
         opt.step()
-    workers = run_sync_workers(cluster, model, spec, f"parity-{spec['name']}", data)
+    workers, states = run_sync_workers(cluster, model, spec, f"parity-{spec['name']}", data)
     for name, p in local.named_parameters():
         for w in workers:
             diff = (dict(w.named_parameters())[name] - p).abs().max().item()
             assert diff < 1e-5, f"{spec['name']}: {name} differs by {diff} after {STEPS} steps"
+    for state in states:                        # momentum's velocity, Adam's m, v and step: torch's
+        assert state_diff(state, opt.state_dict()) < 1e-5, spec["name"]
     # Not trivially equal: the parameters moved.
     assert max((p - q).abs().max().item() for p, q in zip(local.parameters(), model.parameters())) > 1e-3
 
@@ -145,26 +152,38 @@ def test_half_precision_parameters_are_kept_in_float32_and_cast_back(cluster):
         assert dtypes == {"float32"}
 
 
-def test_batchnorm_running_stats_are_averaged_through_the_store(cluster):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
-    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01},
-                                  prefix="bn") as opt:
-        x = torch.randn(64, 4) * 3 + 5
-        for _ in range(5):
+def test_batchnorm_running_stats_go_through_the_store_as_torch_keeps_them(cluster):
+    """Async, one worker pulling every step: the running statistics (pushed as their drift, added
+    by the store) and the parameters equal plain torch's SGD loop, and the store holds them; a
+    fresh replica starts from the store's statistics. (Sync mode, K = 1 and 2: test_batchnorm.py.)"""
+    def bn_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+    g = torch.Generator().manual_seed(6)
+    data = [torch.randn(64, 4, generator=g) * 3 + 5 for _ in range(5)]
+
+    def loop(model, opt):
+        for x in data:
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
-        mean_local = model[1].running_mean.clone()
+    want = bn_model()
+    loop(want, torch.optim.SGD(want.parameters(), lr=0.01))
+    model = bn_model()
+    with rpt.DistributedOptimizer(model, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01},
+                                  prefix="bn") as opt:
+        loop(model, opt)
+    assert max_diff(model, want) < 1e-5
+    assert float(want[1].running_mean.abs().max()) > 0.1      # it moved from zeros
     with cluster.client() as c:
-        stored, _ = c.pull(["bn/1.running_mean"])
-    np.testing.assert_array_equal(stored["bn/1.running_mean"], mean_local.numpy())
-    assert float(mean_local.abs().max()) > 0.1      # it moved from zeros
+        stored, _ = c.pull(["bn/1.running_mean", "bn/1.running_var"])
+    np.testing.assert_array_equal(stored["bn/1.running_mean"], model[1].running_mean.numpy())
+    np.testing.assert_array_equal(stored["bn/1.running_var"], model[1].running_var.numpy())
     # A fresh replica starts from the store's running statistics.
     fresh = copy.deepcopy(model)
     fresh[1].reset_running_stats()
     rpt.DistributedOptimizer(fresh, cluster=cluster.client(), optimizer={"name": "sgd", "lr": 0.01}, prefix="bn").close()
-    assert torch.equal(fresh[1].running_mean, mean_local)
+    assert torch.equal(fresh[1].running_mean, model[1].running_mean)
 
 
 def test_bad_arguments_are_refused_before_anything_is_created(cluster):
@@ -232,6 +251,35 @@ def test_sparse_embedding_push_changes_exactly_the_rows_looked_up(cluster, spec)
         while opt.pull_rows(model.emb.weight, [10]) < written and time.monotonic() < deadline:
             time.sleep(0.05)
         assert torch.equal(model.emb.weight[10], torch.from_numpy(latest[table][10]))
+
+
+def train_sparse_async(cluster, device: str, prefix: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A sparse embedding on ``device`` trained 5 steps in async mode (pushed by rows, the touched
+    rows pulled back by rows) and the same model trained by torch.optim.SGD on the CPU."""
+    g = torch.Generator().manual_seed(4)
+    data = [torch.randint(0, 5000, (4, 6), generator=g) for _ in range(5)]
+
+    def loop(model: torch.nn.Module, opt: torch.optim.Optimizer, on: str) -> None:
+        for tokens in data:
+            opt.zero_grad()
+            model(tokens.to(on)).pow(2).mean().backward()
+            opt.step()
+    want = Bag()
+    loop(want, torch.optim.SGD(want.parameters(), lr=0.5), "cpu")
+    got = Bag().to(device)
+    with rpt.DistributedOptimizer(torch.optim.SGD(got.parameters(), lr=0.5), model=got, cluster=cluster.client(),
+                                  mode="async", prefix=prefix) as opt:
+        loop(got, opt, device)
+    return got, want
+
+
+def test_sparse_embedding_async_equals_torch_sgd(cluster):
+    """The row-sparse push and the pull by rows (the path a GPU model takes too: test_cuda.py)
+    train as torch.optim.SGD on the same sparse gradients."""
+    got, want = train_sparse_async(cluster, "cpu", "sparse-vs-torch")
+    assert (want.emb.weight - Bag().emb.weight).abs().max() > 1e-3        # it trained
+    for p, q in zip(got.parameters(), want.parameters()):
+        assert (p.detach().cpu() - q).abs().max().item() < 1e-6
 
 
 def test_close_pushes_the_steps_not_pushed_yet(cluster):

@@ -1,5 +1,6 @@
 """A model on a GPU trains against the store (gradients staged through pinned host buffers,
-pulled values copied back without blocking per tensor) exactly as the same model on the CPU.
+pulled values copied back without blocking per tensor) exactly as the same model on the CPU,
+in sync mode and with a sparse embedding in async mode (pushed and pulled by rows).
 Skipped, with its reason, where no CUDA device is present."""
 from __future__ import annotations
 
@@ -40,3 +41,13 @@ def test_gpu_model_trains_as_the_cpu_model(cluster):
                 opt.step()
     for p, q in zip(cpu.parameters(), gpu.parameters()):
         assert q.is_cuda and (p - q.cpu()).abs().max().item() < 1e-5
+
+
+def test_gpu_sparse_embedding_async_equals_torch_sgd(cluster):
+    """A sparse embedding on the GPU in async mode: its CUDA row indices go to the host for the
+    push, and the rows pulled back go onto the GPU table (test_adapter.py runs this on the CPU)."""
+    from tests.pytorch.test_adapter import train_sparse_async
+    got, want = train_sparse_async(cluster, "cuda", "cuda-sparse")
+    assert got.emb.weight.is_cuda
+    for p, q in zip(got.parameters(), want.parameters()):
+        assert (p.detach().cpu() - q).abs().max().item() < 1e-6

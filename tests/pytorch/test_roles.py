@@ -1,6 +1,7 @@
 """A job confined to its prefix by roles (rbac.py) trains through raftps.torch: every name the
-adapter writes (parameters, step counters, the sync group) is under the prefix. An admin on the
-prefix creates; a `write` identity trains what exists and is told why it cannot start a job."""
+adapter writes (parameters, step counters, the sync group) is under the prefix. `write` on the
+prefix starts a job (creates its tensors) and goes on with one that exists; a `read` identity is
+told why it cannot start one."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import raftps.torch as rpt  # noqa: E402
 from raftps import Client, PermissionDenied  # noqa: E402
 from tests.conftest import start_cluster  # noqa: E402
 
-TOKENS = {"ownerA": "owner-token-aaaaaaaa", "trainA": "train-token-aaaaaaaa"}
-GRANTS = {"ownerA": [{"prefix": "jobA/", "role": "admin"}], "trainA": [{"prefix": "jobA/", "role": "write"}]}
+TOKENS = {"ownerA": "owner-token-aaaaaaaa", "trainA": "train-token-aaaaaaaa", "readA": "read-token-aaaaaaaaa"}
+GRANTS = {"ownerA": [{"prefix": "jobA/", "role": "write"}], "trainA": [{"prefix": "jobA/", "role": "write"}],
+          "readA": [{"prefix": "jobA/", "role": "read"}]}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_a_job_confined_to_its_prefix_trains(cluster, mode):
             opt.zero_grad()
             (model(x) - y).pow(2).mean().backward()
             opt.step()
-    # A trainer with `write` on the prefix goes on from the store (it cannot create, and need not).
+    # Another trainer with `write` on the prefix goes on from the store.
     with rpt.DistributedOptimizer(torch.nn.Linear(4, 1), cluster=as_(cluster, "trainA"),
                                   optimizer={"name": "sgd", "lr": 0.1}, mode=mode, prefix=f"jobA/{mode}") as opt:
         assert opt.start_step == 3
@@ -52,8 +54,9 @@ def test_a_job_confined_to_its_prefix_trains(cluster, mode):
         opt.step()
 
 
-def test_a_write_identity_cannot_start_a_new_job_and_is_told_why(cluster):
-    with pytest.raises(PermissionDenied, match="a first run needs admin on 'jobA/new/'"):
-        rpt.DistributedOptimizer(torch.nn.Linear(4, 1), cluster=as_(cluster, "trainA"), prefix="jobA/new")
-    with pytest.raises(PermissionDenied, match="create: identity 'ownerA' has no admin role on tensor 'jobB/weight'"):
-        rpt.DistributedOptimizer(torch.nn.Linear(4, 1), cluster=as_(cluster, "ownerA"), prefix="jobB")
+def test_a_read_identity_cannot_start_a_new_job_and_is_told_why(cluster):
+    with as_(cluster, "readA") as c, pytest.raises(PermissionDenied, match="a first run needs write on 'jobA/new/'"):
+        rpt.DistributedOptimizer(torch.nn.Linear(4, 1), cluster=c, prefix="jobA/new")
+    with as_(cluster, "ownerA") as c, \
+            pytest.raises(PermissionDenied, match="create: identity 'ownerA' has no write role on tensor 'jobB/weight'"):
+        rpt.DistributedOptimizer(torch.nn.Linear(4, 1), cluster=c, prefix="jobB")

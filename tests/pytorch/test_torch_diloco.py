@@ -14,7 +14,8 @@ from raftps import jobs  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
-from tests.pytorch.test_torch_native import Net, batches, max_diff  # noqa: E402
+from tests.pytorch.compare import max_diff  # noqa: E402
+from tests.pytorch.test_torch_native import Net, batches  # noqa: E402
 
 BASE_PORT = 23500
 H, ROUNDS, WORLD = 3, 2, 2
@@ -124,3 +125,21 @@ def test_diloco_async_trains_without_waiting(cluster):
     for n, p in model.named_parameters():
         assert np.array_equal(stored[f"tdiloco-async/{n}"], p.detach().numpy())     # the model is the store's
     assert max_diff(model, start) > 1e-3
+
+
+def test_a_subclass_with_its_own_step_runs_as_the_inner_optimizer(cluster):
+    """Sync and async modes refuse an optimizer subclass whose step() is its own
+    (test_torch_native.py); under diloco that step runs locally, every inner step."""
+    calls = []
+
+    class CountingAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            calls.append(1)
+            return super().step(closure)
+
+    model = Net()
+    with rpt.DistributedOptimizer(CountingAdamW(model.parameters(), lr=1e-2), model=model, cluster=cluster.client(),
+                                  mode="diloco", sync_every=2, prefix="tdiloco-subclass") as opt:
+        for x, y in batches(4, seed=25):
+            loss_step(model, opt, x, y)
+        assert len(calls) == 4 and len(opt.synced) == 1

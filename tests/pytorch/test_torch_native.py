@@ -13,9 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import raftps.torch as rpt  # noqa: E402
-from raftps import InvalidRequest  # noqa: E402
+from raftps import InvalidRequest, jobs  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
+from tests.pytorch.compare import max_diff, state_diff  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
 
 BASE_PORT = 23300
@@ -77,18 +78,14 @@ def train_step(model, opt, x, y, micro: int, clip=None) -> None:
     opt.step()
 
 
-def reference(name: str, data, steps: int = STEPS) -> torch.nn.Module:
+def reference(name: str, data, steps: int = STEPS) -> tuple[torch.nn.Module, dict]:
     model = Net()
     opt = OPTIMIZERS[name](model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
     for x, y in data[:steps]:
         train_step(model, opt, x, y, 2, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
         sched.step()
-    return model
-
-
-def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    return model, opt.state_dict()
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -98,8 +95,9 @@ def test_wrapped_torch_optimizer_equals_plain_torch(cluster, name, world):
     K sync ranks on 1/K of each batch (clipping the step's mean through the store) equal one
     process on the whole batch with torch.optim and clip_grad_norm_."""
     data = batches(STEPS)
-    want = reference(name, data)
+    want, want_state = reference(name, data)
     models = [Net() for _ in range(world)]
+    states: dict[int, dict] = {}
     clipped = []
 
     def body(rank: int) -> None:
@@ -115,9 +113,11 @@ def test_wrapped_torch_optimizer_equals_plain_torch(cluster, name, world):
                 sched.step()
                 if rank == 0:
                     clipped.append(opt.last_grad_norm > CLIP)
+            states[rank] = opt.state_dict()
     run_ranks(world, body)
-    for model in models:
+    for rank, model in enumerate(models):
         assert max_diff(model, want) < 1e-5, f"{name} x{world}: differs by {max_diff(model, want)}"
+        assert state_diff(states[rank], want_state) < 1e-5, f"{name} x{world}: optimizer state differs"
     assert max_diff(want, Net()) > 1e-2                      # it trained
     assert any(clipped) and not all(clipped), clipped         # clipping acted on some steps, not all
 
@@ -141,16 +141,19 @@ def test_step_with_a_closure_calls_it_once_and_returns_its_loss_as_torch_does(cl
                 return loss
             with torch.no_grad():
                 losses.append(opt.step(closure).item())
+        state = opt.state_dict()
         if hasattr(opt, "close"):
             opt.close()
-        return model, calls, losses
+        return model, calls, losses, state
 
-    want, want_calls, want_losses = run(OPTIMIZERS["adamw"])
-    got, calls, losses = run(lambda m: rpt.DistributedOptimizer(OPTIMIZERS["adamw"](m), model=m, mode="sync",
-                                                                cluster=cluster.client(), prefix="native-closure"))
+    want, want_calls, want_losses, want_state = run(OPTIMIZERS["adamw"])
+    got, calls, losses, state = run(lambda m: rpt.DistributedOptimizer(OPTIMIZERS["adamw"](m), model=m, mode="sync",
+                                                                       cluster=cluster.client(),
+                                                                       prefix="native-closure"))
     assert calls == want_calls == [True] * len(data)
     assert np.allclose(losses, want_losses, atol=1e-6), (losses, want_losses)
     assert max_diff(got, want) < 1e-6 and max_diff(want, Net()) > 1e-3
+    assert state_diff(state, want_state) < 1e-6
 
 
 def test_async_mode_carries_the_schedulers_lr(cluster):
@@ -191,7 +194,7 @@ def test_state_dict_leaves_for_plain_torch_and_arrives_from_it(cluster):
     for x, y in data[10:13]:
         train_step(model, opt, x, y, 1)
         train_step(plain_model, plain, x, y, 1)
-    assert max_diff(model, plain_model) < 1e-6
+    assert max_diff(model, plain_model) < 1e-6 and state_diff(opt.state_dict(), plain.state_dict()) < 1e-6
     opt.close()
 
     # arrive: torch trained 10 steps; its model and state_dict seed a new job, which continues as torch does
@@ -206,7 +209,7 @@ def test_state_dict_leaves_for_plain_torch_and_arrives_from_it(cluster):
     for x, y in data[10:14]:
         train_step(arriving, opt, x, y, 1)
         train_step(torch_model, torch_opt, x, y, 1)
-    assert max_diff(arriving, torch_model) < 1e-6
+    assert max_diff(arriving, torch_model) < 1e-6 and state_diff(opt.state_dict(), torch_opt.state_dict()) < 1e-6
     opt.close()
 
 
@@ -225,34 +228,51 @@ def test_a_mismatched_state_dict_is_refused_and_the_store_unchanged(cluster):
     wrong_shape["state"][0]["exp_avg"] = torch.zeros(3, 3)
     extra = copy.deepcopy(good)
     extra["state"][0]["momentum_buffer"] = torch.zeros(16, 10)
+    for bad in (one_group, short, wrong_shape, extra):      # each would also set another lr, were it taken
+        bad["param_groups"] = [dict(g, lr=0.123) for g in bad["param_groups"]]
     for bad, message in ((one_group, "1 param groups"), (short, "has 3 parameters"),
                          (wrong_shape, "has shape (3, 3)"), (extra, "'momentum_buffer'"), ({"state": {}}, "torch")):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             opt.load_state_dict(bad)
     assert opt.client.export("native-sd-bad/")["digest"] == before
-    assert opt.param_groups[0]["lr"] == good["param_groups"][0]["lr"]
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in good["param_groups"]] != [0.123, 0.123]
     opt.close()
 
 
 def test_grad_scaler_skips_a_step_with_an_inf_gradient_and_the_store_is_unchanged(cluster):
+    """GradScaler on the wrapped optimizer as on plain Adam: a step with an inf gradient changes
+    nothing in the store (and halves the scale), the finite steps after it are unscaled and equal
+    plain torch's, parameters and Adam's state."""
+    data = batches(3, seed=17)
+
+    def loop(model, opt, after_inf=None):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+            if i == 0:
+                model.fc1.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            if i == 0 and after_inf is not None:
+                after_inf()
+        return scaler.get_scale()
+
+    want = Net()
+    want_opt = torch.optim.Adam(want.parameters(), lr=1e-2)
+    want_scale = loop(want, want_opt)
     model = Net()
     opt = rpt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model=model,
                                    cluster=cluster.client(), mode="sync", prefix="native-scaler")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    x, y = batches(1)[0]
     versions = lambda: opt.client.export("native-scaler/")["tensor_versions"]   # noqa: E731
     before = versions()
-    opt.zero_grad()
-    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
-    model.fc1.weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    assert versions() == before and scaler.get_scale() == 2.0 ** 7
-    opt.zero_grad()
-    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
-    scaler.step(opt)                     # a finite step is applied, unscaled
-    scaler.update()
-    assert all(v == before[k] + 1 for k, v in versions().items())
+    unchanged = []
+    scale = loop(model, opt, lambda: unchanged.append(versions() == before and max_diff(model, Net()) == 0.0))
+    assert unchanged == [True]                                # the skipped step reached nothing
+    assert scale == want_scale == 2.0 ** 7
+    assert all(v == before[k] + len(data) - 1 for k, v in versions().items())
+    assert max_diff(model, want) < 1e-6 and max_diff(want, Net()) > 1e-3
+    assert state_diff(opt.state_dict(), want_opt.state_dict()) < 1e-6
     opt.close()
 
 
@@ -268,40 +288,71 @@ def test_autocast_bfloat16_and_a_compiled_model_train_as_plain_torch(cluster):
             opt.step()
 
     want = Net()
-    loop(want, torch.optim.AdamW(want.parameters(), lr=1e-2))
+    want_opt = torch.optim.AdamW(want.parameters(), lr=1e-2)
+    loop(want, want_opt)
     got = Net()
     compiled = torch.compile(got, backend="eager")
     with rpt.DistributedOptimizer(torch.optim.AdamW(compiled.parameters(), lr=1e-2), model=compiled,
                                   cluster=cluster.client(), mode="sync", prefix="native-amp") as opt:
         loop(compiled, opt)
         names = sorted(opt.client.export("native-amp/")["tensors"])
+        state = opt.state_dict()
     assert names == sorted(f"native-amp/{n}" for n, _ in Net().named_parameters())   # the uncompiled names
-    assert max_diff(got, want) < 1e-5
+    assert max_diff(got, want) < 1e-5 and state_diff(state, want_opt.state_dict()) < 1e-5
 
 
-def test_ranks_with_different_hyperparameters_are_refused_by_name(cluster):
-    c = cluster.client()
-    c.create("native-hyper/w", np.zeros(4, np.float32), {"name": "sgd", "lr": 0.1})
-    answers: dict[int, object] = {}
-    clients = [cluster.client(), cluster.client()]       # one per rank: a Client sends one request at a time
+def test_ranks_with_different_schedulers_are_refused_by_name_and_the_other_rank_steps_alone(cluster):
+    """Two sync ranks whose LR schedulers disagree (rank 1 halves its lr each step, rank 0 keeps
+    it): step 0 applies with both; at step 1 whichever rank arrives second is refused by name, and
+    the first rank's step applies alone after step_timeout, as one torch SGD step on its own
+    gradient with its own lr."""
+    models = [Net() for _ in range(2)]
+    outcome: dict[int, object] = {}
+    before: dict[int, tuple[dict, dict, float]] = {}      # rank -> (parameters, gradients, lr) at step 1
+    x, y = batches(1, seed=19)[0]
 
-    def rank(r: int) -> None:
-        try:
-            answers[r] = clients[r].push_step({"native-hyper/w": np.ones(4, np.float32)}, 0, 2, job="native-hyper", rank=r,
-                                     timeout=5.0, hyper={"native-hyper/w": {"lr": 0.1 * (r + 1)}})
-        except InvalidRequest as exc:
-            answers[r] = exc
-    run_ranks(2, rank)      # whichever arrives second is refused; the first applies alone after its timeout
-    for client in clients:
-        client.close()
-    refused = [a for a in answers.values() if isinstance(a, InvalidRequest)]
-    assert len(refused) == 1 and "lr" in str(refused[0]) and "same LR scheduler" in str(refused[0]), answers
+    def body(rank: int) -> None:
+        model = models[rank]
+        with rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, mode="sync",
+                                      cluster=cluster.client(), prefix="native-hyper", rank=rank, world_size=2,
+                                      step_timeout=2.0) as opt:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5 if rank else 1.0)
+            for step in range(2):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[rank::2]), y[rank::2]).backward()
+                if step == 1:
+                    before[rank] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                                    {n: p.grad.clone() for n, p in model.named_parameters()}, opt.param_groups[0]["lr"])
+                try:
+                    opt.step()
+                    outcome[rank] = "applied"
+                except InvalidRequest as exc:
+                    outcome[rank] = exc
+                sched.step()
+    run_ranks(2, body)
+    refused = [r for r, o in outcome.items() if isinstance(o, InvalidRequest)]
+    assert len(refused) == 1 and "lr" in str(outcome[refused[0]]) and "same LR scheduler" in str(outcome[refused[0]])
+    alone = 1 - refused[0]
+    assert outcome[alone] == "applied" and [before[r][2] for r in (0, 1)] == [0.1, 0.05]
+    params, grads, lr = before[alone]
+    for name, p in models[alone].named_parameters():           # one SGD step on its gradient alone
+        assert (p - (params[name] - lr * grads[name])).abs().max().item() < 1e-6, name
+    for name, p in models[refused[0]].named_parameters():      # the refusal changed nothing here
+        assert torch.equal(p, before[refused[0]][0][name]), name
+    with cluster.client() as c:
+        assert c.sync_applied(jobs.group("native-hyper")) == 1
 
 
 def test_bad_input_is_refused_clearly_before_any_io(cluster):
     model = Net()
     with pytest.raises(ValueError, match="SGD, Adam, AdamW, Adagrad.*RMSprop.*diloco"):
         rpt.DistributedOptimizer(torch.optim.RMSprop(model.parameters()), model=model, cluster=cluster.client())
+    class ClippingAdamW(torch.optim.AdamW):          # its own step(): the store would run AdamW's instead
+        def step(self, closure=None):
+            torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], 1.0)
+            return super().step(closure)
+    with pytest.raises(ValueError, match="ClippingAdamW defines its own step.*AdamW.*diloco"):
+        rpt.DistributedOptimizer(ClippingAdamW(model.parameters()), model=model, cluster=cluster.client())
     with pytest.raises(ValueError, match="lr_decay"):
         rpt.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr_decay=0.1), model=model,
                                  cluster=cluster.client())
@@ -383,3 +434,22 @@ def test_step_hyperparameters_are_what_changed_and_fixed_options_stay():
                                            stored) == {"lr": 0.05}
     with pytest.raises(ValueError, match="amsgrad"):
         optimizers.step_hyperparameters(optimizers.store_spec(torch.optim.AdamW, {**group, "amsgrad": True}), stored)
+
+
+def test_clip_grad_norm_returns_torchs_norm_without_torch_2_6_apis(cluster, monkeypatch):
+    """pyproject declares torch>=2.1: sync mode's clip_grad_norm_ must not need
+    torch.nn.utils.get_total_norm (2.6+). Without it, it returns the norm torch's own
+    clip_grad_norm_ computes for the same gradients."""
+    monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
+    x, y = batches(1, seed=13)[0]
+    plain = Net()
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+    model = Net()
+    with rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",
+                                  prefix="native-norm") as opt:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        got = opt.clip_grad_norm_(CLIP)
+        opt.step()
+        assert got.item() == pytest.approx(want.item(), rel=1e-6) and want.item() > CLIP
+        assert opt.last_grad_norm == pytest.approx(want.item(), rel=1e-5)

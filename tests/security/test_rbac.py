@@ -72,10 +72,15 @@ REFUSALS = [   # (identity, call, message)
      "push: identity 'jobA' has no write role on tensor 'jobB/w'; it has write on 'jobA/'"),
     ("jobA", lambda c: c.push({"jobA/w": np.ones(4, np.float32), "jobB/w": np.ones(4, np.float32)}),
      "push: identity 'jobA' has no write role on tensor 'jobB/w'"),
-    ("jobA", lambda c: c.create("jobA/new", np.zeros(2, np.float32), {"name": "sgd", "lr": 1.0}),
-     "create: identity 'jobA' has no admin role on tensor 'jobA/new'"),
-    ("jobA", lambda c: c.assign({"jobA/w": np.zeros(4, np.float32)}),
-     "assign: identity 'jobA' has no admin role on tensor 'jobA/w'"),
+    ("jobA", lambda c: c.create("jobB/new", np.zeros(2, np.float32), {"name": "sgd", "lr": 1.0}),
+     "create: identity 'jobA' has no write role on tensor 'jobB/new'"),
+    ("jobA", lambda c: c.create_many({"jobA/new": np.zeros(2, np.float32), "shared2": np.zeros(2, np.float32)},
+                                     {"jobA/new": {"name": "sgd", "lr": 1.0}, "shared2": {"name": "sgd", "lr": 1.0}}),
+     "create: identity 'jobA' has no write role on tensor 'shared2'"),
+    ("jobA", lambda c: c.assign({"jobB/w": np.zeros(4, np.float32)}),
+     "assign: identity 'jobA' has no write role on tensor 'jobB/w'"),
+    ("evalA", lambda c: c.create("jobA/new", np.zeros(2, np.float32), {"name": "sgd", "lr": 1.0}),
+     "create: identity 'evalA' has no write role on tensor 'jobA/new'; it has read on 'jobA/'"),
     ("jobA", lambda c: c.delete(["jobA/w"]), "delete: identity 'jobA' has no admin role on tensor 'jobA/w'"),
     ("jobA", lambda c: c.pull(["jobB/w"]), "pull: identity 'jobA' has no read role on tensor 'jobB/w'"),
     ("jobA", lambda c: c.pull_rows("jobB/w", [0]), "pull_rows: identity 'jobA' has no read role on tensor 'jobB/w'"),
@@ -95,7 +100,7 @@ REFUSALS = [   # (identity, call, message)
      "push: identity 'jobA' has no write role on SSP group 'jobB/ssp'"),
     ("jobA-admin", lambda c: c.delete(["jobB/w"]), "delete: identity 'jobA-admin' has no admin role on tensor 'jobB/w'"),
     ("jobA-admin", lambda c: c.create("shared2", np.zeros(2, np.float32), {"name": "sgd", "lr": 1.0}),
-     "create: identity 'jobA-admin' has no admin role on tensor 'shared2'"),
+     "create: identity 'jobA-admin' has no write role on tensor 'shared2'"),
     ("eval", lambda c: c.push({"jobA/w": np.ones(4, np.float32)}),
      "push: identity 'eval' has no write role on tensor 'jobA/w'; it has read on ''"),
     ("eval", lambda c: c.push_sync({"jobA/w": np.ones(4, np.float32)}, 0, 2, job="jobA/sync"),
@@ -233,6 +238,46 @@ def test_rotate_and_revoke_without_a_restart(rbac_cluster):
         cl.send_signal(n, signal.SIGHUP)
     with client(cl, "eval") as c:
         _eventually(lambda: c.pull(["jobA/w"]))
+
+
+def test_a_write_role_starts_seeds_and_trains_a_torch_job_under_its_prefix_only(rbac_cluster):
+    """What a training job needs from `write` on its prefix: DistributedOptimizer creates the
+    job's tensors, load_state_dict seeds them (assign_state) from a plain torch AdamW, and the
+    job trains on as torch does; the same identity starting a job under another prefix is
+    refused by name and changes nothing. (After the rotation test: jobB's grant never changed.)"""
+    torch = pytest.importorskip("torch")
+    import raftps.torch as rpt
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+
+    def train(model, opt, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+    torch.manual_seed(0)
+    want = torch.nn.Linear(4, 1)
+    want_opt = torch.optim.AdamW(want.parameters(), lr=0.05)
+    train(want, want_opt, data[:2])
+    model = torch.nn.Linear(4, 1)
+    model.load_state_dict(want.state_dict())
+    with client(rbac_cluster, "jobB") as c:
+        with rpt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), model=model, mode="sync",
+                                      cluster=c, prefix="jobB/run") as opt:
+            opt.load_state_dict(want_opt.state_dict())
+            train(model, opt, data[2:])
+        assert {t["name"] for t in c.tensors(prefix="jobB/run/")} >= {"jobB/run/weight", "jobB/run/bias"}
+    train(want, want_opt, data[2:])
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), want.parameters())) < 1e-6
+    before, raft_before = state(rbac_cluster), raft_state(rbac_cluster)
+    other = torch.nn.Linear(4, 1)
+    with client(rbac_cluster, "jobB") as c, \
+            pytest.raises(PermissionDenied, match="create: identity 'jobB' has no write role on tensor 'jobA/run/"):
+        rpt.DistributedOptimizer(torch.optim.AdamW(other.parameters()), model=other, mode="sync", cluster=c,
+                                 prefix="jobA/run")
+    assert_nothing_applied(raft_before, raft_state(rbac_cluster))
+    assert state(rbac_cluster) == before
 
 
 # ---- no cluster ------------------------------------------------------------------------------------

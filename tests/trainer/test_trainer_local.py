@@ -67,3 +67,20 @@ def test_cli_rejects_bad_sync_batch(tmp_path):
     from trainer.cli import main
     with pytest.raises(SystemExit):
         main(["train", "--mode", "sync", "--workers", "3", "--batch", "64", "--out", str(tmp_path)])
+
+
+def test_diloco_async_defaults_to_averaging_as_the_library_does():
+    """--diloco-async without --outer-lr/--outer-momentum takes raftps.diloco's asynchronous default
+    (plain averaging, staleness-aware): the paper's Nesterov step diverges when pseudo-gradients
+    apply on arrival (docs/pytorch.md). Synchronous DiLoCo keeps Nesterov; explicit values win."""
+    from raftps.diloco import outer_spec
+    from trainer.cli import config, parser
+
+    def store_spec(*flags: str) -> dict:
+        return config(parser().parse_args(["train", "--mode", "diloco", *flags])).optimizer_spec()
+    assert store_spec("--diloco-async") == outer_spec(None, True)
+    assert store_spec("--diloco-async")["name"] == "sgd" and store_spec("--diloco-async")["lr"] == 1.0
+    assert store_spec() == outer_spec(None, False) and store_spec()["nesterov"]
+    explicit = store_spec("--diloco-async", "--outer-lr", "0.5", "--outer-momentum", "0.8")
+    assert (explicit["name"], explicit["lr"], explicit["momentum"]) == ("momentum", 0.5, 0.8)
+    assert store_spec("--outer-momentum", "0")["name"] == "sgd" and store_spec("--outer-momentum", "0")["lr"] == 0.7
