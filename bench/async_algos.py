@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from .common import log
+from .common import log, machine
 
 # name -> trainer Config overrides. Learning rates chosen with trainer/delay_sim.py (staleness
 # K-1 on a perfect store; see docs/training.md, "What async costs") and one short cluster run each.
@@ -182,9 +182,8 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, seeds: int | None
         rows = run_settings(addresses, run_dir, m["workers"], m["seeds"], m["epochs"], settings)
     finally:
         cluster.wipe()
-    from . import __main__ as bench_main
     meta = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "seconds": time.monotonic() - t0, "machine": bench_main.machine(), "targets": targets(rows),
+            "seconds": time.monotonic() - t0, "machine": machine(), "targets": targets(rows),
             "loadavg_1m_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
     os.makedirs(out, exist_ok=True)
