@@ -15,14 +15,13 @@ with a final accuracy within 1 point of it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from typing import Any
 
-from .common import log, machine
+from .common import log, machine, write_results
 
 # name -> trainer Config overrides. Learning rates chosen with trainer/delay_sim.py (staleness
 # K-1 on a perfect store; see docs/training.md, "What async costs") and one short cluster run each.
@@ -188,12 +187,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, seeds: int | None
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
     os.makedirs(out, exist_ok=True)
     plot(rows, os.path.join(out, "async_algos.png"))
-    with open(os.path.join(out, "async_algos.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    md = markdown(rows, meta)
-    with open(os.path.join(out, "async_algos.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_results(out, "async_algos", {"meta": meta, "rows": rows}, lambda: markdown(rows, meta)))
     return rows
 
 

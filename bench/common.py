@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -132,6 +132,19 @@ def cpu_seconds(pid: int) -> float:
 def worker_cmd(args: dict[str, Any]) -> list[str]:
     """Command line of one client worker process (bench/worker.py) with its JSON arguments."""
     return [sys.executable, "-m", "bench.worker", json.dumps(args)]
+
+
+def write_results(out: str, name: str, data: Any, md: str | Callable[[], str]) -> str:
+    """A bench's two result files in ``out`` (made if missing): NAME.json (``data``) first, so a
+    bug in the report (``md``, text or a function making it) loses no run, then NAME.md; returns
+    the text."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    text = md() if callable(md) else md
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    return text
 
 
 def machine() -> str:

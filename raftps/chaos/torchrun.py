@@ -20,6 +20,7 @@ from raftps import Client, UnknownTensor, jobs
 from raftps.localcluster import LocalCluster
 
 from .harness import children
+from .reap import kill_tree
 
 
 class TorchrunJob:
@@ -63,12 +64,7 @@ class TorchrunJob:
 
     def stop(self) -> None:
         self.workers()
-        for pid in [self.proc.pid, *self.seen]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        kill_tree(self.proc, self.seen)
         self.log.close()
 
 
