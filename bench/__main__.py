@@ -58,7 +58,7 @@ MODES: dict[str, dict[str, Any]] = {
                                                          "downpour x4", "sync x4"], seeds=2, torch_workers=[1, 2, 4]),
 }
 CATCHUP_SIZES = [4 * MiB, 64 * MiB]
-TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates with --local
+TRAIN_EPOCHS = 6                # bench.trainer_bench's default: 132 applied updates with --local
 
 
 def setup_if_needed(parts: list[str]) -> None:

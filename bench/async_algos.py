@@ -48,7 +48,7 @@ def _median(xs: list[float]) -> float:
 
 def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, epochs: dict[int, int],
                  settings: list[str] | None = None) -> list[dict]:
-    from trainer.bench import drop_run_tensors
+    from .trainer_bench import drop_run_tensors
     from trainer.config import Config
     from trainer.metrics import read_csv
     from trainer.run import TARGET_ACC, train
