@@ -28,8 +28,10 @@ def kill_tree(proc: subprocess.Popen, known: Iterable[int] = (), timeout: float 
     """SIGKILL ``proc`` (its process group too when it leads one: started with
     ``start_new_session``), every process now under it and the PIDs in ``known`` (seen under it
     earlier, e.g. workers that were reparented), then reap ``proc``."""
-    pids = dict.fromkeys([*descendants(proc.pid), *known])     # found before the parent dies
-    if proc.poll() is None:
+    # Found before the parent dies; only while it runs (once reaped, its PID may be another's).
+    running = proc.poll() is None
+    pids = dict.fromkeys([*(descendants(proc.pid) if running else []), *known])
+    if running:
         try:
             if os.getpgid(proc.pid) == proc.pid:
                 os.killpg(proc.pid, signal.SIGKILL)
