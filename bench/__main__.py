@@ -33,7 +33,6 @@ import argparse
 import importlib.util
 import os
 import subprocess
-import platform
 import shutil
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from typing import Any, Callable
 
 from . import (async_algos, catchup, etcd, failover, goodput, groups, loopback, naive_store, push, report, sparse,
                torch_train, train)
-from .common import KiB, MiB, log
+from .common import KiB, MiB, log, machine
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB]
 MODES: dict[str, dict[str, Any]] = {
@@ -59,7 +58,7 @@ MODES: dict[str, dict[str, Any]] = {
                                                          "downpour x4", "sync x4"], seeds=2, torch_workers=[1, 2, 4]),
 }
 CATCHUP_SIZES = [4 * MiB, 64 * MiB]
-TRAIN_EPOCHS = 6                # trainer.bench's default: 132 applied updates with --local
+TRAIN_EPOCHS = 6                # bench.trainer_bench's default: 132 applied updates with --local
 
 
 def setup_if_needed(parts: list[str]) -> None:
@@ -76,11 +75,6 @@ def setup_if_needed(parts: list[str]) -> None:
     if r.returncode:
         log(f"{script} exited {r.returncode}; parts that need what is missing will say so")
     importlib.invalidate_caches()
-
-
-def machine() -> str:
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, {platform.platform()}"
 
 
 def main(argv: list[str] | None = None) -> int:

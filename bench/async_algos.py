@@ -15,14 +15,13 @@ with a final accuracy within 1 point of it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from typing import Any
 
-from .common import log
+from .common import log, machine, write_results
 
 # name -> trainer Config overrides. Learning rates chosen with trainer/delay_sim.py (staleness
 # K-1 on a perfect store; see docs/training.md, "What async costs") and one short cluster run each.
@@ -49,7 +48,7 @@ def _median(xs: list[float]) -> float:
 
 def run_settings(addresses: str, run_dir: str, workers: list[int], seeds: int, epochs: dict[int, int],
                  settings: list[str] | None = None) -> list[dict]:
-    from trainer.bench import drop_run_tensors
+    from .trainer_bench import drop_run_tensors
     from trainer.config import Config
     from trainer.metrics import read_csv
     from trainer.run import TARGET_ACC, train
@@ -182,19 +181,13 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, seeds: int | None
         rows = run_settings(addresses, run_dir, m["workers"], m["seeds"], m["epochs"], settings)
     finally:
         cluster.wipe()
-    from . import __main__ as bench_main
     meta = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "seconds": time.monotonic() - t0, "machine": bench_main.machine(), "targets": targets(rows),
+            "seconds": time.monotonic() - t0, "machine": machine(), "targets": targets(rows),
             "loadavg_1m_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
     os.makedirs(out, exist_ok=True)
     plot(rows, os.path.join(out, "async_algos.png"))
-    with open(os.path.join(out, "async_algos.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    md = markdown(rows, meta)
-    with open(os.path.join(out, "async_algos.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_results(out, "async_algos", {"meta": meta, "rows": rows}, lambda: markdown(rows, meta)))
     return rows
 
 

@@ -1,15 +1,18 @@
-"""Helpers shared by the benchmarks: child processes, statistics, RSS sampling, progress."""
+"""Helpers shared by the benchmarks: child processes (and running N client workers in step),
+statistics, RSS sampling, progress, the machine's description."""
 from __future__ import annotations
 
 import json
 import os
+import platform
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -129,3 +132,70 @@ def cpu_seconds(pid: int) -> float:
 def worker_cmd(args: dict[str, Any]) -> list[str]:
     """Command line of one client worker process (bench/worker.py) with its JSON arguments."""
     return [sys.executable, "-m", "bench.worker", json.dumps(args)]
+
+
+def write_results(out: str, name: str, data: Any, md: str | Callable[[], str]) -> str:
+    """A bench's two result files in ``out`` (made if missing): NAME.json (``data``) first, so a
+    bug in the report (``md``, text or a function making it) loses no run, then NAME.md; returns
+    the text."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    text = md() if callable(md) else md
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def machine() -> str:
+    """The machine a result was measured on, for a report's meta."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, {platform.platform()}"
+
+
+def _readline(proc: subprocess.Popen, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+        if r:
+            return proc.stdout.readline().decode()
+        if proc.poll() is not None:
+            return proc.stdout.readline().decode()
+    return ""
+
+
+def run_workers(arg_list: list[dict[str, Any]], setup_timeout: float = 60.0) -> dict[str, Any]:
+    """Start one process per args, release them together, collect and merge their results.
+
+    Throughput counts operations that completed; the window runs from GO to the last completion.
+    """
+    procs = [subprocess.Popen(worker_cmd(a), stdin=subprocess.PIPE, stdout=subprocess.PIPE) for a in arg_list]
+    try:
+        deadline = time.monotonic() + setup_timeout
+        for p in procs:
+            if _readline(p, deadline).strip() != "READY":
+                raise RuntimeError(f"worker {p.pid} did not get ready (exit {p.poll()})")
+        for p in procs:
+            p.stdin.write(b"GO\n")
+            p.stdin.flush()
+        results = []
+        for p, a in zip(procs, arg_list):
+            line = _readline(p, time.monotonic() + a["duration"] + a["timeout"] + 10)
+            if not line:
+                raise RuntimeError(f"worker {p.pid} gave no result")
+            results.append(json.loads(line))
+    finally:
+        for p in procs:
+            stop_pid(p)
+    lat = [x for r in results for x in r["lat"]]
+    ok = sum(r["ok"] for r in results)
+    window = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
+    return {"ok": ok, "errors": sum(r["errors"] for r in results), "seconds": window,
+            "ops_per_s": ok / window if window > 0 else 0.0, "lat": lat,
+            "client_cpu_s": sum(r.get("cpu", 0.0) for r in results)}
+
+
+def summarize(res: dict[str, Any], size: int) -> dict[str, Any]:
+    """Throughput and latency figures of one merged worker run (see run_workers)."""
+    return {"ok": res["ok"], "errors": res["errors"], "seconds": round(res["seconds"], 3),
+            "ops_per_s": res["ops_per_s"], "MB_per_s": res["ops_per_s"] * size / 1e6,
+            "p50_ms": percentile(res["lat"], 50) * 1e3, "p99_ms": percentile(res["lat"], 99) * 1e3}

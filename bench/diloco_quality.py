@@ -14,7 +14,6 @@ token. Writes diloco_quality.md/.json; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from .common import log
+from .common import log, write_results
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 WORLD, BATCH, LR, SEED = 4, 32, 2e-3, 0
@@ -142,13 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench.diloco_quality " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "load": (load0, os.getloadavg()[0])}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "diloco_quality.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    text = report(rows, budgets, meta)
-    with open(os.path.join(a.out, "diloco_quality.md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(write_results(a.out, "diloco_quality", {"meta": meta, "rows": rows}, lambda: report(rows, budgets, meta)))
     return 0
 
 

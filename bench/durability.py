@@ -16,14 +16,13 @@ at 1 KiB, durable >= 0.6x non-durable at 4 MiB).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import tempfile
 from typing import Any
 
 from . import etcd, push
-from .common import KiB, MiB, log, size_label
+from .common import KiB, MiB, log, size_label, write_results
 
 SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB]
 
@@ -89,13 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                                     args.max_ops, args.base_port + 60)
         else:
             log("etcd is not installed (bench/setup.sh installs it): no etcd rows")
-    text = report(records, args.clients, disk)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "durability.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "durability.json"), "w") as f:
-        json.dump(records, f, indent=1, default=str)
-    print(text)
+    print(write_results(args.out, "durability", records, lambda: report(records, args.clients, disk)))
     return 0
 
 

@@ -22,9 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import log, size_label
-from .naive_store import summarize
-from .worker import run_workers
+from .common import log, run_workers, size_label, summarize
 
 
 def disk_of(path: str) -> str:

@@ -25,7 +25,7 @@ import subprocess
 import time
 from typing import Any
 
-from .common import MiB, RssSampler, log, seconds_for, size_label, stop_pid
+from .common import MiB, RssSampler, log, run_workers, seconds_for, size_label, stop_pid, summarize
 
 PEER_OFFSET = 10
 QUOTA_BYTES = 8 * 2**30
@@ -189,8 +189,6 @@ def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float 
             base_port: int) -> list[dict[str, Any]]:
     """Puts of every size x client count on a fresh 3-member cluster; one record each
     (system ``etcd``, op ``push`` so the report lines it up with raftps)."""
-    from .naive_store import summarize
-    from .worker import run_workers
     if etcd_binary() is None:
         raise RuntimeError("etcd is not installed: run bench/setup.sh (Debian's etcd-server)")
     cl = EtcdCluster(run_dir, base_port, max_request_bytes=max(sizes) + MiB)

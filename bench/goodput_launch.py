@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from raftps.chaos.reap import children, kill_tree
+
 
 class Torchrun:
     """``torchrun --nproc-per-node N --max-restarts R`` in its own session (its workers are its children)."""
@@ -22,7 +24,7 @@ class Torchrun:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def workers(self) -> list[int]:
-        return sorted(_children(self.proc.pid))
+        return sorted(children(self.proc.pid))
 
     def kill_worker(self) -> int | None:
         """SIGKILL the newest worker (the highest PID: local rank nproc-1 in practice)."""
@@ -39,37 +41,9 @@ class Torchrun:
         return self.proc.poll() == 0
 
     def stop(self) -> None:
-        """SIGKILL torchrun and every process under it, by PID. torch's elastic agent starts each
-        worker in a session of its own, so killing torchrun's session alone left the workers it
-        had restarted running (found: a restarted DDP group training on, minutes after its run)."""
-        workers = _descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)      # the session we started: torchrun itself
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        """SIGKILL torchrun and every process under it, by PID (raftps.chaos.reap says why)."""
+        kill_tree(self.proc)
         self.log.close()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), parents first."""
-    out, todo = [], _children(pid)
-    while todo:
-        child = todo.pop(0)
-        out.append(child)
-        todo.extend(_children(child))
-    return out
 
 
 class Supervised:

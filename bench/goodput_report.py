@@ -4,9 +4,10 @@ torch, no processes: tests/test_bench_goodput.py checks them on made-up curves."
 from __future__ import annotations
 
 import csv
-import json
 import os
 from typing import Any
+
+from .common import write_results
 
 WORKERS = 4
 BATCH, BLOCK = 32, 64                       # char_gpt.py's global batch and window
@@ -197,12 +198,8 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
         lines += ["", "No acknowledged round lost or applied twice through the kills (the store read after the run):",
                   ""] + checks
     lines += ["", f"![validation loss against wall time]({os.path.basename(png)})", ""]
-    md = "\n".join(lines)
-    with open(os.path.join(out, f"goodput{sfx}.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, f"goodput{sfx}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results, "ratios": ratios(results)}, f, indent=1, default=str)
-    return md
+    return write_results(out, f"goodput{sfx}", {"meta": meta, "results": results, "ratios": ratios(results)},
+                        "\n".join(lines))
 
 
 def note(r: dict[str, Any], meta: dict[str, Any]) -> str:

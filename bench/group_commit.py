@@ -9,12 +9,11 @@ default (2 entries in flight; writes arriving meanwhile share the next one), pus
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 from . import naive_store, push
-from .common import KiB, log, size_label
+from .common import KiB, log, size_label, write_results
 
 SIZES = [1 * KiB, 64 * KiB]
 MODES = [("0", "one write per entry (--entries-in-flight 0)"), ("2", "group commit (default, 2 in flight)")]
@@ -57,13 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"pysyncobj's own pipelined 1 KiB command rate (leader alone, no client): "
                   f"{base['ops_per_s']:.0f}/s; raftps 1 KiB, 1 client, 16 in flight, group commit: "
                   f"{piped[1]['ops_per_s'] / base['ops_per_s']:.2f}x of it (target >= 1x)."]
-    text = "\n".join(lines) + "\n"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "group_commit.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "group_commit.json"), "w") as f:
-        json.dump(records, f, indent=1, default=str)
-    print(text)
+    print(write_results(args.out, "group_commit", records, "\n".join(lines) + "\n"))
     return 0
 
 

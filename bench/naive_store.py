@@ -35,7 +35,7 @@ from pysyncobj.syncobj import SyncObjException
 
 from raftps.codec import recv_exactly
 
-from .common import MiB, log, stop_pid
+from .common import MiB, RssSampler, log, run_workers, size_label, stop_pid, summarize
 
 HEAD = struct.Struct("!cI")
 RESULT = struct.Struct("!Bq")
@@ -232,22 +232,12 @@ class NaiveCluster:
         self.procs = []
 
 
-def summarize(res: dict[str, Any], size: int) -> dict[str, Any]:
-    """Throughput and latency figures of one merged worker run (see worker.run_workers)."""
-    from .common import percentile
-    return {"ok": res["ok"], "errors": res["errors"], "seconds": round(res["seconds"], 3),
-            "ops_per_s": res["ops_per_s"], "MB_per_s": res["ops_per_s"] * size / 1e6,
-            "p50_ms": percentile(res["lat"], 50) * 1e3, "p99_ms": percentile(res["lat"], 99) * 1e3}
-
-
 def measure(run_dir: str, sizes: list[int], clients: list[int], duration: float, max_ops: int,
             base_port: int = 9400, burst: int = 0) -> list[dict[str, Any]]:
     """Push ``sizes`` x ``clients`` through a fresh tuned 3-node naive cluster; one record each.
 
     ``burst`` > 0 also measures pysyncobj's own pipelined small-command rate (1 KiB, on the leader).
     """
-    from .common import RssSampler, size_label
-    from .worker import run_workers
     cluster = NaiveCluster(run_dir, base_port=base_port, max_payload=max(sizes))
     out: list[dict[str, Any]] = []
     try:

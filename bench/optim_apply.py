@@ -10,7 +10,6 @@ bits, so the baseline is the same computation done the plain way.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from typing import Any, Callable
@@ -19,7 +18,7 @@ import numpy as np
 
 from raftps import optim
 
-from .common import log
+from .common import log, write_results
 
 SPECS = [{"name": "sgd", "lr": 0.01}, {"name": "momentum", "lr": 0.01, "nesterov": True},
          {"name": "adagrad", "lr": 0.01}, {"name": "adam", "lr": 1e-3},
@@ -115,13 +114,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = ap.parse_args()
     rows = measure(a.mib, a.reps)
-    text = report(rows)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "optim_apply.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(a.out, "optim_apply.json"), "w") as f:
-        json.dump({"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, f, indent=1)
-    print(text)
+    print(write_results(a.out, "optim_apply", {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows},
+                       lambda: report(rows)))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, log, size_label, stop_pid
-from .worker import run_workers
+from .common import MiB, log, run_workers, size_label, stop_pid
 
 
 def _short(frame: str) -> str:

@@ -15,9 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, RssSampler, cpu_times, log, seconds_for, size_label
-from .naive_store import summarize
-from .worker import run_workers
+from .common import MiB, RssSampler, cpu_times, log, run_workers, seconds_for, size_label, summarize
 
 
 def _node_pids(cl: Any, nodes: int) -> list[int]:

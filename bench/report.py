@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any
 
-from .common import MiB, size_label
+from .common import MiB, size_label, write_results
 
 HEAD_SIZE, HEAD_CLIENTS = 4 * MiB, 4
 
@@ -367,11 +367,8 @@ def write(records: list[dict[str, Any]], meta: dict[str, Any], out: str) -> str:
     slim = [{k: v for k, v in r.items() if k != "lat"} for r in records]
     with open(os.path.join(out, "results.json"), "w") as f:     # first: a report bug loses no run
         json.dump({"meta": meta, "records": slim}, f, indent=1, default=str)
-    md = markdown(records, meta)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "records": slim, "targets": targets(records)}, f, indent=1, default=str)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(md)
+    md = write_results(out, "results", {"meta": meta, "records": slim, "targets": targets(records)},
+                      markdown(records, meta))
     plots(records, out)
     return md
 

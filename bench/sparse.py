@@ -18,7 +18,6 @@ push itself is. Writes sparse.md and sparse.json in --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import MiB, log
+from .common import MiB, log, write_results
 
 REQUEST_TIMEOUT = 30.0        # seconds; see the docstring
 
@@ -172,13 +171,7 @@ def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
 
 
 def _write(r: dict[str, Any], out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "sparse.json"), "w") as f:
-        json.dump(r, f, indent=1)
-    md = report(r)
-    with open(os.path.join(out, "sparse.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_results(out, "sparse", r, lambda: report(r)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ entries per step. Writes sync_step.md and sync_step.json in --out.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import cpu_seconds, log
+from .common import cpu_seconds, log, write_results
 
 WARMUP = 3
 MODES = [("push_sync", "every contribution replicated (push_sync + wait_step)"),
@@ -137,13 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             from . import train
             train_rows = train.measure(os.path.join(tmp, "train"), args.base_port + 30, ["sync x4"], 1, 6, [4],
                                        args.base_port + 90)
-    text = report(records, train_rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sync_step.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "sync_step.json"), "w") as f:
-        json.dump({"steps": records, "train": train_rows}, f, indent=1, default=str)
-    print(text)
+    print(write_results(args.out, "sync_step", {"steps": records, "train": train_rows},
+                       lambda: report(records, train_rows)))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 - ``--local``: one process, no store (trainer.run.train_local);
 - raftps: K async (Downpour) or sync workers on a 3-node cluster (trainer.run.train, as
-  ``python -m trainer.bench`` runs them), every update a replicated, exactly-once push;
+  ``python -m bench.trainer_bench`` runs them), every update a replicated, exactly-once push;
 - torch.distributed: K processes on 127.0.0.1, each computing the gradient of its equal shard
   of the step's batch (trainer.data.sync_shard: the sync mode's schedule), one ``all_reduce``
   (SUM, gloo, CPU) of all gradients flattened into one buffer per step (as a DDP bucket would),
@@ -41,7 +41,7 @@ def torch_version() -> str | None:
 
 def _config(**kw: Any) -> Any:
     from trainer.config import Config
-    return Config(evals_per_epoch=11, **kw)          # trainer.bench's evaluation cadence
+    return Config(evals_per_epoch=11, **kw)          # trainer_bench's evaluation cadence
 
 
 def _rank(cfg: Any, rank: int, world: int, port: int, t_launch: float, results: Any) -> None:
@@ -127,8 +127,8 @@ def torch_run(cfg: Any, world: int, port: int) -> dict[str, Any]:
 
 
 def _row(setting: str, exchange: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """trainer.bench's medians over seeds, plus (torch runs) where rank 0's time went."""
-    from trainer.bench import summarize
+    """trainer_bench's medians over seeds, plus (torch runs) where rank 0's time went."""
+    from .trainer_bench import summarize
     row = {"system": "train", "op": "train", "exchange": exchange, **summarize(setting, runs)}
     for key in ("compute_s", "allreduce_s", "apply_s", "eval_s"):
         if key in runs[0]:
@@ -143,7 +143,7 @@ def measure(run_dir: str, base_port: int, settings: list[str], seeds: int, epoch
             torch_workers: list[int], torch_port: int) -> list[dict[str, Any]]:
     """raftps settings on one 3-node cluster (and its raw 4 MB push rate), then the torch runs."""
     from raftps.localcluster import LocalCluster
-    from trainer.bench import raw_push_rates, run_setting
+    from .trainer_bench import raw_push_rates, run_setting
     out: list[dict[str, Any]] = []
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port)
     os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
@@ -151,7 +151,7 @@ def measure(run_dir: str, base_port: int, settings: list[str], seeds: int, epoch
         addresses = cluster.start(timeout=60)
         raw, rows = raw_push_rates(addresses, lambda: [_row(label, "none" if label.startswith("local") else "raftps",
                                                             run_setting(label, addresses, seeds, epochs, run_dir))
-                                                       for label in settings])     # trainer.bench.SETTINGS labels
+                                                       for label in settings])     # trainer_bench.SETTINGS labels
         log(f"train: raw 4 MB push rate (1 client, same cluster) {raw['before']:.1f}/s before the runs, "
             f"{raw['after']:.1f}/s after")
         out += [{"system": "train", "op": "raw_push", **raw}, *rows]

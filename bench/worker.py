@@ -1,4 +1,5 @@
-"""One benchmark client process, and the parent side that runs N of them in step.
+"""One benchmark client process (the parent side that runs N of them in step is
+``common.run_workers``).
 
 Child: ``python -m bench.worker '<json args>'`` connects, warms up, prints ``READY``, waits for
 ``GO`` on stdin, pushes (or pulls) until ``duration`` s or ``max_ops`` operations, then prints one
@@ -7,16 +8,11 @@ JSON line ``{ok, errors, t_start, t_end, lat}`` (wall-clock times, latencies in 
 from __future__ import annotations
 
 import json
-import select
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
-
-from .common import stop_pid, worker_cmd
-
 
 def _grad_pool(size: int, seed: int) -> list[np.ndarray]:
     """Distinct float32 gradients (at least 256 KiB in all) so no compressor sees repeats."""
@@ -106,47 +102,6 @@ def _pipelined(args: dict[str, Any], lat: list[float], deadline: float) -> int:
                 errors += 1
                 print(f"worker error: {e!r}", file=sys.stderr, flush=True)
     return errors
-
-
-def _readline(proc: subprocess.Popen, deadline: float) -> str:
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
-        if r:
-            return proc.stdout.readline().decode()
-        if proc.poll() is not None:
-            return proc.stdout.readline().decode()
-    return ""
-
-
-def run_workers(arg_list: list[dict[str, Any]], setup_timeout: float = 60.0) -> dict[str, Any]:
-    """Start one process per args, release them together, collect and merge their results.
-
-    Throughput counts operations that completed; the window runs from GO to the last completion.
-    """
-    procs = [subprocess.Popen(worker_cmd(a), stdin=subprocess.PIPE, stdout=subprocess.PIPE) for a in arg_list]
-    try:
-        deadline = time.monotonic() + setup_timeout
-        for p in procs:
-            if _readline(p, deadline).strip() != "READY":
-                raise RuntimeError(f"worker {p.pid} did not get ready (exit {p.poll()})")
-        for p in procs:
-            p.stdin.write(b"GO\n")
-            p.stdin.flush()
-        results = []
-        for p, a in zip(procs, arg_list):
-            line = _readline(p, time.monotonic() + a["duration"] + a["timeout"] + 10)
-            if not line:
-                raise RuntimeError(f"worker {p.pid} gave no result")
-            results.append(json.loads(line))
-    finally:
-        for p in procs:
-            stop_pid(p)
-    lat = [x for r in results for x in r["lat"]]
-    ok = sum(r["ok"] for r in results)
-    window = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
-    return {"ok": ok, "errors": sum(r["errors"] for r in results), "seconds": window,
-            "ops_per_s": ok / window if window > 0 else 0.0, "lat": lat,
-            "client_cpu_s": sum(r.get("cpu", 0.0) for r in results)}
 
 
 if __name__ == "__main__":

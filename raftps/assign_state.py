@@ -11,6 +11,7 @@ import numpy as np
 
 from . import optim
 from .errors import InvalidRequest
+from .optimizers import OPTIMIZERS
 from .tensor import Tensor, check_fits, check_name, freeze
 
 
@@ -25,9 +26,9 @@ def plan(records: Any, parts: Any, existing: Callable[[str], Tensor]) -> list[tu
             raise InvalidRequest(f"assign_state: records[{i}] must be a map {{name, scalars}}")
         name = check_name(record.get("name"))
         tensor = existing(name)
-        if tensor.optimizer["name"] == "adarevision":    # its state is a history of the log's indices
-            raise InvalidRequest(f"assign_state: tensor {name!r}: optimizer 'adarevision' keeps state that "
-                                 "cannot be assigned")
+        if OPTIMIZERS[tensor.optimizer["name"]].bound_to_log:    # e.g. a history of the log's indices
+            raise InvalidRequest(f"assign_state: tensor {name!r}: optimizer {tensor.optimizer['name']!r} keeps state "
+                                 "that cannot be assigned")
         value = parts.get(str(i))
         if not isinstance(value, np.ndarray):
             raise InvalidRequest(f"assign_state: tensor {name!r} has no value (part {str(i)!r})")

@@ -41,12 +41,13 @@ from .assign_state import plan
 from .ssp_clocks import SspClocks
 from .write_sessions import Session, SessionLimits, run_once  # noqa: F401  (Session: restore's, tests')
 from .sync_jobs import SyncJobs, check_job
+from .optimizers import OPTIMIZERS
 from .tensor import TENSOR_DTYPES, Tensor, check_finite, check_fits, check_name, check_tensors, freeze, freeze_tensor
 
 log = logging.getLogger("raftps.machine")
-# Optimizers whose step is per coordinate given scalar state, so it can run on a slice of rows.
-# AdaRevision's window of whole-tensor gradient sums has no row-sparse form.
-ROW_OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "adamw", "elastic")
+# Optimizers whose step is per coordinate given scalar state, so it can run on a slice of rows
+# (each says so in raftps/optimizers/; AdaRevision's whole-tensor gradient sums cannot).
+ROW_OPTIMIZERS = tuple(name for name, optimizer in OPTIMIZERS.items() if optimizer.rows)
 
 
 class TensorStore:

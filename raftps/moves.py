@@ -28,13 +28,15 @@ import numpy as np
 from . import codec, ops, optim
 from .compress import INDICES_SUFFIX
 from .errors import InvalidRequest, Moved, Moving, TensorExists, UnknownTensor, exception_result
+from .optimizers import OPTIMIZERS
 from .tensor import TENSOR_DTYPES, Tensor, check_finite, check_name, freeze, freeze_tensor
 
 # The writes that move tensors: they must reach a frozen or tombstoned name (the others are refused).
 MOVE_OPS = ops.moving_writes()
 MAX_GROUP = 63
-# AdaRevision keeps gradient sums by store version, which means nothing in another group's log.
-UNMOVABLE_OPTIMIZERS = ("adarevision",)
+# Optimizers whose state is tied to this group's log (AdaRevision's gradient sums by store
+# version): it means nothing in another group's.
+UNMOVABLE_OPTIMIZERS = tuple(name for name, optimizer in OPTIMIZERS.items() if optimizer.bound_to_log)
 # A training job's step counters (jobs.py) are named to live in one Raft group each: they stay there.
 JOB_COUNTERS = "/_raftps/"
 
@@ -282,8 +284,8 @@ def _check_movable(name: str, tensor: Tensor, holding: Callable[[str], tuple[str
                              "this group: it cannot be moved")
     spec = tensor.optimizer
     if spec["name"] in UNMOVABLE_OPTIMIZERS:
-        raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} keeps its gradient sums by this "
-                             "group's store versions, which mean nothing in another group: it cannot be moved")
+        raise InvalidRequest(f"tensor {name!r}: optimizer {spec['name']!r} {OPTIMIZERS[spec['name']].bound_to_log}: "
+                             "it cannot be moved")
     held = holding(name)
     if held is not None:
         raise InvalidRequest(f"tensor {name!r} is in sync step {held[1]} of sync job {held[0]!r}, which "

@@ -111,3 +111,46 @@ def test_store_check_finds_a_round_applied_twice_or_acknowledged_and_lost():
     lost = store_check(3, {"p/a": 4, "p/b": 4}, acked)
     assert not lost["ok"] and "not applied: [4]" in lost["verdict"]
     assert not store_check(4, {}, acked)["ok"]
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_kill_tree_stops_a_worker_that_left_for_a_session_of_its_own():
+    """What torch's elastic agent does (each worker in its own session) and what left a restarted
+    DDP group running after its run: the launcher's stop (raftps.chaos.reap.kill_tree, which
+    goodput_launch.Torchrun and chaos.torchrun.TorchrunJob share) kills it by PID."""
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from raftps.chaos.reap import kill_tree
+    agent = ("import subprocess, sys, time\n"
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+             "print(w.pid, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, start_new_session=True)
+    worker = None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20.0)
+        assert ready, "the stand-in agent printed no worker PID in 20 s"
+        worker = int(proc.stdout.readline())
+        assert os.getsid(worker) == worker != os.getsid(proc.pid)
+        kill_tree(proc)
+        assert proc.returncode == -9
+        deadline = time.monotonic() + 5.0
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker)
+    finally:
+        for pid in [proc.pid] + ([worker] if worker else []):
+            if not _gone(pid):
+                os.kill(pid, 9)
+        proc.wait(5)
+        proc.stdout.close()

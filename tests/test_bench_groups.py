@@ -6,6 +6,7 @@ import os
 import pytest
 
 from bench import groups as gb
+from bench import groups_report
 from bench.common import MiB
 from raftps.groups import group_of
 
@@ -20,7 +21,7 @@ def test_tensor_names_hash_into_every_group_evenly():
 def test_per_node_figures_and_ratios():
     # node 1 leads, nodes 2 and 3 follow; 100 pushes in a 10 s window; node 1 idles at 0.01 core
     d = {1: (2.0, 1200 * MiB), 2: (1.5, 400 * MiB), 3: (1.4, 400 * MiB)}
-    s = gb.summarize_nodes(d, 100, 10.0, 1, 3, {0: 1}, {1: 0.01, 2: 0.0, 3: 0.0})
+    s = groups_report.summarize_nodes(d, 100, 10.0, 1, 3, {0: 1}, {1: 0.01, 2: 0.0, 3: 0.0})
     assert s["busiest_node"] == 1 and s["busiest_cpu_ms_per_push"] == pytest.approx(20.0)
     assert s["busiest_net_cpu_ms_per_push"] == pytest.approx(19.0)
     assert s["mean_cpu_ms_per_push"] == pytest.approx(49.0 / 3)
@@ -34,7 +35,7 @@ def test_per_node_figures_and_ratios():
              "busiest_net_cpu_ms_per_push": 6.0, "mean_cpu_ms_per_push": 6.0, "busiest_bytes_per_push": 3.0,
              "pushes_per_s": 20.0, "total_cpu_ms_per_push": 54.0, "machine_cores_busy": 2.0, "client_cores": 0.1,
              "leads_per_node": {1: 2}}]
-    summ = gb.summarize(recs, [(3, 1), (9, 9)], ("elected",))
+    summ = groups_report.summarize(recs, [(3, 1), (9, 9)], ("elected",))
     nine = summ[1]
     assert nine["ratio_busiest_cpu"] == pytest.approx(0.4) and nine["target"] == 0.45 and nine["target_met"]
     assert nine["ratio_busiest_net_cpu"] == pytest.approx(6.0 / 19.0)
@@ -86,7 +87,7 @@ def test_cost_model_predicts_a_node_from_what_it_leads_and_follows():
     six = {"nodes": 6, "groups": 6, "leaders_mode": "elected", "busiest_cpu_ms_per_push": 12.0, "pushes_per_s": 10.0,
            "idle_cpu_per_s": {str(i): 0.02 for i in range(1, 7)},
            "per_node": [node(1, 0, 2, [0, 4, 5])] + [node(i, 0, 1 if i < 5 else 0, [0, 1, 2]) for i in range(2, 7)]}
-    m = gb.cost_model([one, six])
+    m = groups_report.cost_model([one, six])
     assert (m["leader_ms"], m["follower_ms"]) == (20.0, 14.0)
     assert m["runs"][1]["model"] == pytest.approx((2 * 20.0 + 14.0) / 6 + 2.0)
     assert m["balanced_ratio_no_idle"]["6x6"] == pytest.approx((20.0 + 2 * 14.0) / 6 / 20.0)

@@ -1,6 +1,7 @@
-"""Two rules of the house (issue 31) that a change can break without any other test noticing:
-no module of raftps/ over 500 lines, and no module reads another object's private attributes
-(a name starting with ``_``): a caller uses the owner's public methods instead."""
+"""Rules of the house (issues 31 and 38) that a change can break without any other test noticing:
+no module of raftps/, bench/ or trainer/ over 500 lines; no module reads another object's private
+attributes (a name starting with ``_``): a caller uses the owner's public methods instead; and no
+two modules anywhere in the repository import each other, directly or round a longer circle."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,7 @@ import pysyncobj
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "raftps")
+SHORT_PACKAGES = ("raftps", "bench", "trainer")      # where no module may be over MAX_LINES
 MAX_LINES = 500
 
 # Modules over the limit today, each to be split by the engineer who owns it (the lead empties
@@ -26,9 +28,11 @@ PRIVATE_READS_TODAY = {
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
 
 
-def modules() -> list[str]:
+def modules(top: str = PACKAGE) -> list[str]:
+    """Every .py file under ``top``, hidden folders (.venv, .git) and built sites left out."""
     found = []
-    for folder, _, files in os.walk(PACKAGE):
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "site")]
         found += [os.path.join(folder, f) for f in files if f.endswith(".py")]
     return sorted(found)
 
@@ -38,7 +42,8 @@ def relative(path: str) -> str:
 
 
 def test_no_module_is_over_500_lines():
-    long = {relative(p): n for p in modules() if (n := len(open(p).read().splitlines())) > MAX_LINES}
+    paths = [p for package in SHORT_PACKAGES for p in modules(os.path.join(ROOT, package))]
+    long = {relative(p): n for p in paths if (n := len(open(p).read().splitlines())) > MAX_LINES}
     assert set(long) <= TOO_LONG_TODAY, {p: n for p, n in long.items() if p not in TOO_LONG_TODAY}
 
 
@@ -135,3 +140,94 @@ def test_the_scan_finds_a_private_read(tmp_path):
     path.write_text("class A:\n    def __init__(self):\n        self._mine = 1\n\n"
                     "    def f(self, other, twin):\n        return other._secret + twin._mine\n")
     assert private_reads(str(path)) == [(6, "_secret")]
+
+
+def module_name(path: str, root: str) -> str:
+    """``bench/groups.py`` -> ``bench.groups``; a package's ``__init__.py`` -> the package."""
+    name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def import_graph(root: str) -> dict[str, set[str]]:
+    """Module -> the repository's modules it imports, at the top or inside a function (a lazy
+    import that only hides a circle is still one). ``from pkg import mod`` imports ``pkg.mod``;
+    ``from pkg import name`` imports ``pkg`` itself (its ``__init__``)."""
+    paths = {module_name(p, root): p for p in modules(root)}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in paths}
+                found |= subs
+                if base in paths and len(subs) < len(node.names):
+                    found.add(base)
+        graph[name] = found - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each set of two or more modules that reach each other (Tarjan's
+    strongly connected components, iteratively, in name order so the answer is stable)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next((m for m in edges if m not in index or m in on_stack), None)
+            if nxt is not None and nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+                continue
+            if nxt is not None:
+                low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    found.append(sorted(members))
+    return found
+
+
+def test_no_import_circles_anywhere_in_the_repository():
+    assert circles(import_graph(ROOT)) == [], "modules that import each other (move what both need into one of them)"
+
+
+def test_the_scan_finds_an_import_circle(tmp_path):
+    """The check above can fail: a lazy import back from a submodule closes a circle; importing
+    a sibling or one's package's other modules does not."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from . import b\nfrom .c import x\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("x = 1\n")
+    graph = import_graph(str(tmp_path))
+    assert graph["pkg.a"] == {"pkg.b", "pkg.c"} and graph["pkg.b"] == {"pkg.a"}
+    assert circles(graph) == [["pkg.a", "pkg.b"]]

@@ -132,3 +132,87 @@ def test_same_bits_as_the_textbook_expressions_and_inputs_untouched(spec, shape,
             assert np.asarray(mine[1][key]).tobytes() == np.asarray(theirs[1][key]).tobytes(), f"step {k}: {key} differs"
         # nothing the step was given changed (readers of the previous version hold those arrays)
         assert [a.tobytes() for a in given] == before, f"step {k}: an input was written"
+
+
+# ---- Lion: one file (raftps/optimizers/lion.py), found by the registry -----------------------
+
+def lion_run(spec, grads, param, dtype=np.float64):
+    spec = optim.normalize({"name": "lion", **spec})
+    p = np.array(param, dtype)
+    state = optim.init_state(spec, p)
+    for g in grads:
+        p, state = optim.step(spec, p, np.array(g, dtype), state)
+    return p, state
+
+
+def test_lion_by_hand():
+    """lr 0.1, beta1 0.9, beta2 0.99, worked out by hand: step 1's sign is the gradient's; at
+    step 2 the last coordinate's gradient is negative but 0.9 * 0.02 - 0.1 * 0.01 > 0, so the
+    momentum wins; at step 3 (zero gradient) the momentum alone moves every coordinate by lr."""
+    grads = [[0.3, -0.1, 0.0, 2.0], [-0.2, -0.1, 0.5, -0.01], [0.0, 0.0, 0.0, 0.0]]
+    p, state = lion_run({"lr": 0.1}, grads[:1], [1.0, -2.0, 0.5, 0.0])
+    assert np.allclose(p, [0.9, -1.9, 0.5, -0.1], rtol=0, atol=1e-12)            # sign(0.1 g) = sign(g); 0 stays
+    assert np.allclose(state["m"], [0.003, -0.001, 0.0, 0.02], rtol=0, atol=1e-15) and state["step"] == 1
+    p, state = lion_run({"lr": 0.1}, grads[:2], [1.0, -2.0, 0.5, 0.0])
+    assert np.allclose(p, [1.0, -1.8, 0.4, -0.2], rtol=0, atol=1e-12)             # c = -0.0173 -0.0109 0.05 0.017
+    assert np.allclose(state["m"], [0.00097, -0.00199, 0.005, 0.0197], rtol=0, atol=1e-15)
+    p, _ = lion_run({"lr": 0.1}, grads, [1.0, -2.0, 0.5, 0.0])
+    assert np.allclose(p, [0.9, -1.7, 0.3, -0.3], rtol=0, atol=1e-12)
+
+
+def test_lion_decoupled_weight_decay_maximize_and_float32():
+    # p * (1 - 0.1 * 0.5) - 0.1 * sign(g): 0.95 - 0.1 and -1.9 + 0.1
+    p, _ = lion_run({"lr": 0.1, "weight_decay": 0.5}, [[0.3, -0.1]], [1.0, -2.0])
+    assert np.allclose(p, [0.85, -1.8], rtol=0, atol=1e-12)
+    p, _ = lion_run({"lr": 0.1, "maximize": True}, [[0.3, -0.1, 0.0]], [1.0, -2.0, 0.5])
+    assert np.allclose(p, [1.1, -2.1, 0.5], rtol=0, atol=1e-12)
+    p, state = lion_run({"lr": 0.1}, [[0.3, -0.1]], [1.0, -2.0], np.float32)
+    assert p.dtype == state["m"].dtype == np.float32 and np.allclose(p, [0.9, -1.9], atol=1e-6)
+    with pytest.raises(InvalidOptimizer, match=r"lion.beta2 must be in \[0, 1\)"):
+        optim.normalize({"name": "lion", "lr": 0.1, "beta2": 1.0}, "w")
+
+
+def test_lion_row_sparse_push_steps_the_pushed_rows_only():
+    """The store's row rule reads the optimizer's own ``rows``: a rows push of a lion tensor runs
+    in the state machine and moves the pushed rows (and their momentum) alone."""
+    from raftps.compress import encode_rows
+    from raftps.machine import ROW_OPTIMIZERS
+    from tests.test_machine import Log
+    assert "lion" in ROW_OPTIMIZERS
+    log = Log()
+    init = np.array([[1.0, -2.0], [0.5, 0.0], [3.0, 3.0]], np.float32)
+    assert "error" not in log("create", tensors={"emb": init}, optimizer={"emb": {"name": "lion", "lr": 0.1}})
+    tensors, encoding = encode_rows("emb", np.array([0, 2]), np.array([[0.3, -0.1], [0.0, 2.0]], np.float32))
+    assert "error" not in log("push", tensors=tensors, encoding=encoding)
+    t = log.store.tensors["emb"]
+    assert np.allclose(t.data, [[0.9, -1.9], [0.5, 0.0], [3.0, 2.9]], rtol=0, atol=1e-6)
+    assert np.allclose(t.state["m"], [[0.003, -0.001], [0.0, 0.0], [0.0, 0.02]], rtol=0, atol=1e-9)
+
+
+EXACT = {"multiply", "add", "subtract", "divide", "sqrt", "negative", "maximum", "greater", "less",   # correctly rounded
+         "zeros_like", "full_like", "empty_like", "copy", "ndarray"}                                  # or no arithmetic
+
+
+def test_every_optimizer_uses_only_exact_operations():
+    """The house rule for the state machine, read off each optimizer's module: numpy's + - * / sqrt,
+    comparisons and array makers only, and no ``**`` in a step (Adam's beta^t is a running product)."""
+    import ast
+    import os
+    folder = os.path.join(os.path.dirname(os.path.abspath(optim.__file__)), "optimizers")
+    found = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "np" \
+                    and node.attr not in EXACT:
+                found.append(f"{name}:{node.lineno}: np.{node.attr}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"{name}:{node.lineno}: imports {m}" for m in modules if m in ("math", "random", "time")]
+            if isinstance(node, ast.FunctionDef) and node.name in ("step", "prepare", "init_state"):
+                found += [f"{name}:{n.lineno}: ** in {node.name}" for n in ast.walk(node)
+                          if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow)]
+    assert found == []
+    assert "lion" in optim.SPECS                                # the registry found the new module

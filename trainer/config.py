@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raftps.optim import SPECS
+
 from .data import steps_per_epoch
 
 DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adagrad": 0.05, "adam": 0.001, "adarevision": 0.05}
@@ -78,11 +80,12 @@ class Config:
     def local_spec(self) -> dict:
         """The update rule itself: the store's for async/sync/ssp, each EASGD and DiLoCo worker's own."""
         spec = {"name": self.optimizer, "lr": self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]}
-        if self.optimizer == "momentum":
+        takes = SPECS[self.optimizer]          # the options this optimizer has (raftps/optimizers/)
+        if "momentum" in takes:
             spec["momentum"] = self.momentum
-        if self.optimizer == "adarevision":
+        if "window" in takes:
             spec["window"] = self.adarevision_window
-        elif self.staleness_aware:
+        if self.staleness_aware and "staleness_aware" in takes:
             spec["staleness_aware"] = True
         return spec
 

@@ -23,6 +23,7 @@ from raftps.launch import PerRankJob, wait_for_exit
 from raftps.localcluster import LocalCluster
 
 from .harness import children
+from .reap import kill_tree
 
 __all__ = ["PerRankJob", "TorchrunJob", "KillRun", "steps_done", "train_through_kills"]
 
@@ -68,12 +69,7 @@ class TorchrunJob:
 
     def stop(self) -> None:
         self.workers()
-        for pid in [self.proc.pid, *self.seen]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+        kill_tree(self.proc, self.seen)
         self.log.close()
 
 

@@ -19,24 +19,18 @@ from .. import optim
 from ..client import Client
 from ..errors import UsageError
 from ..jobs import INTERNAL, prefix_root
+from ..optimizers import OPTIMIZERS
 from . import optimizers
 
-CLASSES = {"sgd": "SGD", "momentum": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
+# store optimizer -> the torch.optim class that runs it (raftps/optimizers/: each says)
+CLASSES = {name: o.torch_class for name, o in OPTIMIZERS.items() if o.torch_class}
 
 
 def torch_group(spec: dict) -> dict:
     """The torch param group options that run as the store spec ``spec`` (store_spec's inverse)."""
     name = spec["name"]
-    common = {"lr": spec["lr"], "weight_decay": spec["weight_decay"], "maximize": spec.get("maximize", False)}
-    if name in ("sgd", "momentum"):
-        momentum = spec.get("momentum", 0.0) if name == "momentum" else 0.0
-        return {**common, "momentum": momentum, "dampening": spec.get("dampening", 0.0),
-                "nesterov": spec.get("nesterov", False)}
-    if name in ("adam", "adamw"):
-        return {**common, "betas": (spec["beta1"], spec["beta2"]), "eps": spec["eps"],
-                "amsgrad": spec.get("amsgrad", False)}
-    if name == "adagrad":
-        return {**common, "lr_decay": 0.0, "eps": spec["eps"], "initial_accumulator_value": spec["initial_accumulator"]}
+    if name in CLASSES:
+        return OPTIMIZERS[name].torch_group(spec)
     raise UsageError(f"optimizer {name!r} has no torch.optim form (torch format: {sorted(CLASSES)})")
 
 

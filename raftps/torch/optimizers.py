@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .. import optim
+from ..optimizers import OPTIMIZERS
 
 SUPPORTED = ("SGD", "Adam", "AdamW", "Adagrad")
 # Group options that change nothing the store computes (how torch would have run the step).
@@ -44,23 +45,10 @@ def store_spec(torch_class: type, group: dict) -> dict:
     lr = _number(group, "lr")
     spec: dict[str, Any] = {"lr": lr, "weight_decay": _number(group, "weight_decay"),
                             "maximize": bool(group.get("maximize", False))}
-    if base == "SGD":
-        if _number(group, "momentum") == 0:
-            spec["name"] = "sgd"
-        else:
-            spec.update(name="momentum", momentum=_number(group, "momentum"),
-                        dampening=_number(group, "dampening"), nesterov=bool(group["nesterov"]))
-    elif base in ("Adam", "AdamW"):
-        decoupled = base == "AdamW" or bool(group.get("decoupled_weight_decay", False))
-        beta1, beta2 = (float(b) for b in group["betas"])
-        spec.update(name="adamw" if decoupled else "adam", beta1=beta1, beta2=beta2, eps=_number(group, "eps"),
-                    amsgrad=bool(group.get("amsgrad", False)))
-    else:
-        spec.update(name="adagrad", eps=_number(group, "eps"),
-                    initial_accumulator=_number(group, "initial_accumulator_value"))
-    known = set(spec) | _IGNORED | set(_REFUSED_IF_SET) | {"betas", "initial_accumulator_value",
-                                                           "decoupled_weight_decay", "momentum", "dampening",
-                                                           "nesterov", "amsgrad"}
+    runs_as = next(o for o in OPTIMIZERS.values() if o.runs_torch_group(base, group, _number))
+    spec.update(runs_as.spec_from_torch(group, _number))
+    torch_options = set().union(*(o.torch_options for o in OPTIMIZERS.values()))    # e.g. betas, nesterov
+    known = set(spec) | _IGNORED | set(_REFUSED_IF_SET) | torch_options
     unknown = sorted(set(group) - known)
     if unknown:
         raise ValueError(f"{name}: param group option(s) {unknown} are not supported by the store")
@@ -103,22 +91,11 @@ def _number(group: dict, key: str) -> float:
 def to_torch_state(spec: dict, state: dict) -> dict[str, torch.Tensor]:
     """One parameter's store state as torch's optimizer keeps it ({} where torch keeps nothing
     yet: before the first step, or plain SGD)."""
-    name, steps = spec["name"], int(state.get("step", 0))
-    tensor = _tensor
-    if name == "momentum":
-        return {"momentum_buffer": tensor(state["velocity"])} if steps or "step" not in state else {}
-    if name in ("adam", "adamw"):
-        if not steps:
-            return {}
-        out = {"step": torch.tensor(float(steps)), "exp_avg": tensor(state["m"]), "exp_avg_sq": tensor(state["v"])}
-        if "v_max" in state:
-            out["max_exp_avg_sq"] = tensor(state["v_max"])
-        return out
-    if name == "adagrad":
-        return {"step": torch.tensor(float(steps)), "sum": tensor(state["accumulator"])}
-    if name == "sgd":
-        return {}
-    raise ValueError(f"optimizer {name!r} keeps state torch has no form for; export it with `raftps export`")
+    name = spec["name"]
+    if OPTIMIZERS[name].torch_class is None:
+        raise ValueError(f"optimizer {name!r} keeps state torch has no form for; export it with `raftps export`")
+    return {key: torch.tensor(value) if isinstance(value, float) else _tensor(value)     # a float: torch's step
+            for key, value in OPTIMIZERS[name].to_torch_state(spec, state).items()}
 
 
 def to_store_state(spec: dict, torch_state: dict, like: np.ndarray, what: str) -> dict[str, Any]:
@@ -136,36 +113,15 @@ def to_store_state(spec: dict, torch_state: dict, like: np.ndarray, what: str) -
 
     steps = int(torch_state["step"].item() if isinstance(torch_state.get("step"), torch.Tensor)
                 else torch_state.get("step", 0))
-    if name == "sgd":
-        expected: set[str] = set()
-        out: dict[str, Any] = {}
-    elif name == "momentum":
-        expected = {"momentum_buffer"}
-        if torch_state.get("momentum_buffer") is None:
-            expected, out = set(), {"velocity": np.zeros_like(like), "step": 0}
-        else:
-            out = {"velocity": array("momentum_buffer"), "step": 1}
-    elif name in ("adam", "adamw"):
-        expected = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if spec.get("amsgrad") else set())
-        if not torch_state:
-            expected, out = set(), dict(optim.init_state(spec, like))
-        else:
-            out = {"m": array("exp_avg"), "v": array("exp_avg_sq"), "step": steps,
-                   "beta1_t": spec["beta1"] ** steps, "beta2_t": spec["beta2"] ** steps}
-            if spec.get("amsgrad"):
-                out["v_max"] = array("max_exp_avg_sq")
-    elif name == "adagrad":
-        expected = {"step", "sum"}
-        out = {"accumulator": array("sum"), "step": steps}
-    else:
+    if OPTIMIZERS[name].torch_class is None:
         raise ValueError(f"{what}: the store's {name!r} state cannot be loaded from a torch state_dict")
+    expected = OPTIMIZERS[name].torch_state_keys(spec, torch_state)
+    out = OPTIMIZERS[name].from_torch_state(spec, torch_state, array, steps, like)
     extra = sorted(set(torch_state) - expected)
     if extra:
         raise ValueError(f"{what}: state {extra} is not part of a {name} state (it has {sorted(expected)})")
     if steps < 0:
         raise ValueError(f"{what}: step {steps} is negative")
-    if name in ("adam", "adamw") and out.get("step") == 0 and torch_state:
-        out["beta1_t"] = out["beta2_t"] = 1.0
     return out
 
 
