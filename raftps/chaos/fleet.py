@@ -155,9 +155,13 @@ class Fleet:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        left = []
         for c in self.clusters:
-            c.stop(timeout=5.0)
-        return self.net.down()
+            try:
+                c.stop(timeout=5.0)
+            except (OSError, TypeError) as exc:      # its run dir went first: Net.down kills by namespace
+                left.append(f"cluster in {c.run_dir} did not stop cleanly: {exc}")
+        return left + self.net.down()
 
     def __enter__(self) -> "Fleet":
         return self.up()

@@ -22,7 +22,6 @@ from raftps.jobs import tensor
 
 pytestmark = pytest.mark.skipif(fleets.available() is not None, reason=str(fleets.available()))
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fleet_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RATE = 5e6                 # bits/s per host, each way
 
@@ -44,7 +43,7 @@ def run_workers(f: fleets.Fleet, cluster, mode: str, prefix: str, world: int, nb
                 timeout: float = 60.0, limit: float = 90.0) -> list[dict]:
     """``world`` ranks of fleet_worker.py, rank r on worker host r % 2 + 1; their JSON lines."""
     env = {**cluster.client_env, "PYTHONPATH": ROOT}
-    procs = [f.start_worker(rank % 2 + 1, [sys.executable, WORKER, mode, cluster.addresses, prefix, str(rank),
+    procs = [f.start_worker(rank % 2 + 1, [sys.executable, "-m", "raftps.chaos.fleet_worker", mode, cluster.addresses, prefix, str(rank),
                                            str(world), str(nbytes), str(steps), str(timeout)],
                             env=env, log=subprocess.PIPE)
              for rank in range(world)]

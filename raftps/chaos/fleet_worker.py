@@ -1,29 +1,28 @@
-"""One worker of a fleet test, run on a worker host (tests/fault/test_slow_links.py).
+"""One worker of a fleet run, on a worker host (tests/fault/test_slow_links.py, bench/fleet_step.py).
 
-    python tests/fault/fleet_worker.py MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT
+    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT
 
 MODE ``create``: every rank creates the job's tensors itself, all at once (what the ranks of
 raftps.torch and DiLoCo did before one rank became the creator), and reports the time.
 MODE ``sync``: rank 0 creates, the others wait for the tensors (raftps.jobs.wait_for_tensors),
-then STEPS push_step steps, each rank's gradient is rank + 1 everywhere.
+then STEPS push_step steps, each rank's gradient is rank + 1 everywhere; ``sync-pull``: the
+same with ``pull=True`` (each answer carries the step's tensors, as raftps.torch's sync mode
+asks), and the wall-clock start and end of each step in ``times``.
 MODE ``diloco``: DiLoCo with H = 1 for STEPS rounds (its create: rank 0's).
 It prints one JSON line: {"ok": true, ...} or {"ok": false, "error": "..."}.
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from raftps import Client                       # noqa: E402
-from raftps.diloco import DiLoCo                 # noqa: E402
-from raftps.job_steps import wait_for_tensors  # noqa: E402
-from raftps.jobs import tensor                   # noqa: E402
+from raftps import Client
+from raftps.diloco import DiLoCo
+from raftps.job_steps import wait_for_tensors
+from raftps.jobs import tensor
 
 SGD = {"name": "sgd", "lr": 0.5}
 
@@ -62,12 +61,15 @@ def main() -> dict:
             client.create_many(dict(zip(names, params.values())), {n: SGD for n in names})
         else:
             wait_for_tensors(client, names, timeout, prefix)
-        counts = []
+        counts, times = [], []
         for step in range(steps):
             grads = {n: np.full_like(v, rank + 1) for n, v in zip(names, params.values())}
-            reply = client.push_step(grads, step, world, job=prefix, rank=rank, timeout=timeout)
+            began = time.time()
+            reply = client.push_step(grads, step, world, job=prefix, rank=rank, timeout=timeout,
+                                     pull=mode == "sync-pull")
+            times.append([began, time.time()])
             counts.append(reply["count"])
-        return {"ok": True, "counts": counts, "seconds": time.monotonic() - started}
+        return {"ok": True, "counts": counts, "seconds": time.monotonic() - started, "times": times}
 
 
 if __name__ == "__main__":
