@@ -11,7 +11,8 @@ between the first rank's start and the last rank's answer: the bytes each host s
 and when each phase ended (95% of its bytes had crossed): the contributions into the leader, the
 step's payload out to the followers, the answers out to the workers. ``create``: every rank
 creates the same tensors at once (what every rank of raftps.torch and DiLoCo did before one rank
-became the creator); each rank's outcome and time, and the bytes per host.
+became the creator); each rank's outcome and time, and the bytes per host. ``sync``: as sync-pull
+without pull (``--steps 0``: rank 0 creates, the others wait for its tensors, and nothing else).
 Writes NAME.md and NAME.json in --out.
 """
 from __future__ import annotations
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> dict:
         stop.set()
         sampler.join(5)
         first, last = samples[0][1], samples[-1][1]
-        record = {"link": args.link, "workers": workers, "mb": args.mb, "mode": args.mode, "leader_host": leader,
+        record = {"link": args.link, "workers": workers, "mb": args.mb, "mode": args.mode, "steps": args.steps,
+                  "timeout": args.timeout, "leader_host": leader,
                   "reports": reports,
                   "bytes": {h: [last[h][0] - first[h][0], last[h][1] - first[h][1]] for h in sorted(last)}}
         if args.mode == "sync-pull" and all(r["ok"] for r in reports):
@@ -105,7 +107,8 @@ def report(record: dict) -> str:
     lines = [f"# Fleet step: {record['mode']}, {record['workers']} workers, 3 store hosts, {record['link']} per host, "
              f"{record['mb']} MB model", "",
              f"Command: `python -m bench.fleet_step --link {record['link']} --workers {record['workers']} "
-             f"--mb {record['mb']} --mode {record['mode']}`; leader on host {record['leader_host']} "
+             f"--mb {record['mb']} --mode {record['mode']} --steps {record['steps']} --timeout {record['timeout']:g}`"
+             f" (commit {record.get('commit', '?')}); leader on host {record['leader_host']} "
              "(hosts 1-3 store, then workers).", ""]
     for rank, r in enumerate(record["reports"]):
         lines.append(f"- rank {rank}: " + (f"ok in {r['seconds']:.1f} s" if r["ok"] else f"failed: {r['error']}"))
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--mb", type=float, default=5.1)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--mode", choices=("sync-pull", "create"), default="sync-pull")
+    p.add_argument("--mode", choices=("sync-pull", "sync", "create"), default="sync-pull")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--name", default="fleet_step")
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"fleet_step needs a fleet: {problem}")
         return 2
     record = run(args)
+    record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=1)
     text = report(record)
