@@ -86,10 +86,10 @@ def drain(sock: socket.socket, stall: float, progress: Callable[[int], None] | N
     decrease."""
     left = unsent(sock)
     last_move = time.monotonic()
-    pause = 0.002
+    pause = 0.0005
     while left > 0:
         time.sleep(pause)
-        pause = min(0.05, pause * 2)
+        pause = min(0.02, pause * 2)
         now_left = unsent(sock)
         if now_left < left:
             if progress is not None:
