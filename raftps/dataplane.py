@@ -229,8 +229,10 @@ class PeerLink:
                 if progress is not None:
                     progress(min(SEND_CHUNK, len(view) - start))
         self.sock.sendall(self.mac.sign(frame, digest() if digest else None))
-        # The answer comes within the socket's timeout of the peer's having every byte.
-        drain(self.sock, self.sock.gettimeout() or 10.0, progress)
+        # The answer comes within the socket's timeout of the peer's having every byte (a
+        # small frame's ACK may wait for that answer: delayed ACK, so only large frames wait).
+        if sum(len(b) for b in frame) >= SEND_CHUNK:
+            drain(self.sock, self.sock.gettimeout() or 10.0, progress)
         return codec.recv_frame(self.sock, mac=self.mac)
 
     def close(self) -> None:

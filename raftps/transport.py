@@ -187,11 +187,13 @@ class TcpTransport:
                 buffers = codec.encode(message)
                 sock.settimeout(timeout)
                 started = time.monotonic()
-                if sum(len(b) for b in buffers) < LATE_WAIT_BYTES:
+                size = sum(len(b) for b in buffers)
+                if size < LATE_WAIT_BYTES:
                     key = None
                 try:
                     send_chunked(sock, buffers)
-                    drain(sock, timeout)
+                    if size >= SEND_CHUNK:   # a small request's ACK may wait for its answer (delayed ACK)
+                        drain(sock, timeout)
                 except OSError:
                     reply = _refusal(sock, self.limits)
                     if reply is None:
