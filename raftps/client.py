@@ -272,9 +272,10 @@ class Client:
                   rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
                   clip_norm: float | None = None, encoding: dict | None = None) -> dict:
         """One worker's contribution to synchronous step ``step`` of job ``job``, summed on
-        the leader with the step's other contributions and replicated once as the step (aggregation
+        the leader with the step's other contributions (in rank order, so the sum's bits do not
+        depend on arrival order) and replicated once as the step (aggregation
         before replication); returns when the step is applied: version, step, applied, count (the
-        contributions in it: fewer than ``workers`` if ``timeout`` seconds after the step's first
+        contributions in it: fewer than ``workers`` if ``timeout`` seconds after the step's latest
         contribution some had not arrived), and late (the step was applied without this one) or
         duplicate_rank. With ``pull``, also ``tensors`` (and ``tensor_versions``): the step's tensors
         as its entry left them, read on the leader right after the apply, so no pull is needed (a

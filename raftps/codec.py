@@ -229,6 +229,11 @@ def blob_digest(buffers: list) -> bytes:
     return h.digest()
 
 
+# The slowest rate a frame is given time for, on top of frame_timeout (bytes/s: 512 kbit/s).
+# Frames share a link: at 5 Mbit/s, eight payloads on their way at once get 625 kbit/s each.
+FRAME_MIN_RATE = 64 << 10
+
+
 def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_byte_timeout: float | None = None,
                frame_timeout: float | None = None, mac: FrameMac | None = None,
                on_size: Callable[[int], None] | None = None) -> Any:
@@ -236,8 +241,9 @@ def recv_frame(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, first_by
 
     ``first_byte_timeout`` lets an idle connection wait longer for the next request than a
     half-sent frame may take to finish. ``frame_timeout`` is that bound: the whole frame must
-    arrive within it of its first byte (LimitExceeded otherwise), however slowly the bytes
-    trickle, so a stalled sender cannot hold a server thread for long. Without it, the socket's
+    arrive within it of its first byte, plus its size at FRAME_MIN_RATE (LimitExceeded
+    otherwise), however slowly the bytes trickle, so a stalled sender cannot hold a server thread
+    for long while a large frame on a slow link still gets the time its bytes need. Without it, the socket's
     own timeout applies to each recv. ``mac`` checks the frame's tag before it is decoded.
     ``on_size`` is told the frame's size once its prefix is read (metrics).
     """
@@ -263,6 +269,8 @@ def recv_frame_into(sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, fir
         try:
             recv_exactly(sock, view[1:], deadline=deadline)
             header_len, blob_len = _parse_prefix(bytes(prefix), limits)
+            if deadline is not None:      # a large frame on a slow link: its bytes' time on top
+                deadline += (header_len + blob_len) / FRAME_MIN_RATE
             if on_size is not None:
                 on_size(PREFIX.size + header_len + blob_len)
             header = bytearray(header_len)

@@ -32,11 +32,14 @@ import numpy as np
 
 from . import codec, snapshot_file
 from .errors import ProtocolError
+from .transport import drain
 from .payloads import PAYLOAD_ID, PayloadStore, verify, verify_digest
 from .raft import SnapshotMeta
 
 log = logging.getLogger("raftps.dataplane")
 HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
+PUT_TRIES = 3            # sends of one payload to one peer within a replicate, at most
+SEND_CHUNK = 256 << 10   # bytes per sendall: a socket timeout bounds each (10 s: >= 210 kbit/s)
 VERSION = 2            # 1: blobs hashed with SHA-256 (and no version in the hello); 2: BLAKE3
 
 
@@ -214,9 +217,22 @@ class PeerLink:
     def call(self, msg: Any) -> dict:
         return self.call_encoded(codec.encode(msg))
 
-    def call_encoded(self, frame: list, digest: Callable[[], bytes] | None = None) -> dict:
-        """Send ``codec.encode``'s buffers of a message (``digest``: returns their blob_digest)."""
-        codec.send_buffers(self.sock, frame, self.mac, digest)
+    def call_encoded(self, frame: list, digest: Callable[[], bytes] | None = None,
+                     progress: Callable[[int], None] | None = None) -> dict:
+        """Send ``codec.encode``'s buffers of a message (``digest``: returns their blob_digest) in
+        chunks, so the socket's timeout bounds each chunk, not the whole payload (a slow link);
+        ``progress`` is told each chunk's size once it is sent."""
+        for buf in frame:
+            view = memoryview(buf).cast("B")
+            for start in range(0, len(view), SEND_CHUNK):
+                self.sock.sendall(view[start:start + SEND_CHUNK])
+                if progress is not None:
+                    progress(min(SEND_CHUNK, len(view) - start))
+        self.sock.sendall(self.mac.sign(frame, digest() if digest else None))
+        # The answer comes within the socket's timeout of the peer's having every byte (a
+        # small frame's ACK may wait for that answer: delayed ACK, so only large frames wait).
+        if sum(len(b) for b in frame) >= SEND_CHUNK:
+            drain(self.sock, self.sock.gettimeout() or 10.0, progress)
         return codec.recv_frame(self.sock, mac=self.mac)
 
     def close(self) -> None:
@@ -247,7 +263,7 @@ class Peers:
                 idle.get_nowait().close()
 
     def _call(self, address: str, msg: dict, frame: list | None = None,
-              digest: Callable[[], bytes] | None = None) -> dict:
+              digest: Callable[[], bytes] | None = None, progress: Callable[[int], None] | None = None) -> dict:
         """``msg``, or its ready ``frame`` and digest, over an idle link to ``address``."""
         idle = self._idle.get(address)
         try:
@@ -255,7 +271,7 @@ class Peers:
         except queue.Empty:
             link = PeerLink(address, self.secret, self.timeout)
         try:
-            reply = link.call(msg) if frame is None else link.call_encoded(frame, digest)
+            reply = link.call(msg) if frame is None else link.call_encoded(frame, digest, progress)
         except BaseException:
             link.close()
             raise
@@ -265,9 +281,10 @@ class Peers:
             link.close()
         return reply
 
-    def _put(self, address: str, pid: str, frame: list, digest: Callable[[], bytes]) -> bool:
+    def _put(self, address: str, pid: str, frame: list, digest: Callable[[], bytes],
+             progress: Callable[[int], None] | None = None) -> bool:
         try:
-            return self._call(address, {}, frame, digest).get("ok") is True
+            return self._call(address, {}, frame, digest, progress).get("ok") is True
         except (OSError, ConnectionError, ProtocolError, CancelledError) as exc:   # (cancelled: closing)
             log.debug("put %s to %s failed: %s", pid, address, exc)
             return False
@@ -275,7 +292,8 @@ class Peers:
     def replicate(self, pid: str, tensors: dict, needed: int, timeout: float, digest: bytes | None = None,
                   meanwhile: Callable[[], Any] | None = None) -> int:
         """Send a payload to every peer; return once ``needed`` peers hold it (or all answered,
-        or ``timeout``). Sends still under way go on in the background. ``digest``: the digest
+        or no byte of it has left for ``timeout`` seconds: a payload on a slow link takes as long
+        as its bytes need, while they move). Sends still under way go on in the background. ``digest``: the digest
         (codec.blob_hasher) of the tensors' bytes in their order (payloads.digest_of), if known;
         ``meanwhile`` runs in this thread while the sends are under way (the leader's own copy
         of the payload)."""
@@ -287,16 +305,38 @@ class Peers:
             hashed_result: Callable[[], bytes] = lambda: known
         else:
             hashed_result = self._hasher.submit(codec.blob_digest, frame).result
-        futures: set[Future] = {self._pool.submit(self._put, a, pid, frame, hashed_result) for a in self.addresses}
+        sent = [0]       # bytes out to all peers so far (approximate across threads: only whether it moves matters)
+
+        def progress(n: int) -> None:
+            sent[0] += n
+
+        def put(address: str) -> Future:
+            return self._pool.submit(self._put, address, pid, frame, hashed_result, progress)
+        futures = {put(a): a for a in self.addresses}
+        tries = dict.fromkeys(self.addresses, 1)
         if meanwhile is not None:
             meanwhile()
         acks = 0
-        pending = futures
+        pending = set(futures)
+        seen = -1
         while pending and acks < needed:
             done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
             if not done:
-                break
-            acks += sum(1 for f in done if f.result())
+                if sent[0] == seen:    # stalled for a whole timeout: give up
+                    break
+                seen = sent[0]
+                continue
+            for f in done:
+                if f.result():
+                    acks += 1
+                elif tries[futures[f]] < PUT_TRIES:
+                    # A put that failed on a congested link (a connection starved past its
+                    # timeout) goes again from here: this node still holds the bytes, whereas
+                    # failing the write would make its client send them all again.
+                    tries[futures[f]] += 1
+                    retried = put(futures[f])
+                    futures[retried] = futures[f]
+                    pending.add(retried)
         return acks
 
     def fetch(self, pid: str) -> dict | None:

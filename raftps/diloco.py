@@ -8,7 +8,7 @@ store, applied once per round whatever dies. This module works on numpy arrays a
 torch: trainer/ and raftps.torch both drive it.
 
     d = DiLoCo(client, "job", params, rank=r, world_size=K, sync_every=H)   # checks only: no I/O
-    d.create()                          # the job's tensors; the first create wins, others are no-ops
+    d.create()                          # rank 0 creates the job's tensors; the others wait for them
     start, params = d.resume()          # the step to start at and the global parameters
     for step in range(start, steps):
         params = inner_step(params)                      # the rank's own optimizer, locally
@@ -27,7 +27,7 @@ then syncs). Every rank sends its pseudo-gradient with ``Client.push_step`` in t
 sequence (jobs.diloco_group), ranked, ``pull=True``: the leader sums the K contributions and
 replicates the round once, the store applies the outer optimizer to their mean, and each answer
 carries the new values. A rank that has not arrived ``step_timeout`` seconds after the round's
-first contribution is left out (push_step's semantics); a rank whose contribution comes after its
+latest contribution is left out (push_step's semantics); a rank whose contribution comes after its
 round applied (``late``) loses that round's work and rejoins at the store's next round.
 
 Asynchronous (``asynchronous=True``, the Downpour of outer steps): each rank's pseudo-gradient is
@@ -86,6 +86,7 @@ from .aggregate import MAX_STEP_TIMEOUT
 from .client import Client
 from .compress import encode_fp16
 from .errors import InvalidOptimizer
+from .job_steps import CREATOR_WAIT, create_chunked, wait_for_tensors
 from .schema import NAME_PATTERN
 
 DEFAULT_OUTER = {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -94,7 +95,6 @@ DEFAULT_OUTER = {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov": Tru
 # 2.19: python -m bench.diloco_quality --modes diloco-async --no-sync --h 20), so its default is
 # averaging, each push scaled as the module docstring says.
 ASYNC_DEFAULT_OUTER = {"name": "sgd", "lr": 1.0}
-CREATE_CHUNK_BYTES = 64 << 20          # creates are split so that no frame carries more
 COUNTER_SPEC = {"name": "sgd", "lr": 1.0}   # a push of -1 adds one
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -209,24 +209,17 @@ class DiLoCo:
     # ---- I/O -----------------------------------------------------------------------------------
 
     def create(self) -> list[str]:
-        """Create the job's global tensors from the constructor's ``params`` (and, asynchronous,
-        this rank's round counter); tensors that exist are left as they are. Returns the names
-        created."""
-        todo = {self.store_name(n): (a, self.outer) for n, a in self.init.items()}
-        if self.asynchronous:
-            todo[self.counter] = (np.zeros(len(self.fragments), np.float64), COUNTER_SPEC)
-        created: list[str] = []
-        chunk: dict[str, tuple[np.ndarray, dict]] = {}
-        for name, (arr, spec) in todo.items():
-            if chunk and sum(a.nbytes for a, _ in chunk.values()) + arr.nbytes > CREATE_CHUNK_BYTES:
-                created += self._create(chunk)
-                chunk = {}
-            chunk[name] = (arr, spec)
-        return created + self._create(chunk)
-
-    def _create(self, chunk: dict[str, tuple[np.ndarray, dict]]) -> list[str]:
-        result = self.client.create_result({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
-        return list(result.get("created", []))
+        """Rank 0 creates the job's global tensors from the constructor's ``params`` (tensors that
+        exist are left as they are); asynchronous, every rank creates its round counter. The other
+        ranks then wait until the global tensors exist (TimeoutError naming the job after
+        job_steps.CREATOR_WAIT s): K ranks each sending the whole model put K models' bytes on the
+        store's link. Returns the names created."""
+        shared = {self.store_name(n): (a, self.outer) for n, a in self.init.items()}
+        own = {self.counter: (np.zeros(len(self.fragments), np.float64), COUNTER_SPEC)} if self.asynchronous else {}
+        created = create_chunked(self.client, {**shared, **own} if self.rank == 0 else own)
+        if self.rank != 0:
+            wait_for_tensors(self.client, list(shared), CREATOR_WAIT, self.prefix)
+        return created
 
     def resume(self) -> tuple[int, dict[str, np.ndarray]]:
         """Where this rank starts: (the inner step to start at, the global parameters by name).

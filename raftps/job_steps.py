@@ -6,6 +6,7 @@ group every call is one request. ``Client`` (client.py) keeps the public methods
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -89,3 +90,48 @@ class JobSteps:
             applied = [self._request(request, raft_group=g)["applied"] for g in self.raft_groups(job)]
         started = [a for a in applied if a >= 0]
         return min(started) if started else -1
+
+
+def wait_for_tensors(client: Any, names: list[str], timeout: float, job: str) -> None:
+    """Until every tensor in ``names`` exists (a job's creator, its rank 0, made them), asking the
+    store's tensor list (names and shapes, no bytes) every 0.2-1 s; TimeoutError naming ``job``
+    and what is missing after ``timeout`` s. The other ranks wait instead of each sending the whole
+    model in a create of its own: on a slow link K creates of one model took K times its bytes."""
+    wanted = set(names)
+    prefix = os.path.commonprefix(sorted(wanted))
+    deadline = time.monotonic() + timeout
+    pause = 0.2
+    while True:
+        missing = sorted(wanted - {row["name"] for row in client.tensors(prefix)})
+        if not missing:
+            return
+        if time.monotonic() + pause > deadline:
+            raise TimeoutError(f"job {job!r}: its tensors {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+                               f"do not exist after {timeout:g} s of waiting: rank 0 creates them; is it running?")
+        time.sleep(pause)
+        pause = min(1.0, pause * 1.5)
+
+
+# How long the ranks other than a job's creator wait for its tensors: rank 0 may start later
+# (imports, its data) and its create crosses a slow link at the link's pace.
+CREATOR_WAIT = 300.0
+CREATE_CHUNK_BYTES = 64 << 20          # creates are split so that no frame carries more
+
+
+def create_chunked(client: Any, todo: dict[str, tuple[np.ndarray, dict]]) -> list[str]:
+    """Create ``todo`` ({name: (initial value, optimizer spec)}) in writes of at most
+    CREATE_CHUNK_BYTES (a tensor larger than that goes alone); existing tensors are left as they
+    are. Returns the names created."""
+    created: list[str] = []
+    chunk: dict[str, tuple[np.ndarray, dict]] = {}
+    for name, (arr, spec) in todo.items():
+        if chunk and sum(a.nbytes for a, _ in chunk.values()) + arr.nbytes > CREATE_CHUNK_BYTES:
+            created += _create(client, chunk)
+            chunk = {}
+        chunk[name] = (arr, spec)
+    return created + (_create(client, chunk) if chunk else [])
+
+
+def _create(client: Any, chunk: dict[str, tuple[np.ndarray, dict]]) -> list[str]:
+    result = client.create_result({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
+    return list(result.get("created", []))

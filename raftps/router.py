@@ -20,10 +20,14 @@ import numpy as np
 from . import groups as layout
 from .compress import INDICES_SUFFIX
 from .errors import AuthenticationFailed, Moved, Moving, Unavailable, raise_for
+from .transport import LATE_WAIT_BYTES, AnswerLate
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
 # at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
 MAX_RETRY_PAUSE = 0.1
+# Waits in a row for the late answer to a large request a node took whole (transport.AnswerLate)
+# before trying another node.
+MAX_LATE_WAITS = 3
 
 Call = Callable[[str, dict, float], dict]
 
@@ -87,11 +91,18 @@ class Router:
         addresses = self._routes.get(group, self.addresses)
         if group:
             message = {**message, "raft_group": group}
+        large = to_leader and _payload_bytes(message) >= LATE_WAIT_BYTES
+
+        def next_target() -> str:
+            # A large write sent to a follower would cross the link whole only to be told who
+            # leads: ask a node first.
+            return (large and self._leader_hint(group, addresses, call)) or self._next_address(addresses)
         known = self._leaders.get(group)
-        target = known if to_leader and known else self._next_address(addresses)
+        target = known if to_leader and known else next_target()
         last_problem = "no attempt made"
         pause = 0.02
         uncertain = False       # an attempt may have reached a log (no answer, or "unknown")
+        late_waits = 0          # AnswerLate in a row from the target
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -104,9 +115,18 @@ class Router:
                 raise
             except (OSError, ConnectionError) as exc:
                 uncertain = True
+                if isinstance(exc, AnswerLate) and late_waits < MAX_LATE_WAITS:
+                    # The node holds the whole (large) request and is still at it, forwarding its
+                    # payload on a slow link, say: ask it again, which waits for that answer
+                    # rather than sending the bytes again. A node that stays silent (paused,
+                    # cut off) is left after MAX_LATE_WAITS waits, as any silent node is.
+                    late_waits += 1
+                    last_problem = f"{target}: {exc}"
+                    continue
+                late_waits = 0
                 last_problem = f"{target}: {exc or type(exc).__name__}"
                 self._forget_leader(group, target)
-                target = self._next_address(addresses)
+                target = next_target()
                 time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, MAX_RETRY_PAUSE)
                 continue
@@ -129,9 +149,25 @@ class Router:
                 uncertain = True
                 # That node could not commit in its request timeout: likely cut off from the others.
                 self._forget_leader(group, target)
-                target = self._next_address(addresses)
+                target = next_target()
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, MAX_RETRY_PAUSE)
+
+    def _leader_hint(self, group: int, addresses: list[str], call: Call) -> str | None:
+        """Group ``group``'s leader as the first node that answers a status request (no digest)
+        knows it, or None."""
+        for _ in range(len(addresses)):
+            address = self._next_address(addresses)
+            try:
+                reply = call(address, {"op": "status", "digest": False}, min(self.attempt_timeout, 2.0))
+            except (OSError, ConnectionError):
+                continue
+            row = next((r for r in reply.get("groups") or [reply] if r.get("group", 0) == group), {})
+            if row.get("role") == "leader":
+                return address
+            if isinstance(row.get("leader"), str):
+                return row["leader"]
+        return None
 
     def groups(self) -> int:
         """How many Raft groups the cluster shards tensors over (asked once, then cached)."""
@@ -251,6 +287,13 @@ _COMBINE: dict[str, Any] = {
     "rows": lambda vs: vs[0] if len(vs) == 1 else np.concatenate(vs),
     "tensor_version": max,
 }
+
+
+def _payload_bytes(message: dict) -> int:
+    tensors = message.get("tensors")
+    if not isinstance(tensors, dict):
+        return 0
+    return sum(a.nbytes for a in tensors.values() if isinstance(a, np.ndarray))
 
 
 def _requeue(queue: list[tuple[int, Any]], rerouted: list[tuple[int, Any]]) -> list[tuple[int, Any]]:

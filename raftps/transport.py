@@ -9,9 +9,14 @@ another), AuthenticationFailed when its token is refused, and returns every othe
 """
 from __future__ import annotations
 
+import fcntl
+import select
 import socket
 import ssl
-from typing import TYPE_CHECKING, Protocol
+import struct
+import termios
+import time
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from . import auth, codec
 from .errors import AuthenticationFailed, ProtocolError, raise_for
@@ -24,6 +29,75 @@ class Transport(Protocol):
     def call(self, address: str, message: dict, timeout: float) -> dict: ...
 
     def close(self) -> None: ...
+
+
+# Bytes handed to one sendall: the socket's timeout bounds each sendall as a whole, so a chunk
+# must fit the slowest link a client may be on (256 KiB at 5 Mbit/s: 0.4 s) within it.
+SEND_CHUNK = 256 << 10
+# After its last byte, a write's answer may take this many times the request's send duration
+# more: the leader forwards the payload to its peers (a majority must hold it before it commits),
+# over a link about as fast as the one it arrived on, shared by its two peers' copies.
+FORWARD_ALLOWANCE = 3.0
+# A request of at least this many bytes whose answer is late is waited for on its connection
+# (AnswerLate) rather than sent again; a smaller one is sent again, as its bytes cost little.
+LATE_WAIT_BYTES = 1 << 20
+
+
+class AnswerLate(socket.timeout):
+    """A node took a whole request and has not answered yet; the connection stays open, and the
+    same request to it next waits for this answer rather than sending its bytes again."""
+
+
+def _identity(message: dict) -> tuple | None:
+    """What makes two sends the same write (its client and seq), or None for a read."""
+    if "client" in message and "seq" in message:
+        return message.get("op"), message.get("client"), message.get("seq"), message.get("raft_group")
+    return None
+
+
+def _readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether ``sock`` has bytes to read within ``seconds`` (nothing is consumed)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    return bool(select.select([sock], [], [], max(0.0, seconds))[0])
+
+
+def send_chunked(sock: socket.socket, buffers: list, chunk: int = SEND_CHUNK) -> None:
+    """``codec.encode``'s buffers, each sendall at most ``chunk`` bytes (see SEND_CHUNK)."""
+    for buf in buffers:
+        view = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+        for start in range(0, len(view), chunk):
+            sock.sendall(view[start:start + chunk])
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes this end's kernel still holds for ``sock`` (not yet acknowledged by the peer); 0 where
+    the platform cannot tell."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+
+
+def drain(sock: socket.socket, stall: float, progress: Callable[[int], None] | None = None) -> None:
+    """Until the peer has every byte sent on ``sock``: sendall returns once bytes are in the
+    kernel's buffer (megabytes, on a slow link tens of seconds of them), so this is when a send
+    is done. socket.timeout if none is acknowledged for ``stall`` s; ``progress`` gets each
+    decrease."""
+    left = unsent(sock)
+    last_move = time.monotonic()
+    pause = 0.0005
+    while left > 0:
+        time.sleep(pause)
+        pause = min(0.02, pause * 2)
+        now_left = unsent(sock)
+        if now_left < left:
+            if progress is not None:
+                progress(left - now_left)
+            last_move = time.monotonic()
+        elif time.monotonic() - last_move > stall:
+            raise socket.timeout(f"no byte acknowledged by the peer in {stall:g} s")
+        left = now_left
 
 
 def _refusal(sock: socket.socket, limits: codec.Limits) -> dict | None:
@@ -45,6 +119,7 @@ class TcpTransport:
         self.token, self.tls, self.limits = token, tls, limits
         self.connect_timeout = connect_timeout
         self._conns: dict[str, socket.socket] = {}
+        self._awaiting: dict[str, tuple] = {}     # address -> (write, send seconds) whose answer is late
 
     def _conn(self, address: str) -> socket.socket:
         sock = self._conns.get(address)
@@ -88,23 +163,55 @@ class TcpTransport:
         return sock
 
     def drop(self, address: str) -> None:
+        self._awaiting.pop(address, None)
         sock = self._conns.pop(address, None)
         if sock is not None:
             sock.close()
 
     def call(self, address: str, message: dict, timeout: float) -> dict:
+        """One request and its reply. ``timeout`` bounds each stall, not the whole: sending may
+        take as long as the bytes need while they keep moving (each chunk of SEND_CHUNK within
+        ``timeout``, then the peer acknowledges the rest: ``drain``), and the reply may take ``timeout`` after the last byte went out plus
+        FORWARD_ALLOWANCE times the send's duration (the leader forwards a payload to its peers
+        at about the rate it arrived). A reply still missing then raises AnswerLate and leaves the
+        connection open: the same request to the same node next waits for that reply instead of
+        sending its bytes again."""
+        key = _identity(message)
+        if self._awaiting.get(address) is not None and self._awaiting[address][0] != key:
+            self.drop(address)      # a late reply to another request would come first
         sock = self._conn(address)
         try:
-            sock.settimeout(timeout)
-            try:
-                codec.send_frame(sock, message)
-            except OSError:
-                reply = _refusal(sock, self.limits)
-                if reply is None:
-                    raise
-                self.drop(address)
-                return reply
+            if address in self._awaiting:
+                sent_for = self._awaiting[address][1]
+            else:
+                buffers = codec.encode(message)
+                sock.settimeout(timeout)
+                started = time.monotonic()
+                size = sum(len(b) for b in buffers)
+                if size < LATE_WAIT_BYTES:
+                    key = None
+                try:
+                    send_chunked(sock, buffers)
+                    if size >= SEND_CHUNK:   # a small request's ACK may wait for its answer (delayed ACK)
+                        drain(sock, timeout)
+                except OSError:
+                    reply = _refusal(sock, self.limits)
+                    if reply is None:
+                        raise
+                    self.drop(address)
+                    return reply
+                sent_for = time.monotonic() - started
+            wait = timeout + FORWARD_ALLOWANCE * sent_for
+            if not _readable(sock, wait):
+                if key is None:
+                    raise socket.timeout(f"node {address}: no answer within {wait:.1f} s")
+                self._awaiting[address] = (key, sent_for)
+                raise AnswerLate(f"node {address} took the whole request but has not answered within {wait:.1f} s")
+            self._awaiting.pop(address, None)
+            sock.settimeout(timeout)                # the reply's bytes: each recv within timeout
             reply = codec.recv_frame(sock, self.limits)
+        except AnswerLate:
+            raise
         except BaseException:
             self.drop(address)      # a half-read reply leaves the stream unusable
             raise

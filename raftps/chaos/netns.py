@@ -32,7 +32,8 @@ def available() -> str | None:
     return None
 
 
-def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+def run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (ip, tc, iptables) with a timeout; raise with its stderr if it fails and ``check``."""
     p = subprocess.run(list(args), capture_output=True, text=True, timeout=CMD_TIMEOUT)
     if check and p.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}): {p.stderr.strip()}")
@@ -72,20 +73,20 @@ class Net:
     def up(self) -> "Net":
         self.down()                                   # leftovers of a crashed run of ours
         try:
-            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-            _run(["ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge])
-            _run(["ip", "link", "set", self.bridge, "up"])
+            run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            run(["ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge])
+            run(["ip", "link", "set", self.bridge, "up"])
             for i in range(1, self.nodes + 1):
                 ns, host_end, node_end = self.ns(i), f"{self.prefix}v{i}", f"{self.prefix}p{i}"
-                _run(["ip", "netns", "add", ns])
-                _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end])
-                _run(["ip", "link", "set", host_end, "master", self.bridge, "up"])
-                _run(["ip", "link", "set", node_end, "netns", ns])
+                run(["ip", "netns", "add", ns])
+                run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end])
+                run(["ip", "link", "set", host_end, "master", self.bridge, "up"])
+                run(["ip", "link", "set", node_end, "netns", ns])
                 nx = ["ip", "-n", ns]
-                _run(nx + ["link", "set", node_end, "name", "eth0"])
-                _run(nx + ["addr", "add", f"{self.ip(i)}/24", "dev", "eth0"])
-                _run(nx + ["link", "set", "eth0", "up"])
-                _run(nx + ["link", "set", "lo", "up"])
+                run(nx + ["link", "set", node_end, "name", "eth0"])
+                run(nx + ["addr", "add", f"{self.ip(i)}/24", "dev", "eth0"])
+                run(nx + ["link", "set", "eth0", "up"])
+                run(nx + ["link", "set", "lo", "up"])
         except BaseException:
             self.down()
             raise
@@ -99,14 +100,14 @@ class Net:
             ns = self.ns(i)
             if not os.path.exists(f"/run/netns/{ns}"):
                 continue
-            pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+            pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()
             for pid in pids:                           # only processes inside our own namespace
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                     left.append(f"process {pid} was still running in {ns}")
                 except ProcessLookupError:
                     pass
-            if _run(["ip", "netns", "del", ns], check=False).returncode != 0:
+            if run(["ip", "netns", "del", ns], check=False).returncode != 0:
                 left.append(f"namespace {ns}")
         links = [f"{self.prefix}v{i}" for i in range(1, self.nodes + 1)] + [self.bridge]
         deadline = time.monotonic() + 5.0            # the kernel drops a deleted namespace's veths
@@ -114,7 +115,7 @@ class Net:
             time.sleep(0.05)
         for link in links:
             if _exists(link):
-                _run(["ip", "link", "del", link], check=False)
+                run(["ip", "link", "del", link], check=False)
         time.sleep(0.05)
         left += [f"link {l}" for l in links if _exists(l)]
         return left
@@ -127,7 +128,7 @@ class Net:
 
     # -- faults -------------------------------------------------------------------------------
     def iptables(self, i: int, *rule: str) -> None:
-        _run(self.command_prefix(i) + ["iptables", "-w", "5", *rule])
+        run(self.command_prefix(i) + ["iptables", "-w", "5", *rule])
 
     def drop(self, i: int, peer: int, direction: str = "both", extra: Sequence[str] = ()) -> None:
         """In node i's namespace, drop packets from ('in'), to ('out') or both ways with node peer."""
@@ -179,14 +180,14 @@ class Net:
             self.iptables(n, "-F", "OUTPUT")
 
     def rules(self, i: int) -> list[str]:
-        out = _run(self.command_prefix(i) + ["iptables", "-w", "5", "-S"]).stdout.splitlines()
+        out = run(self.command_prefix(i) + ["iptables", "-w", "5", "-S"]).stdout.splitlines()
         return [r for r in out if r.startswith("-A")]
 
     def flap(self, i: int, period: float, count: int, direction: str = "both") -> threading.Thread:
         """In the background: isolate node i for `period` s, heal for `period` s, `count` times."""
         stop = threading.Event()
 
-        def run() -> None:
+        def flapping() -> None:
             for _ in range(count):
                 if stop.is_set():
                     break
@@ -195,7 +196,7 @@ class Net:
                 self.heal(i)
                 stop.wait(period)
 
-        t = threading.Thread(target=run, name=f"flap-{i}", daemon=True)
+        t = threading.Thread(target=flapping, name=f"flap-{i}", daemon=True)
         self._flappers.append((t, stop))
         t.start()
         return t

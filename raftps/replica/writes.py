@@ -66,6 +66,9 @@ class WritePath:
             done.set()
 
         proposed = time.perf_counter()
+        # The commit gets its own request timeout: a payload on a slow link may have taken longer
+        # than that to reach a majority, and the entry is small.
+        deadline = max(deadline, time.monotonic() + config.request_timeout)
         # a barrier's reader runs right after its apply: alone, or later writes would be in its state
         self.group_commit.propose(msgpack.packb(command, use_bin_type=True), callback, alone=command["op"] == "barrier")
         if not done.wait(max(0.0, deadline - time.monotonic())):

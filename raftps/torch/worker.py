@@ -48,12 +48,12 @@ from .. import compress as codecs
 from .. import jobs, optim
 from ..client import Client, newest
 from ..errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, UnknownTensor
+from ..job_steps import CREATOR_WAIT, create_chunked, wait_for_tensors
 from ..ssp import SspMember
 
 MODES = ("sync", "async", "ssp", "easgd")
 STORED_AS = {torch.float32: np.float32, torch.float64: np.float64,
              torch.float16: np.float32, torch.bfloat16: np.float32}   # half precisions: float32 master copy
-CREATE_CHUNK_BYTES = 64 << 20      # creates are split so that no frame carries more
 ELASTIC = {"name": "elastic"}
 
 
@@ -234,19 +234,18 @@ class Worker:
         return out
 
     def _create(self) -> None:
-        """Create every tensor (a no-op for those that exist: the first creator's values win)."""
-        tensors = {s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC if self.mode == "easgd" else self.specs[s.store_name])
-                   for s in self.params}
-        tensors.update({s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC) for s in self.buffers})
-        for counter in self.counters.values():
-            tensors[counter] = (np.zeros(1, np.float64), ELASTIC)
-        chunk: dict[str, tuple[np.ndarray, dict]] = {}
-        for name, (arr, spec) in tensors.items():
-            if chunk and sum(a.nbytes for a, _ in chunk.values()) + arr.nbytes > CREATE_CHUNK_BYTES:
-                self.client.create_many({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
-                chunk = {}
-            chunk[name] = (arr, spec)
-        self.client.create_many({k: a for k, (a, _) in chunk.items()}, {k: s for k, (_, s) in chunk.items()})
+        """Rank 0 creates the job's tensors (a no-op for those that exist: the first creator's
+        values win); every rank creates its own step counters, and the others wait until rank 0's
+        tensors exist (TimeoutError naming the job after job_steps.CREATOR_WAIT s). Every rank
+        sending the whole model in a create of its own put K models' bytes on the store's link:
+        on a 20 Mbit/s link no create was answered in 60 s."""
+        shared = {s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC if self.mode == "easgd" else self.specs[s.store_name])
+                  for s in self.params}
+        shared.update({s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC) for s in self.buffers})
+        own = {counter: (np.zeros(1, np.float64), ELASTIC) for counter in self.counters.values()}
+        create_chunked(self.client, {**shared, **own} if self.rank == 0 else own)
+        if self.rank != 0:
+            wait_for_tensors(self.client, list(shared), CREATOR_WAIT, self.prefix)
 
     def _resume(self) -> int:
         """Load the store's parameters; return the step to start at."""
