@@ -32,7 +32,7 @@ import numpy as np
 
 from . import codec, snapshot_file
 from .errors import ProtocolError
-from .transport import drain
+from .sockets import drain
 from .payloads import PAYLOAD_ID, PayloadStore, verify, verify_digest
 from .raft import SnapshotMeta
 
