@@ -31,7 +31,7 @@ from .run import TARGET_ACC
 def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: float = TARGET_ACC) -> int | None:
     """Applied updates until test accuracy first reaches ``target`` (checked after every update)."""
     from raftps import optim
-    from .models import make_model
+    from .networks import make_model
     data = load_dataset(cfg.dataset)
     model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
     spec = optim.normalize(cfg.optimizer_spec())

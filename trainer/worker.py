@@ -15,7 +15,7 @@ import numpy as np
 
 from .config import Config
 from .data import async_batch, async_shard, load_dataset, sync_shard
-from .models import MLP, Params, make_model
+from .networks import MLP, Params, make_model
 
 
 def store_names(cfg: Config, model: MLP) -> dict[str, str]:
