@@ -12,7 +12,7 @@ import pytest
 
 from raftps import jobs
 from raftps.client import Client
-from raftps.modes import DROPPED, REFUSED, SENT, Downpour, Easgd, StoreLink, SyncSteps
+from raftps.modes import DROPPED, REFUSED, SENT, Downpour, Easgd, StoreLink, SyncSteps, step_counters
 from raftps.modes.downpour import own_step
 from raftps.node import NodeConfig, RaftNode
 from raftps.raft.memory import MemoryLog
@@ -66,8 +66,7 @@ def test_sync_steps_apply_the_mean_and_a_late_rank_rejoins_at_the_next_step(stor
 
 def test_downpour_sums_n_push_steps_and_counts_them_for_a_restart(client):
     client.create("dp/w", np.zeros(2, F32), SGD)
-    link = StoreLink(client)
-    link.count_steps("dp", 0, ["dp/w"])
+    link = StoreLink(client, counters=step_counters(client, "dp", 0, ["dp/w"]))
     client.create_many({name: np.zeros(1) for name in link.counters.values()},
                        {name: {"name": "elastic"} for name in link.counters.values()})
     downpour = Downpour(link, n_push=2, n_fetch=2)
@@ -80,8 +79,7 @@ def test_downpour_sums_n_push_steps_and_counts_them_for_a_restart(client):
     assert params["dp/w"].tolist() == [-2.0, -2.0] and downpour.push_due and downpour.pull_due
     assert downpour.push(downpour.take()) == SENT and downpour.since_push == 0
     assert downpour.pull(["dp/w"])["dp/w"].tolist() == [-2.0, -2.0]    # 0 - 0.5 * (1 + 3)
-    restarted = StoreLink(client)
-    restarted.count_steps("dp", 0, ["dp/w"])
+    restarted = StoreLink(client, counters=step_counters(client, "dp", 0, ["dp/w"]))
     assert restarted.resume(["dp/w"])[1] == 2                           # the two steps that push carried
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from .downpour import Downpour
 from .easgd import Easgd
-from .link import DROPPED, REFUSED, SENT, StoreLink
+from .link import DROPPED, REFUSED, SENT, StoreLink, step_counters
 from .local import LocalOptimizer
 from .sync import StepResult, SyncSteps
 
-__all__ = ["Downpour", "Easgd", "LocalOptimizer", "StoreLink", "SyncSteps", "StepResult", "SENT", "DROPPED", "REFUSED"]
+__all__ = ["Downpour", "Easgd", "LocalOptimizer", "StoreLink", "SyncSteps", "StepResult", "SENT", "DROPPED", "REFUSED", "step_counters"]

@@ -25,26 +25,26 @@ DROPPED = "dropped"      # StaleBase: the store no longer holds the push's base 
 REFUSED = "refused"      # SSP over its bound, and this link does not wait: take the step again
 
 
+def step_counters(client: Client, prefix: str, rank: int, names: Iterable[str]) -> dict[int, str]:
+    """Rank ``rank``'s step counter in each Raft group that holds one of ``names``: Raft group -> name."""
+    groups = client.groups()
+    return {g: jobs.step_counter(prefix, rank, g, groups) for g in sorted({client.group_of(n) for n in names})}
+
+
 class StoreLink:
     """``ssp``: the worker's SSP membership (None outside mode ssp); ``wait_at_bound``: a push the
     SSP bound refuses waits its turn and goes again (else it is REFUSED); ``linearizable``: pulls
     read through the leader (the newest state) instead of any node that has this worker's last push."""
 
     def __init__(self, client: Client, ssp: SspMember | None = None, wait_at_bound: bool = True,
-                 linearizable: bool = False):
+                 linearizable: bool = False, counters: dict[int, str] | None = None):
         self.client, self.ssp = client, ssp
         self.wait_at_bound, self.linearizable = wait_at_bound, linearizable
-        self.counters: dict[int, str] = {}      # Raft group -> this rank's step counter there
+        self.counters = counters or {}          # Raft group -> this rank's step counter there (step_counters)
         self.ahead: dict[int, int] = {}         # Raft group -> steps it applied beyond the others
         self.version: Any = 0                   # the version last pulled: the next push's base
         self.pushed: Any = 0                    # the newest version this worker's writes reached
         self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}    # what -> [calls, seconds]
-
-    def count_steps(self, prefix: str, rank: int, names: Iterable[str]) -> None:
-        """Count this rank's steps in each Raft group that holds one of ``names``."""
-        groups = self.client.groups()
-        held = sorted({self.client.group_of(n) for n in names})
-        self.counters = {g: jobs.step_counter(prefix, rank, g, groups) for g in held}
 
     def resume(self, names: list[str]) -> tuple[dict[str, np.ndarray], int]:
         """Read ``names`` linearizably (the newest state): (their values, the steps the store

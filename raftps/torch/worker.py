@@ -39,7 +39,7 @@ from .. import compress as codecs
 from .. import jobs
 from ..client import Client
 from ..errors import PermissionDenied, UnknownTensor
-from ..modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps
+from ..modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps, step_counters
 from ..ssp import SspMember
 from .host import STORED_AS, PinnedStage, env_int, load
 from .host import as_numpy as _as_numpy      # the name _create reads
@@ -105,19 +105,21 @@ class Worker:
         self._dtypes = {s.store_name: s.dtype for s in self.params}
         self._owns_client = not isinstance(cluster, Client)
         self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
-        self.link = StoreLink(self.client)
+        # Async modes: this rank's step counter in each Raft group holding the job's tensors
+        self.counters: dict[int, str] = {}
+        self.link: StoreLink | None = None
         self.engine: SyncSteps | Downpour | Easgd | None = None
         try:
             if mode != "sync":
-                self.link.count_steps(prefix, self.rank, [s.store_name for s in self.params + self.buffers])
-            # Async modes: this rank's step counter in each Raft group holding the job's tensors
-            self.counters: dict[int, str] = self.link.counters
+                self.counters = step_counters(self.client, prefix, self.rank,
+                                              [s.store_name for s in self.params + self.buffers])
             try:
                 self._create()
             except PermissionDenied as refused:   # a `read` identity, or a prefix outside its grants
                 self._create_refused = refused
-            if mode == "ssp":
-                self.link.ssp = SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout)
+            ssp = SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout) \
+                if mode == "ssp" else None
+            self.link = StoreLink(self.client, ssp, counters=self.counters)
             self.engine = self._engine(compress)
             self.start_step = self._resume()
         except BaseException:
@@ -149,13 +151,6 @@ class Worker:
         if trainable and not out:
             raise ValueError("the model has no trainable parameters")
         return out
-
-    def _engine(self, compress: str | None) -> SyncSteps | Downpour | Easgd:
-        if self.mode == "sync":
-            return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout)
-        if self.mode == "easgd":      # the spec's optimizer in numpy, unless torch's own runs locally
-            return Easgd(self.link, self.easgd_alpha, self.n_push, self.specs if self.local_step is None else None)
-        return Downpour(self.link, self.n_push, self.n_fetch, compress)
 
     def _create(self) -> None:
         """Create every tensor (a no-op for those that exist: the first creator's values win)."""
@@ -198,6 +193,13 @@ class Worker:
         # What the store held at this version: a buffer's change since then is this worker's.
         self._buffer_base = {s.store_name: np.array(tensors[s.store_name]) for s in self.buffers}
 
+    def _engine(self, compress: str | None) -> SyncSteps | Downpour | Easgd:
+        if self.mode == "sync":
+            return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout)
+        if self.mode == "easgd":      # the spec's optimizer in numpy, unless torch's own runs locally
+            return Easgd(self.link, self.easgd_alpha, self.n_push, self.specs if self.local_step is None else None)
+        return Downpour(self.link, self.n_push, self.n_fetch, compress)
+
     # ---- the optimizer API ------------------------------------------------------------------
 
     @torch.no_grad()
@@ -239,9 +241,9 @@ class Worker:
 
     def close(self) -> None:
         """Flush, leave the SSP group, close the client (if this optimizer made it)."""
-        if getattr(self, "engine", None) is not None:
+        if self.engine is not None:
             self.flush()
-        if getattr(self, "link", None) is not None:
+        if self.link is not None:
             self.link.leave()          # a finished worker must not hold the others back
         if self._owns_client:
             self.client.close()
