@@ -1,4 +1,6 @@
-"""A worker process: its own raftps Client, its own data shard, one of two schedules.
+"""A worker process: its own raftps Client, its own data shard, and its mode's engine (sync,
+async and ssp, easgd: raftps/modes/; diloco: raftps/diloco.py), the one raftps.torch drives too:
+this module only moves the numpy network's arrays in and out of it.
 
 Workers talk to the coordinator only through a one-way pipe of small tuples (each one write
 under PIPE_BUF, so a SIGKILLed worker cannot leave half a message for the others):
