@@ -128,3 +128,10 @@ def test_the_old_names_of_job_functions_still_answer():
         assert jobs.group("p") == jobs.job_name("p") == "p/_raftps/group"       # the stored name stays
         assert jobs.diloco_group("p", 0, 1) == jobs.diloco_job("p", 0, 1)
     assert [w.category for w in caught] == [DeprecationWarning] * 2 and "jobs.job_name" in str(caught[0].message)
+
+
+def test_the_step_timeout_limit_workers_check_is_the_one_the_leader_applies():
+    """jobs.py is the shared vocabulary both sides read; aggregate.py (the leader's side) still
+    defines its own copy until it imports this one."""
+    from raftps import aggregate
+    assert jobs.MAX_STEP_TIMEOUT == aggregate.MAX_STEP_TIMEOUT
