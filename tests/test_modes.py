@@ -83,7 +83,7 @@ def test_downpour_sums_n_push_steps_and_counts_them_for_a_restart(client):
     assert restarted.resume(["dp/w"])[1] == 2                           # the two steps that push carried
 
 
-def test_ssp_over_its_bound_waits_or_is_refused(client):
+def test_ssp_over_its_bound_waits_or_is_refused(store, client):
     client.create("ssp/w", np.zeros(2, F32), SGD)
     fast = SspMember(client, jobs.job_name("ssp"), "fast", 0, 5.0)
     SspMember(client, jobs.job_name("ssp"), "slow", 0, 5.0)
@@ -94,6 +94,16 @@ def test_ssp_over_its_bound_waits_or_is_refused(client):
         refusing.add({"ssp/w": np.ones(2, F32)})
         assert refusing.push(refusing.take()) == expected
     assert client.pull(["ssp/w"])[0]["ssp/w"].tolist() == [-0.5, -0.5]
+    waiting = Downpour(StoreLink(client, fast))
+    waiting.resume(["ssp/w"])
+    with Client(store, timeout=10.0) as slow:           # its own client: fast's waits at the leader
+        slow_push = threading.Timer(0.2, lambda: slow.push({"ssp/w": np.ones(2, F32)},
+                                                          ssp={"ssp_group": jobs.job_name("ssp"), "worker": "slow"}))
+        slow_push.start()
+        waiting.add({"ssp/w": np.ones(2, F32)})
+        assert waiting.push(waiting.take()) == SENT     # refused, waited for "slow", sent again
+        slow_push.join(5)
+    assert client.pull(["ssp/w"])[0]["ssp/w"].tolist() == [-1.5, -1.5]
 
 
 def test_easgd_moves_centre_and_copy_by_alpha_times_their_difference(client):
