@@ -27,7 +27,6 @@ docstrings say what each mode does, for this worker and the numpy trainer alike)
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -41,7 +40,7 @@ from ..client import Client
 from ..errors import PermissionDenied, UnknownTensor
 from ..modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps, step_counters
 from ..ssp import SspMember
-from .host import STORED_AS, PinnedStage, env_int, load
+from .host import STORED_AS, PinnedStage, env_int, from_numpy, load
 from .host import as_numpy as _as_numpy      # the name _create reads
 
 MODES = ("sync", "async", "ssp", "easgd")
@@ -226,9 +225,7 @@ class Worker:
 
     def _pull_rows(self, slot: _Slot, rows: torch.Tensor) -> int:
         values, version = self.link.pull_rows(slot.store_name, rows.cpu().numpy())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
-            src = torch.from_numpy(values)
+        src = from_numpy(values)
         # rows and values onto the parameter's device (a GPU table takes no host tensor)
         slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.device, slot.tensor.dtype))
         return version
