@@ -32,7 +32,7 @@ def numpy_mlp() -> tuple[int, int]:
     """(pseudo-gradient bytes, the store's adam state bytes) of the trainer's default MLP."""
     from raftps import optim
     from trainer.data import load_dataset
-    from trainer.models import make_model
+    from trainer.networks import make_model
     data = load_dataset("digits")
     params = make_model("mlp", data.features, data.classes, (1000, 1000)).init(0)
     spec = optim.normalize({"name": "adam", "lr": 1e-3})

@@ -362,7 +362,7 @@ def read_store_check(cluster: Any, prefix: str, acked_path: str) -> dict[str, An
     version, against the rounds the workers were acknowledged (store_check)."""
     from raftps import jobs
     with cluster.client(timeout=30) as c:
-        applied = c.sync_applied(jobs.diloco_group(prefix, 0, 1))
+        applied = c.sync_applied(jobs.diloco_job(prefix, 0, 1))
         versions = c.export(prefix + "/")["tensor_versions"]
     acked = open(acked_path).read().split("\n") if os.path.exists(acked_path) else []
     return store_check(applied, versions, [tuple(map(int, line.split())) for line in acked if line.strip()])

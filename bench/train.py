@@ -50,7 +50,7 @@ def _rank(cfg: Any, rank: int, world: int, port: int, t_launch: float, results: 
     import torch.distributed as dist
     from raftps import optim
     from trainer.data import load_dataset, sync_shard
-    from trainer.models import make_model
+    from trainer.networks import make_model
     from trainer.run import Recorder, eval_every
     from datetime import timedelta
     torch.set_num_threads(1)

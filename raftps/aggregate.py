@@ -44,6 +44,7 @@ import numpy as np
 
 from . import compress, optim
 from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError, UnknownTensor
+from .jobs import MAX_STEP_TIMEOUT
 from .tensor import check_fits
 from .raft import NotApplied
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     from .node import RaftNode
 
 log = logging.getLogger("raftps.aggregate")
-MAX_STEP_TIMEOUT = 600.0      # seconds a step may wait for its last contribution
 POLL = 0.1                    # how often a waiting contributor checks leadership and the deadline
 
 

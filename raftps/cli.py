@@ -207,7 +207,7 @@ def top(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     from .backup import SAVE_LIMITS
-    from .models import export_model
+    from .model_files import export_model
 
     def run() -> int:
         with _client(args, timeout=args.timeout, attempt_timeout=30.0, limits=SAVE_LIMITS) as client:   # a model may exceed 1 GiB
@@ -219,7 +219,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def import_(args: argparse.Namespace) -> int:
-    from .models import import_model, parse_optimizer
+    from .model_files import import_model, parse_optimizer
 
     def run() -> int:
         spec = parse_optimizer(args.optimizer) if args.optimizer is not None else None
@@ -327,7 +327,7 @@ def token_hash(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import FORMATS
+    from .model_files import FORMATS
     from .node import READ_MODES, NodeConfig
     parser = OneLineParser(prog="raftps", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

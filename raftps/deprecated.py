@@ -27,3 +27,14 @@ def renamed_keyword(old: str, new: str) -> Callable[[F], F]:
             return fn(*args, **kwargs)
         return call  # type: ignore[return-value]
     return wrap
+
+
+def renamed_function(fn: F, old: str) -> F:
+    """``fn`` under its old name ``old`` (e.g. ``"jobs.group"``): the same function, warning that
+    the name is deprecated."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"{old}() is deprecated: call {fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}() "
+                      "(the same function)", DeprecationWarning, stacklevel=2)
+        return fn(*args, **kwargs)
+    return call  # type: ignore[return-value]

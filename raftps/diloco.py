@@ -24,7 +24,7 @@ the rank has seen.
 
 Synchronous (default): the round's end is the H-th step of a round (it takes its inner step,
 then syncs). Every rank sends its pseudo-gradient with ``Client.push_step`` in the job's round
-sequence (jobs.diloco_group), ranked, ``pull=True``: the leader sums the K contributions and
+sequence (jobs.diloco_job), ranked, ``pull=True``: the leader sums the K contributions and
 replicates the round once, the store applies the outer optimizer to their mean, and each answer
 carries the new values. A rank that has not arrived ``step_timeout`` seconds after the round's
 latest contribution is left out (push_step's semantics); a rank whose contribution comes after its
@@ -82,7 +82,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import jobs, optim
-from .aggregate import MAX_STEP_TIMEOUT
+from .jobs import MAX_STEP_TIMEOUT
 from .client import Client
 from .compress import encode_fp16
 from .errors import InvalidOptimizer
@@ -172,7 +172,7 @@ class DiLoCo:
         self.compress = compress if compress == "fp16" else None
         self.fragments = [[names[i] for i in part]
                           for part in split_fragments([self.init[n].nbytes for n in names], fragments)]
-        self.groups = [jobs.diloco_group(prefix, f, fragments) for f in range(fragments)]
+        self.jobs = [jobs.diloco_job(prefix, f, fragments) for f in range(fragments)]   # each fragment's round sequence
         self.counter = jobs.diloco_rounds(prefix, rank, fragments)
         scale = max(1, world_size - 1) if self.outer.get("staleness_aware") else 1
         self.push_scale = scale / world_size        # asynchronous: see the module docstring
@@ -230,7 +230,7 @@ class DiLoCo:
             tensors, _ = self.client.pull([self.counter])
             self.next_round = [int(x) for x in tensors[self.counter]]
         else:
-            self.next_round = [self.client.sync_applied(g) + 1 for g in self.groups]
+            self.next_round = [self.client.sync_applied(job) + 1 for job in self.jobs]
         names = [n for part in self.fragments for n in part]
         tensors, version = self.client.pull([self.store_name(n) for n in names])
         self.anchor = {n: tensors[self.store_name(n)] for n in names}
@@ -274,13 +274,13 @@ class DiLoCo:
         grads, encoding = self._outgoing(f, params)
         sent = sum(g.nbytes for g in grads.values())
         round_ = self.next_round[f]
-        answer = self.client.push_step(grads, round_, self.world_size, job=self.groups[f], rank=self.rank,
+        answer = self.client.push_step(grads, round_, self.world_size, job=self.jobs[f], rank=self.rank,
                                        timeout=self.step_timeout, pull=True, encoding=encoding or None)
         late = bool(answer.get("late"))
         tensors = answer.get("tensors") or {}
         self.version = answer["version"]
         if late:        # left out: rejoin at the store's next round, from the newest values
-            self.next_round[f] = self.client.sync_applied(self.groups[f]) + 1
+            self.next_round[f] = self.client.sync_applied(self.jobs[f]) + 1
             tensors, self.version = self.client.pull(list(grads))
         else:
             self.next_round[f] = round_ + 1

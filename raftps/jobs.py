@@ -2,11 +2,13 @@
 the job's prefix, so a role on ``PREFIX/`` (rbac.py) covers everything the job writes."""
 from __future__ import annotations
 
+from .deprecated import renamed_function
 from .errors import UsageError
 from .groups import group_of
 from .tensor import NAME_RE
 
 INTERNAL = "_raftps/"          # under PREFIX/: the job's own bookkeeping (step counters, DiLoCo's), not its model
+MAX_STEP_TIMEOUT = 600.0       # seconds a sync step (a DiLoCo round) may wait for its last contribution
 
 
 def prefix_root(prefix: str) -> str:
@@ -32,12 +34,13 @@ def step_counter(prefix: str, rank: int, raft_group: int = 0, groups: int = 1) -
                 if group_of(name, groups) == raft_group)
 
 
-def group(prefix: str) -> str:
-    """The name of the job's step sequence (its job), also its SSP group's name."""
+def job_name(prefix: str) -> str:
+    """The name of the job's step sequence (its ``job``), also its SSP group's name. The stored
+    name keeps the word it was given when "group" meant a job: running jobs' steps are under it."""
     return f"{prefix}/_raftps/group"
 
 
-def diloco_group(prefix: str, fragment: int, fragments: int) -> str:
+def diloco_job(prefix: str, fragment: int, fragments: int) -> str:
     """The round sequence (a job) of fragment ``fragment`` of ``fragments`` in a DiLoCo job
     (diloco.py): F names a layout, so a job resumed with another F starts new round counters."""
     return f"{prefix}/_raftps/diloco.f{fragment}of{fragments}"
@@ -47,3 +50,8 @@ def diloco_rounds(prefix: str, rank: int, fragments: int) -> str:
     """Rank ``rank``'s count of applied rounds per fragment (asynchronous DiLoCo), pushed with the
     pseudo-gradients it counts."""
     return f"{prefix}/_raftps/diloco.rounds.rank{rank}.of{fragments}"
+
+
+# The names of before "group" stopped meaning a job (Design: Words); the same functions.
+group = renamed_function(job_name, "jobs.group")
+diloco_group = renamed_function(diloco_job, "jobs.diloco_group")

@@ -1,7 +1,7 @@
 """A tensor of the store, and the checks every array from a client passes before it may count.
 
 The state machine (machine.py), its moves (moves.py), the server's checks on arrival
-(server.py, aggregate.py) and model import (models.py) share these, so each rule has one place.
+(server.py, aggregate.py) and model import (model_files.py) share these, so each rule has one place.
 """
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_one_round_of_two_ranks_is_the_outer_formula_on_the_mean(cluster):
             assert [(r.round, r.count, r.late) for d in ranks for r in d.rounds] == [(round_, 2, False)] * 2
         pulled, _ = c0.pull(["bits/w", "bits/b"])
         assert all(pulled[f"bits/{k}"].tobytes() == want[k].tobytes() for k in init)
-        assert c0.sync_applied(jobs.diloco_group("bits", 0, 1)) == 1
+        assert c0.sync_applied(jobs.diloco_job("bits", 0, 1)) == 1
         assert versions(c0, "bits", init) == {"w": 2, "b": 2}
 
 
@@ -132,7 +132,7 @@ def wait_until(predicate, timeout, what):
 
 def test_a_rank_killed_mid_round_is_left_out_and_resumes_at_the_stores_round(cluster, tmp_path):
     h, rounds, timeout = 4, 4, 6.0     # the restarted rank has 6 s to start and reach round 2's end
-    group = jobs.diloco_group("killrank", 0, 1)
+    group = jobs.diloco_job("killrank", 0, 1)
     logs = [str(tmp_path / f"rank{r}.log") for r in range(3)]
     env = {**os.environ, **cluster.client_env}
 
@@ -208,7 +208,7 @@ def test_a_round_held_by_a_killed_leader_applies_once_with_every_rank(cluster):
             want, _ = nesterov(init["w"], np.zeros_like(init["w"]), mean)
             assert first[0]["w"].tobytes() == want.tobytes() and second["w"].tobytes() == want.tobytes()
             assert [r.count for d in ranks for r in d.rounds] == [2, 2]
-            assert c1.sync_applied(jobs.diloco_group("leaderkill", 0, 1)) == 0
+            assert c1.sync_applied(jobs.diloco_job("leaderkill", 0, 1)) == 0
             assert versions(c1, "leaderkill", ["w"]) == {"w": 1}      # applied once
         finally:
             cluster.start(timeout=60)
@@ -269,7 +269,7 @@ def test_fragments_sync_their_own_tensors_at_their_own_offsets(cluster, asynchro
             before = now
         assert changed == {"a": [4, 8, 12], "b": [6, 10], "c": [6, 10]}
         if not asynchronous:
-            assert [c.sync_applied(jobs.diloco_group(prefix, f, 2)) for f in (0, 1)] == [2, 1]
+            assert [c.sync_applied(jobs.diloco_job(prefix, f, 2)) for f in (0, 1)] == [2, 1]
         else:           # each rank's own round counters, per fragment
             assert c.pull([jobs.diloco_rounds(prefix, 0, 2)])[0][jobs.diloco_rounds(prefix, 0, 2)].tolist() == [3, 2]
         assert DiLoCo(c, prefix, init, sync_every=4, fragments=2, asynchronous=asynchronous).resume()[0] == 12

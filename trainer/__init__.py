@@ -5,6 +5,6 @@ Modes: ``async`` (DownpourSGD: every worker pulls and pushes on its own schedule
 machine) and ``--local`` (the same schedule in one process, no cluster: the baseline).
 """
 from .data import Dataset, load_dataset
-from .models import MLP, Softmax, make_model
+from .networks import MLP, Softmax, make_model
 
 __all__ = ["Dataset", "load_dataset", "MLP", "Softmax", "make_model"]

@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=0,
                    help="async: workers 1.. start after rank 0 alone has made this many updates (Downpour warm start)")
     t.add_argument("--step-timeout", type=float, default=10.0,
-                   help="sync, diloco: seconds a step (round) waits for its last worker after its first arrived; "
+                   help="sync, diloco: seconds a step (round) waits for its last worker after the latest arrived; "
                         "then it applies without it")
     t.add_argument("--sync-every", type=int, default=20, metavar="H", help="diloco: inner steps per round")
     t.add_argument("--fragments", type=int, default=1,

@@ -15,7 +15,7 @@ from multiprocessing.connection import wait
 
 from .config import Config
 from .data import load_dataset
-from .models import Params, make_model
+from .networks import Params, make_model
 from .recorder import Recorder, eval_every
 from .worker import from_store, run_worker, ssp_worker, store_names
 

@@ -31,7 +31,7 @@ from .run import TARGET_ACC
 def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: float = TARGET_ACC) -> int | None:
     """Applied updates until test accuracy first reaches ``target`` (checked after every update)."""
     from raftps import optim
-    from .models import make_model
+    from .networks import make_model
     data = load_dataset(cfg.dataset)
     model = make_model(cfg.model, data.features, data.classes, cfg.hidden)
     spec = optim.normalize(cfg.optimizer_spec())
@@ -59,15 +59,15 @@ def updates_to_target(cfg: Config, delay: int, max_updates: int = 400, target: f
 
 def local_sgd(model, data, params, cfg: Config, shard, rank: int, step: int, lr: float) -> dict:
     """The summed gradient of ``cfg.n_push`` Downpour replica steps from ``params`` (the replica
-    takes each step itself, as trainer.worker.async_loop does with n_fetch = n_push)."""
-    from .worker import replica_step
+    takes each step itself, as Downpour does with n_fetch = n_push: raftps/modes/downpour.py)."""
+    from raftps.modes.downpour import own_step
     total = None
     for k in range(cfg.n_push):
         idx = async_batch(shard, cfg.batch, step + k, cfg.seed, rank)
         _, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
         total = grads if total is None else {n: total[n] + grads[n] for n in grads}
         if k + 1 < cfg.n_push:
-            params = replica_step(params, grads, lr)
+            params = own_step(params, grads, lr)
     return total
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import Config
 from .metrics import EVENTS, METRICS, CsvLog, Progress
-from .models import MLP, Params
+from .networks import MLP, Params
 from .plot import plot_run
 
 TARGET_ACC = 0.95           # summary.json reports when the run first reached it

@@ -7,7 +7,7 @@ import time
 
 from .config import Config
 from .data import global_batch, load_dataset
-from .models import make_model
+from .networks import make_model
 from .recorder import TARGET_ACC, Recorder, eval_every  # noqa: F401 (TARGET_ACC: trainer.run's, as before)
 
 

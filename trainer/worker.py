@@ -1,4 +1,6 @@
-"""A worker process: its own raftps Client, its own data shard, one of two schedules.
+"""A worker process: its own raftps Client, its own data shard, and its mode's engine (sync,
+async and ssp, easgd: raftps/modes/; diloco: raftps/diloco.py), the one raftps.torch drives too:
+this module only moves the numpy network's arrays in and out of it.
 
 Workers talk to the coordinator only through a one-way pipe of small tuples (each one write
 under PIPE_BUF, so a SIGKILLed worker cannot leave half a message for the others):
@@ -8,7 +10,6 @@ rank, text) for the event log, then ("done", rank).
 """
 from __future__ import annotations
 
-import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .config import Config
 from .data import async_batch, async_shard, load_dataset, sync_shard
-from .models import MLP, Params, make_model
+from .networks import MLP, Params, make_model
 
 
 def store_names(cfg: Config, model: MLP) -> dict[str, str]:
@@ -49,56 +50,27 @@ def run_worker(cfg: Config, rank: int, conn: Connection, start_step: int) -> Non
 
 
 def sync_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
-    """Every step: gradient of my part of the step's batch, push_step (answered once the step is
-    applied, with the new parameters).
-
-    Each worker sends the mean over its shard; shards are equal, so the store's mean of the K
-    contributions is the full batch's mean gradient: the same step as one process would take.
-    The leader sums the K contributions and replicates the step once (aggregation before
-    replication). If a worker died, the leader applies the step step_timeout seconds after its
-    first contribution with the contributions that arrived, and everyone moves on."""
+    """Every step: gradient of my part of the step's batch, one contribution to the store-wide
+    default job's step (raftps/modes/sync.py; its ``sync_applied`` is the one ``stats()`` shows),
+    answered once the step is applied, with the new parameters. Shards are equal, so the store's
+    mean of the K contributions is the full batch's mean gradient: the same step as one process
+    would take. Steps are numbered store-wide from ``cfg.step_offset`` (this run's step 0)."""
+    from raftps.modes import StoreLink, SyncSteps
     names = store_names(cfg, model)
     total = cfg.total_updates(len(data.x_train))
-    # A restarted worker rejoins at the first step the store has not applied yet.
-    step = max(start_step, client.stats()["sync_applied"] + 1 - cfg.step_offset)
-    tensors, version = client.pull(list(names.values()))
+    steps = SyncSteps(StoreLink(client), None, cfg.workers, rank, cfg.step_timeout)
+    tensors, first = steps.resume(list(names.values()))
     params = from_store(names, tensors)
+    step = max(start_step, first - cfg.step_offset)     # a restarted worker: the first step not applied yet
     closed = 0
-    for step in range(step, total):
+    while step < total:
         idx = sync_shard(len(data.x_train), cfg.batch, step, cfg.seed, rank, cfg.workers)
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
-        store_step = cfg.step_offset + step
-        result = client.push_step(to_store(names, grads), store_step, cfg.workers, rank=rank,
-                                  timeout=cfg.step_timeout, pull=True)
-        version = result["version"]
-        closed += result["count"] < cfg.workers        # applied without a worker that did not arrive in time
-        tensors = result.get("tensors") or {}
-        if not set(names.values()) <= set(tensors):    # e.g. the answer to a contribution sent again
-            tensors, version = client.pull(list(names.values()), min_version=version, linearizable=False)
-        params = from_store(names, tensors)
-        conn.send(("step", rank, step, loss, version, closed, 1, 0, 0))
-
-
-def wait_for_updates(client, names: dict[str, str], updates: int, timeout: float) -> None:
-    """Downpour's warm start: let rank 0 train alone until the store has applied ``updates``
-    pushes, so the others do not start from (and push stale gradients of) the random init."""
-    import time
-    probe = list(names.values())[-1]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if next(t["version"] for t in client.tensors() if t["name"] == probe) >= updates:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"warm-up: fewer than {updates} updates within {timeout} s")
-
-
-def push_bytes(tensors: dict[str, np.ndarray]) -> int:
-    return sum(a.nbytes for a in tensors.values())
-
-
-def replica_step(params: Params, grads: Params, lr: float) -> Params:
-    """One of a Downpour replica's own SGD steps between pulls (the paper's Algorithm 7.1)."""
-    return {k: v - v.dtype.type(lr) * grads[k] for k, v in params.items()}
+        result = steps.step(to_store(names, grads), cfg.step_offset + step, list(names.values()))
+        closed += result.count < cfg.workers          # applied without a worker that did not arrive in time
+        params = from_store(names, result.tensors)
+        conn.send(("step", rank, step, loss, result.version, closed, 1, 0, 0))
+        step = result.next_step - cfg.step_offset
 
 
 def ssp_worker(rank: int) -> str:
@@ -107,101 +79,71 @@ def ssp_worker(rank: int) -> str:
 
 
 def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
-    """DownpourSGD (Dean et al. 2012, Algorithm 7.1): pull every n_fetch steps, push the summed
-    gradient every n_push steps, no coordination; in between, the replica takes each step itself
-    (parameters -= lr * gradient), so its next gradients are computed where its own steps led.
-    Each push carries the version last pulled, so the store records staleness.
-
-    --mode ssp: the same with n_fetch = n_push = 1 and the SSP gate before every step (a push is
-    one clock tick). --compress: the push is encoded (raftps.compress; top-k keeps a residual)."""
-    from raftps import NotInGroup, StaleBase, StalenessBound, compress
+    """DownpourSGD (raftps/modes/downpour.py): pull every n_fetch steps, push the summed gradient
+    every n_push steps, the replica's own steps in between. --mode ssp: the same with n_fetch =
+    n_push = 1 and the SSP gate, the run's prefix naming the SSP group (the coordinator enrolled
+    all K before any started: s = 0 is BSP from clock 0); --ssp-on-bound reject: a push over the
+    bound is refused and the step taken again from a new pull. --compress: the push is encoded;
+    --fresh-pull: pulls read through the leader; --warmup: rank 0 trains alone first."""
+    from raftps.modes import DROPPED, REFUSED, SENT, Downpour, StoreLink
+    from raftps.modes.downpour import own_step, wait_for_updates
     from raftps.ssp import SspMember
     names = store_names(cfg, model)
+    stored = list(names.values())
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))
-    method, fraction = compress.parse(cfg.compress)
-    topk = compress.TopK(fraction) if method == "topk" else None
     ssp = None
-    if cfg.mode == "ssp":       # the coordinator enrolled all K before any started: s = 0 is BSP from clock 0
+    if cfg.mode == "ssp":
         ssp = SspMember(client, cfg.prefix, ssp_worker(rank), cfg.staleness, cfg.ssp_timeout,
                         on_event=lambda text: conn.send(("event", rank, text)))
-    n_fetch, n_push = (1, 1) if ssp else (cfg.n_fetch, cfg.n_push)
+    link = StoreLink(client, ssp, wait_at_bound=cfg.ssp_on_bound == "wait", linearizable=cfg.fresh_pull)
+    downpour = Downpour(link, cfg.n_push, cfg.n_fetch, cfg.compress)
     lr = cfg.local_spec()["lr"]             # the replica's own steps (Downpour's alpha)
     if rank and cfg.warmup and start_step == 0:
-        wait_for_updates(client, names, cfg.warmup, cfg.max_time)
-    tensors, version = client.pull(list(names.values()))
-    params = from_store(names, tensors)
-    pushed, pending, count = version, None, 0
+        wait_for_updates(client, stored[-1], cfg.warmup, cfg.max_time)
+    params = from_store(names, downpour.resume(stored)[0])
     step = start_step
     while step < total:
-        acked, sent, dropped = 0, 0, 0
-        if ssp is not None and cfg.ssp_on_bound == "wait":
-            pushed = max(pushed, ssp.wait_turn())
-        if ssp is not None or (step > start_step and step % n_fetch == 0):
-            # Default: any node that has applied my last push (spreads reads over the followers);
-            # --fresh-pull reads through the leader's log: the newest state, less staleness.
-            tensors, version = client.pull(list(names.values()), min_version=pushed, linearizable=cfg.fresh_pull)
-            params = from_store(names, tensors)
         idx = async_batch(shard, cfg.batch, step, cfg.seed, rank)
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
-        pending = grads if pending is None else {k: pending[k] + grads[k] for k in grads}
-        count += 1
-        if n_fetch > 1:                     # with n_fetch 1 the next pull replaces it anyway
-            params = replica_step(params, grads, lr)
-        if count == n_push or step == total - 1:
-            send, encoding = compress.encode_push(to_store(names, pending), method, topk)
-            try:
-                pushed = client.push(send, base_version=version, encoding=encoding,
-                                     ssp=ssp.field() if ssp else None)
-                acked, sent = 1, push_bytes(send)
-            except StalenessBound:          # ssp reject mode: too far ahead; wait, redo this step
-                pending, count = None, 0
-                time.sleep(0.01)
+        downpour.add(to_store(names, grads))
+        if downpour.own_steps:
+            params = own_step(params, grads, lr)
+        status = None
+        if downpour.push_due or step == total - 1:
+            status = downpour.push(downpour.take())
+            if status == REFUSED:           # ssp reject mode: too far ahead; redo this step from a new pull
+                params = from_store(names, downpour.pull(stored))
                 continue
-            except NotInGroup:              # dropped as dead while we were away: rejoin, redo
-                ssp.join()
-                pending, count = None, 0
-                continue
-            except StaleBase:               # AdaRevision no longer holds our base: drop, re-pull
-                dropped = 1
-                tensors, version = client.pull(list(names.values()))
-                params = from_store(names, tensors)
-            pending, count = None, 0
-        conn.send(("step", rank, step, loss, pushed, 0, acked, sent, dropped))
+        if status == DROPPED or (downpour.pull_due and step < total - 1):
+            params = from_store(names, downpour.pull(stored, gate=status != DROPPED))
+        conn.send(("step", rank, step, loss, link.pushed, 0, int(status == SENT),
+                   downpour.last_push_bytes if status == SENT else 0, int(status == DROPPED)))
         step += 1
-    if ssp is not None:
-        ssp.leave()                         # a finished worker must not hold the others back
+    link.leave()                            # a finished worker must not hold the others back
 
 
 def easgd_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
-    """Asynchronous EASGD (Zhang, Choromanska, LeCun 2015, Algorithm 1): local SGD on my own
-    copy x; every n_push steps pull the centre c, push delta = alpha (x - c) (the store adds it
-    to c) and move x by -delta. A restarted worker starts again from the centre."""
-    from raftps import optim
+    """Asynchronous EASGD (raftps/modes/easgd.py): local steps of --optimizer on my own copy x;
+    every n_push steps the exchange with the store's centre. A restarted worker starts again
+    from the centre."""
+    from raftps.modes import Easgd, StoreLink
     names = store_names(cfg, model)
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))
     alpha = cfg.easgd_alpha if cfg.easgd_alpha is not None else 0.9 / cfg.workers
-    spec = optim.normalize(cfg.local_spec())
-    tensors, version = client.pull(list(names.values()))
-    x = {k: np.array(v) for k, v in from_store(names, tensors).items()}
-    state = {k: optim.init_state(spec, v) for k, v in x.items()}
-    pushed = version
+    link = StoreLink(client, linearizable=cfg.fresh_pull)
+    easgd = Easgd(link, alpha, cfg.n_push, {name: cfg.local_spec() for name in names.values()})
+    x = {k: np.array(v) for k, v in easgd.resume(list(names.values()))[0].items()}     # by store name
     for step in range(start_step, total):
         idx = async_batch(shard, cfg.batch, step, cfg.seed, rank)
-        loss, grads = model.loss_and_grads(x, data.x_train[idx], data.y_train[idx])
-        for k in x:
-            x[k], state[k] = optim.step(spec, x[k], grads[k], state[k])
-        acked, sent = 0, 0
-        if (step + 1) % cfg.n_push == 0 or step == total - 1:
-            centre, version = client.pull(list(names.values()), min_version=pushed, linearizable=cfg.fresh_pull)
-            centre = from_store(names, centre)
-            delta = {k: (x[k] - centre[k]) * x[k].dtype.type(alpha) for k in x}
-            x = {k: x[k] - delta[k] for k in x}
-            send = to_store(names, delta)
-            pushed = client.push(send, base_version=version)
-            acked, sent = 1, push_bytes(send)
-        conn.send(("step", rank, step, loss, pushed, 0, acked, sent, 0))
+        loss, grads = model.loss_and_grads(from_store(names, x), data.x_train[idx], data.y_train[idx])
+        x = easgd.local_step(x, to_store(names, grads))
+        exchanged = easgd.step_done() or step == total - 1
+        if exchanged:
+            x = easgd.exchange(x)
+        conn.send(("step", rank, step, loss, link.pushed, 0, int(exchanged),
+                   easgd.last_push_bytes if exchanged else 0, 0))
 
 
 def diloco_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
@@ -210,8 +152,8 @@ def diloco_loop(cfg: Config, rank: int, conn: Connection, start_step: int, clien
     SGD, --outer-lr, --outer-momentum) is applied to the round's mean, or to each on arrival with
     --diloco-async; --fragments F syncs F parts of the model at staggered steps. A restarted
     worker resumes at the store's round (``start_step`` is not used) with a fresh inner optimizer."""
-    from raftps import optim
     from raftps.diloco import DiLoCo
+    from raftps.modes import LocalOptimizer
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))
     diloco = DiLoCo(client, cfg.prefix, model.init(cfg.seed), rank=rank, world_size=cfg.workers,
@@ -219,14 +161,12 @@ def diloco_loop(cfg: Config, rank: int, conn: Connection, start_step: int, clien
                     asynchronous=cfg.diloco_async, step_timeout=cfg.step_timeout)
     diloco.create()                 # the coordinator created them: a no-op but for asynchronous counters
     start, params = diloco.resume()
-    spec = optim.normalize(cfg.local_spec())
-    state = {k: optim.init_state(spec, v) for k, v in params.items()}
+    inner = LocalOptimizer({k: cfg.local_spec() for k in params})
     closed = 0
     for step in range(start, total):
         idx = async_batch(shard, cfg.batch, step, cfg.seed, rank)
         loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
-        for k in params:
-            params[k], state[k] = optim.step(spec, params[k], grads[k], state[k])
+        params.update(inner.step(params, grads))
         new = diloco.after_inner_step(step, params)
         if new is not None:
             params.update(new)

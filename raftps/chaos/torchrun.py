@@ -78,7 +78,7 @@ def steps_done(client: Client, prefix: str, ranks: int, sync_every: int | None =
     job's applied sync step + 1, or (``sync_every``: a DiLoCo job) its applied rounds times H."""
     if sync_every is not None:
         try:
-            return (client.sync_applied(jobs.diloco_group(prefix, 0, 1)) + 1) * sync_every
+            return (client.sync_applied(jobs.diloco_job(prefix, 0, 1)) + 1) * sync_every
         except UnknownTensor:
             return 0
     names = [jobs.step_counter(prefix, r) for r in range(ranks)]
@@ -88,7 +88,7 @@ def steps_done(client: Client, prefix: str, ranks: int, sync_every: int | None =
     except UnknownTensor:
         pass
     try:
-        return client.sync_applied(jobs.group(prefix)) + 1
+        return client.sync_applied(jobs.job_name(prefix)) + 1
     except (AttributeError, UnknownTensor):
         return 0
 

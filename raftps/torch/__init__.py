@@ -14,8 +14,9 @@ and the store runs the optimizer in its replicated state machine (one linearizab
 bit-identical on every node), so a worker, a node or every worker can die and training goes on
 from the store. ``state_dict()`` / ``load_state_dict()`` move the optimizer's state between the
 store and plain torch. Which torch optimizers and options run in the store: optimizers.py. The
-worker's side of each mode (sync, async, ssp, easgd): worker.py; DiLoCo (``mode="diloco"``,
-any torch optimizer as the inner one, the outer step in the store): diloco.py. The shorthand
+worker's side of each mode (sync, async, ssp, easgd): worker.py, moving tensors in and out of
+the mode's engine (raftps/modes/, shared with the numpy trainer); DiLoCo (``mode="diloco"``, any
+torch optimizer as the inner one, the outer step in the store): diloco.py, over raftps/diloco.py. The shorthand
 ``DistributedOptimizer(model, optimizer={"name": "adam", "lr": 1e-3})`` names a store optimizer
 instead of a torch one.
 """

@@ -16,7 +16,7 @@ import torch
 
 from ..client import Client
 from ..diloco import DiLoCo
-from .worker import STORED_AS, _as_numpy, _env_int, _PinnedStage
+from .host import STORED_AS, PinnedStage, as_numpy, env_int
 
 
 class DilocoWorker:
@@ -27,36 +27,32 @@ class DilocoWorker:
                  rank: int | None = None, world_size: int | None = None, sync_every: int = 100,
                  outer: dict | None = None, fragments: int = 1, step_timeout: float = 10.0,
                  compress: str | None = None, warmup: int = 0, token: str | None = None, timeout: float = 60.0):
-        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
-        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
+        self.world_size = world_size if world_size is not None else (env_int("WORLD_SIZE") or 1)
+        self.rank = rank if rank is not None else (env_int("RANK") or 0)
         self.mode, self.prefix, self.local_step = mode, prefix, local_step
         self.tensors = {n: p for n, p in model.named_parameters() if id(p) in trained}
         self.dtypes = {n: STORED_AS[p.dtype] for n, p in self.tensors.items()}
-        host = {n: _as_numpy(p, self.dtypes[n]) for n, p in self.tensors.items()}
-        client = cluster if isinstance(cluster, Client) else None
-        # every argument is checked here, before any connection is made
-        self.rounds = DiLoCo(client, prefix, host, rank=self.rank,    # type: ignore[arg-type]  (set below)
-                             world_size=self.world_size, sync_every=sync_every, outer=outer, fragments=fragments,
-                             asynchronous=mode == "diloco-async", step_timeout=step_timeout, compress=compress,
-                             warmup=warmup)
-        self._owns_client = client is None
-        self.client = client or Client(cluster, timeout=timeout, token=token)
-        self.rounds.client = self.client
-        self._stage = _PinnedStage()
+        host = {n: as_numpy(p, self.dtypes[n]) for n, p in self.tensors.items()}
+        self._owns_client = not isinstance(cluster, Client)
+        # a Client connects on its first request: DiLoCo checks every argument before any I/O
+        self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
+        self._stage = PinnedStage()
         self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}
         self.last_grad_norm = None
         self.synced: list = []            # the rounds the last step synced
-        self.params: list = []
-        self.counters: dict = {}
         try:
-            self.rounds.create()
-            self.start_step, values = self.rounds.resume()
+            self.diloco = DiLoCo(self.client, prefix, host, rank=self.rank, world_size=self.world_size,
+                                 sync_every=sync_every, outer=outer, fragments=fragments,
+                                 asynchronous=mode == "diloco-async", step_timeout=step_timeout, compress=compress,
+                                 warmup=warmup)
+            self.diloco.create()
+            self.start_step, values = self.diloco.resume()
         except BaseException:
             self.close()
             raise
         self._stage.load([(n, self.tensors[n], values[n]) for n in self.tensors])
         self.step_count = self.start_step
-        self.version = self.rounds.version
+        self.version = self.diloco.version
 
     @torch.no_grad()
     def step(self, hyper: Any = None, lrs: Any = None, clip_norm: Any = None) -> Any:
@@ -64,13 +60,13 @@ class DilocoWorker:
         with torch.enable_grad():
             self.local_step()
         self.synced = []
-        if self.rounds.due(self.step_count):
+        if self.diloco.due(self.step_count):
             t0 = time.perf_counter()
             host = self._stage.to_host(self.tensors, self.dtypes)
-            new = self.rounds.after_inner_step(self.step_count, host)
+            new = self.diloco.after_inner_step(self.step_count, host)
             self._stage.load([(n, self.tensors[n], a) for n, a in (new or {}).items()])
-            self.version = self.rounds.version
-            self.synced = list(self.rounds.rounds)
+            self.version = self.diloco.version
+            self.synced = list(self.diloco.rounds)
             self.timings["push"][0] += 1
             self.timings["push"][1] += time.perf_counter() - t0
         self.step_count += 1
@@ -79,13 +75,13 @@ class DilocoWorker:
     @property
     def bytes_sent(self) -> int:
         """Pseudo-gradient bytes this worker sent to the store."""
-        return self.rounds.bytes_sent
+        return self.diloco.bytes_sent
 
     def flush(self) -> None:
         """Nothing to flush: a round's work is sent at its end."""
 
     def close(self) -> None:
-        if self._owns_client and getattr(self, "client", None) is not None:
+        if self._owns_client:
             self.client.close()
 
     def pull_rows(self, param: torch.Tensor, rows: Any) -> int:

@@ -170,8 +170,10 @@ class _Distributed:
     prefix = property(lambda self: self._raftps.prefix)
     timings = property(lambda self: self._raftps.timings, doc="'push'/'pull' -> [calls, seconds]")
     last_grad_norm = property(lambda self: self._raftps.last_grad_norm)
-    params = property(lambda self: self._raftps.params)
-    counters = property(lambda self: self._raftps.counters)
+    params = property(lambda self: getattr(self._raftps, "params", []),
+                      doc="the stored parameters' slots (diloco: none, its rounds hold the tensors)")
+    counters = property(lambda self: getattr(self._raftps, "counters", {}),
+                        doc="async modes: Raft group -> this rank's step counter there")
     bytes_sent = property(lambda self: getattr(self._raftps, "bytes_sent", None),
                           doc="diloco: the pseudo-gradient bytes this worker sent")
     synced = property(lambda self: list(getattr(self._raftps, "synced", ())),

@@ -1,25 +1,18 @@
 """One training worker's link to the store, under ``DistributedOptimizer`` (optimizer.py): the
-job's tensors created and resumed, and each mode's pushes and pulls.
+job's tensors created and resumed, and each step's tensors moved in and out of the mode's engine
+(raftps/modes/: ``SyncSteps`` for sync, ``Downpour`` for async and ssp, ``Easgd``; their module
+docstrings say what each mode does, for this worker and the numpy trainer alike).
 
 - Tensors are named ``PREFIX/<parameter name>``. Every worker creates them from its own
   ``named_parameters()``; the store keeps the first create and treats the others as no-ops, then
   every worker pulls, so all start from one initialisation, or from where a previous run stopped.
-- ``sync``: each rank sends the mean gradient of its shard of the global batch with its rank;
-  the store applies the mean of the ranks' contributions once (K equal shards: the full batch's
-  mean gradient), in the job's own step sequence (``PREFIX/_raftps/group``, under the prefix, so
-  a role on the prefix covers it). A rank's second contribution to a step (a restarted worker) is
-  ignored. The leader sums a step's contributions and replicates the step once (``push_step``);
-  a step whose last rank has not arrived ``step_timeout`` seconds after its first (a dead
-  worker) applies with those that did.
-- ``async``: DownpourSGD. Push the gradient summed over ``n_push`` steps with the version pulled,
-  pull every ``n_fetch`` steps (from any node that has applied our last push); in between the
-  replica takes its own SGD steps (Algorithm 7.1 of Dean et al.). ``ssp``: async with n = 1 and
-  the SSP gate (``ssp_staleness`` clocks). ``easgd``: the store's tensors are centre variables
-  (``elastic``), the worker runs its optimizer locally and every ``n_push`` steps exchanges
-  alpha (x - c).
+- ``sync``: the job's own step sequence is ``jobs.job_name(PREFIX)`` (``PREFIX/_raftps/group``,
+  under the prefix, so a role on the prefix covers it). ``ssp``: the same name is the SSP group's.
+  ``easgd``: the store's tensors are centre variables (``elastic``); the worker runs its
+  optimizer locally (the wrapped torch optimizer, or the spec's in numpy).
 - Async modes count each rank's steps in a tensor of its own (``PREFIX/_raftps/steps.rank<r>``)
   that rides in the same atomic push as the gradients it counts, so ``start_step`` is exactly the
-  steps whose gradients the store applied. Sync mode's step is the job's applied step + 1.
+  steps whose gradients the store applied (modes/link.py). Sync mode's step is the job's applied step + 1.
 - dtypes: float32 and float64 parameters are stored as they are; float16 and bfloat16 ones are
   stored (and updated) in float32 and cast back after each pull, like mixed precision's master
   weights. Other dtypes are refused.
@@ -30,13 +23,10 @@ job's tensors created and resumed, and each mode's pushes and pulls.
 - Sparse gradients (``nn.Embedding(sparse=True)``) are pushed row-sparse: the store applies the
   optimizer to the touched rows only. Sync mode densifies them (a step averages dense tensors).
 - Parameters on a GPU: gradients go to the host through pinned buffers with non-blocking copies
-  (one synchronisation per step), pulled values come back the same way.
+  (one synchronisation per step), pulled values come back the same way (host.py).
 """
 from __future__ import annotations
 
-import os
-import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -45,15 +35,16 @@ import numpy as np
 import torch
 
 from .. import compress as codecs
-from .. import jobs, optim
-from ..client import Client, newest
-from ..errors import NotInGroup, PermissionDenied, StaleBase, StalenessBound, UnknownTensor
+from .. import jobs
+from ..client import Client
+from ..errors import PermissionDenied, UnknownTensor
 from ..job_steps import CREATOR_WAIT, create_chunked, wait_for_tensors
+from ..modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps, step_counters
 from ..ssp import SspMember
+from .host import STORED_AS, PinnedStage, env_int, from_numpy, load
+from .host import as_numpy as _as_numpy      # the name _create reads
 
 MODES = ("sync", "async", "ssp", "easgd")
-STORED_AS = {torch.float32: np.float32, torch.float64: np.float64,
-             torch.float16: np.float32, torch.bfloat16: np.float32}   # half precisions: float32 master copy
 ELASTIC = {"name": "elastic"}
 
 
@@ -66,82 +57,11 @@ class _Slot:
     sparse: bool = False           # the weight of an Embedding(sparse=True): pushed and pulled by rows
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
-
-
-def _as_numpy(t: torch.Tensor, dtype: type) -> np.ndarray:
-    """A host numpy view (no copy for a contiguous CPU tensor already in the store's dtype)."""
-    want = torch.float64 if dtype is np.float64 else torch.float32
-    return t.detach().to(device="cpu", dtype=want).contiguous().numpy()
-
-
-class _PinnedStage:
-    """Pinned host buffers for tensors on a GPU, one per tensor name, reused every step: device
-    to host copies of a step's gradients all start before one synchronisation, and pulled values
-    go back by non-blocking copies, again with one synchronisation (pageable memory would make
-    every copy wait on its own). CPU tensors pass straight through."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-
-    def _buffer(self, kind: str, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._buffers.get((kind, name))
-        if buf is None or buf.shape != like.shape or buf.dtype != dtype:
-            buf = self._buffers[(kind, name)] = torch.empty(like.shape, dtype=dtype, pin_memory=True)
-        return buf
-
-    def to_host(self, named: dict[str, torch.Tensor], dtypes: dict[str, type]) -> dict[str, np.ndarray]:
-        staged, waiting = {}, False
-        for name, t in named.items():
-            if t.is_cuda:
-                buf = self._buffer("out", name, t, torch.float64 if dtypes[name] is np.float64 else torch.float32)
-                buf.copy_(t.detach(), non_blocking=True)
-                staged[name], waiting = buf, True
-            else:
-                staged[name] = t
-        if waiting:
-            torch.cuda.synchronize()
-        return {name: _as_numpy(t, dtypes[name]) for name, t in staged.items()}
-
-    def load(self, pairs: list[tuple[str, torch.Tensor, np.ndarray]]) -> None:
-        waiting = False
-        for name, dst, arr in pairs:
-            if dst.is_cuda:
-                src = _from_numpy(arr)
-                buf = self._buffer("in", name, dst, src.dtype)
-                buf.copy_(src)
-                with torch.no_grad():
-                    dst.copy_(buf, non_blocking=True)
-                waiting = True
-            else:
-                _load(dst, arr)
-        if waiting:          # the next pull reuses these buffers: the copies out of them must be done
-            torch.cuda.synchronize()
-
-
-def _from_numpy(arr: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
-        return torch.from_numpy(arr)
-
-
-def _load(dst: torch.Tensor, arr: np.ndarray) -> None:
-    """Copy a pulled array into a parameter's storage (one copy, cast if dst is half precision)."""
-    with torch.no_grad():
-        dst.copy_(_from_numpy(arr))
-
-
 class Worker:
     """One training worker's link to the store: creates and resumes the job's tensors, and per
-    mode sends a step's gradients and brings the model up to date; see the module docstring.
-    ``DistributedOptimizer`` (optimizer.py) is the torch optimizer users hold; this is its engine.
+    mode moves a step's gradients into the mode's engine and the store's values back into the
+    model; see the module docstring. ``DistributedOptimizer`` (optimizer.py) is the torch
+    optimizer users hold; this is its engine's door.
 
     ``specs``: id(parameter) -> the store spec its tensor is created with (the parameters trained);
     ``local_step``: the wrapped torch optimizer's own step (easgd runs it on the worker's copy),
@@ -159,17 +79,15 @@ class Worker:
         for what, n in (("n_push", n_push), ("n_fetch", n_fetch)):
             if type(n) is not int or n < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {n!r}")
-        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
-        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
+        self.world_size = world_size if world_size is not None else (env_int("WORLD_SIZE") or 1)
+        self.rank = rank if rank is not None else (env_int("RANK") or 0)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.mode, self.prefix = mode, prefix
         self.n_push, self.n_fetch = (1, 1) if mode in ("sync", "ssp") else (n_push, n_fetch)
         self.step_timeout = step_timeout
-        self.compress_method, fraction = codecs.parse(compress or "none")
-        if self.compress_method != "none" and mode == "sync":
+        if codecs.parse(compress or "none")[0] != "none" and mode == "sync":
             raise ValueError("compress works in the async modes; a sync step averages dense contributions")
-        self._topk = codecs.TopK(fraction) if self.compress_method == "topk" else None
         self.local_step = local_step
         self.easgd_alpha = easgd_alpha if easgd_alpha is not None else 0.9 / self.world_size
 
@@ -180,42 +98,42 @@ class Worker:
         # store name -> the spec its tensor is created with (easgd: the worker's own, the store's is elastic)
         self.specs = {s.store_name: specs[id(s.tensor)] for s in self.params}
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
-        self.job = jobs.group(prefix)             # the job's step sequence, and its SSP group
+        self.job = jobs.job_name(prefix)          # the job's step sequence, and its SSP group
 
-        self._stage = _PinnedStage()
+        self._stage = PinnedStage()
         self._dtypes = {s.store_name: s.dtype for s in self.params}
         self._owns_client = not isinstance(cluster, Client)
         self.client = cluster if isinstance(cluster, Client) else Client(cluster, timeout=timeout, token=token)
         # Async modes: this rank's step counter in each Raft group holding the job's tensors
-        # (Raft group -> name); the steps a group applied beyond the others before a crash.
         self.counters: dict[int, str] = {}
-        self._ahead: dict[int, int] = {}
+        self.link: StoreLink | None = None
+        self.engine: SyncSteps | Downpour | Easgd | None = None
         try:
             if mode != "sync":
-                groups = self.client.groups()
-                held = sorted({self.client.group_of(s.store_name) for s in self.params + self.buffers})
-                self.counters = {g: jobs.step_counter(prefix, self.rank, g, groups) for g in held}
+                self.counters = step_counters(self.client, prefix, self.rank,
+                                              [s.store_name for s in self.params + self.buffers])
             try:
                 self._create()
             except PermissionDenied as refused:   # a `read` identity, or a prefix outside its grants
                 self._create_refused = refused
-            self.ssp = (SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout)
-                        if mode == "ssp" else None)
+            ssp = SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout) \
+                if mode == "ssp" else None
+            self.link = StoreLink(self.client, ssp, counters=self.counters)
+            self.engine = self._engine(compress)
             self.start_step = self._resume()
         except BaseException:
             self.close()
             raise
         self.step_count = self.start_step      # steps taken, counting those of earlier runs
-        self._pending: dict[str, torch.Tensor] = {}
         self._touched: dict[str, torch.Tensor] = {}     # sparse table -> rows in the last push
-        self._since_push = self._since_fetch = 0
-        self._easgd_state = {s.store_name: optim.init_state(self.specs[s.store_name], _as_numpy(s.tensor, s.dtype))
-                             for s in self.params} if mode == "easgd" and local_step is None else {}
         self._hyper: dict[str, dict] = {}          # this step's hyperparameters (tensor -> values)
         self._lrs: dict[str, float] = {}           # this step's lr per tensor (Downpour's own steps)
         self._clip_norm: float | None = None       # sync: the store clips this step's mean gradient
         self.last_grad_norm: float | None = None   # sync with clipping: the mean gradient's norm
-        self.timings = {"push": [0, 0.0], "pull": [0, 0.0]}    # what -> [calls, seconds]
+
+    version = property(lambda self: self.link.version, doc="the store version the model holds")
+    pushed = property(lambda self: self.link.pushed, doc="the newest version this worker's writes reached")
+    timings = property(lambda self: self.link.timings, doc="'push'/'pull' -> [calls, seconds]")
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -249,10 +167,10 @@ class Worker:
 
     def _resume(self) -> int:
         """Load the store's parameters; return the step to start at."""
-        names = [s.store_name for s in self.params + self.buffers] + list(self.counters.values())
+        names = [s.store_name for s in self.params + self.buffers]
         refused = getattr(self, "_create_refused", None)
         try:
-            result = self.client.pull_result(names)             # linearizable: the newest state
+            tensors, start = self.engine.resume(names)        # linearizable: the newest state
         except UnknownTensor as exc:
             if refused is None:
                 raise
@@ -260,26 +178,25 @@ class Worker:
                                    f"a first run needs write on {self.prefix + '/'!r}") from None
         except PermissionDenied as exc:
             raise (refused or exc) from None                 # the create's refusal says more
-        self._install(result["tensors"], result["version"])
-        if self.mode == "sync":
-            return self.client.sync_applied(self.job) + 1
-        # A crash between the groups' parts of one push leaves some groups a push ahead: start
-        # where every group is, and leave the groups ahead out of pushes until the others catch up.
-        applied = {g: int(result["tensors"][name][0]) for g, name in self.counters.items()}
-        start = min(applied.values())
-        self._ahead = {g: n - start for g, n in applied.items() if n > start}
+        self._install(tensors)
         return start
 
     def _pulled_names(self) -> list[str]:
         """What a pull brings: all but sparse tables, which async modes pull by rows."""
         return [s.store_name for s in self.params + self.buffers if not s.sparse or self.mode in ("sync", "easgd")]
 
-    def _install(self, tensors: dict[str, np.ndarray], version: int) -> None:
+    def _install(self, tensors: dict[str, np.ndarray]) -> None:
         self._stage.load([(s.store_name, s.tensor, tensors[s.store_name])
                           for s in self.params + self.buffers if s.store_name in tensors])
         # What the store held at this version: a buffer's change since then is this worker's.
         self._buffer_base = {s.store_name: np.array(tensors[s.store_name]) for s in self.buffers}
-        self.version = self.pushed = version
+
+    def _engine(self, compress: str | None) -> SyncSteps | Downpour | Easgd:
+        if self.mode == "sync":
+            return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout)
+        if self.mode == "easgd":      # the spec's optimizer in numpy, unless torch's own runs locally
+            return Easgd(self.link, self.easgd_alpha, self.n_push, self.specs if self.local_step is None else None)
+        return Downpour(self.link, self.n_push, self.n_fetch, compress)
 
     # ---- the optimizer API ------------------------------------------------------------------
 
@@ -306,11 +223,8 @@ class Worker:
         return self._pull_rows(slot, torch.as_tensor(rows).reshape(-1).unique())
 
     def _pull_rows(self, slot: _Slot, rows: torch.Tensor) -> int:
-        values, version = self.client.pull_rows(slot.store_name, rows.cpu().numpy(), min_version=self.pushed,
-                                                linearizable=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)      # a read-only buffer: we only read it
-            src = torch.from_numpy(values)
+        values, version = self.link.pull_rows(slot.store_name, rows.cpu().numpy())
+        src = from_numpy(values)
         # rows and values onto the parameter's device (a GPU table takes no host tensor)
         slot.tensor.index_copy_(0, rows.to(slot.tensor.device), src.to(slot.tensor.device, slot.tensor.dtype))
         return version
@@ -318,89 +232,63 @@ class Worker:
     @torch.no_grad()
     def flush(self) -> None:
         """Push the gradients of steps not pushed yet (async with n_push > 1); close() does."""
-        if self.mode in ("async", "ssp") and self._pending:
+        if isinstance(self.engine, Downpour) and self.engine.pending:
             self._push_pending()
 
     def close(self) -> None:
         """Flush, leave the SSP group, close the client (if this optimizer made it)."""
-        if getattr(self, "_pending", None):
+        if self.engine is not None:
             self.flush()
-        if getattr(self, "ssp", None) is not None:
-            try:
-                self.ssp.leave()          # a finished worker must not hold the others back
-            finally:
-                self.ssp = None
+        if self.link is not None:
+            self.link.leave()          # a finished worker must not hold the others back
         if self._owns_client:
             self.client.close()
 
-    # ---- modes ------------------------------------------------------------------------------
+    # ---- modes: the tensors in and out of the mode's engine ------------------------------------
 
     def _step_sync(self) -> None:
         grads = self._stage.to_host({s.store_name: self._dense_grad(s) for s in self.params}, self._dtypes)
         grads.update(self._buffer_drift(1))
-        step = self.step_count
-        t0 = time.perf_counter()
-        # answered once the step is applied; a rank that died is left out step_timeout seconds
-        # after the step's first contribution
-        result = self.client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
-                                       timeout=self.step_timeout, pull=True, hyper=self._hyper or None,
-                                       clip_norm=self._clip_norm)
-        self._timed("push", t0)
-        self.last_grad_norm = result.get("grad_norm")
-        if result.get("late"):     # the step was applied without us (we were away): rejoin at the job's step
-            self.step_count = max(self.step_count, self.client.sync_applied(self.job))
-        tensors = result.get("tensors") or {}
-        if set(self._pulled_names()) <= set(tensors):     # the step's values came with the answer
-            self._install(tensors, result["version"])
-        else:
-            self._pull(result["version"])
+        result = self.engine.step(grads, self.step_count, self._pulled_names(), hyper=self._hyper,
+                                  clip_norm=self._clip_norm)
+        self.last_grad_norm = result.grad_norm
+        self.step_count = result.next_step - 1       # past the job's step if this one was late
+        self._install(result.tensors)
 
     def _step_async(self) -> None:
+        grads = {}
         for s in self.params:
             g = s.tensor.grad
             if g is None:
                 continue
-            prev = self._pending.get(s.store_name)
-            if prev is not None:
-                self._pending[s.store_name] = prev + g
-            else:   # kept past this step() only when n_push > 1: then zero_grad() must not clear it
-                self._pending[s.store_name] = g.detach().clone() if self.n_push > 1 else g.detach()
-            if self.n_fetch > 1:               # Downpour: the replica takes its own step meanwhile
+            # kept past this step() only when n_push > 1: then zero_grad() must not clear it
+            first = s.store_name not in self.engine.pending
+            grads[s.store_name] = g.detach().clone() if self.n_push > 1 and first else g.detach()
+            if self.engine.own_steps:          # Downpour: the replica takes its own step meanwhile
                 s.tensor.add_(g.to(s.tensor.dtype), alpha=-self._lrs.get(s.store_name, self.specs[s.store_name]["lr"]))
-        self._since_push += 1
-        self._since_fetch += 1
-        if self._since_push >= self.n_push:
+        self.engine.add(grads)
+        if self.engine.push_due:
             self._push_pending()
-        if self._since_fetch >= self.n_fetch:
-            if self.ssp is not None:          # the next step waits until it is at most s clocks ahead
-                self.pushed = newest(self.pushed, self.ssp.wait_turn())
-            self._pull(self.pushed)
+        if self.engine.pull_due:               # ssp: the next step waits until it is at most s clocks ahead
+            self._pull()
 
     def _step_easgd(self) -> None:
         if self.local_step is not None:           # the wrapped torch optimizer, on this worker's copy
             with torch.enable_grad():
                 self.local_step()
-        for s in self.params if self.local_step is None else ():     # the spec's optimizer, in numpy
-            if s.tensor.grad is None:
-                continue
-            x = _as_numpy(s.tensor, s.dtype)
-            spec = optim.with_hyperparameters(self.specs[s.store_name], self._hyper.get(s.store_name), s.store_name)
-            new, self._easgd_state[s.store_name] = optim.step(
-                spec, x, _as_numpy(self._dense_grad(s), s.dtype), self._easgd_state[s.store_name])
-            _load(s.tensor, new)
-        self._since_push += 1
-        if self._since_push < self.n_push:
-            return
-        centre, self.version = self.client.pull([s.store_name for s in self.params], min_version=self.pushed,
-                                                linearizable=False)
-        delta = {}
-        for s in self.params:
-            x = _as_numpy(s.tensor, s.dtype)
-            delta[s.store_name] = (x - centre[s.store_name]) * x.dtype.type(self.easgd_alpha)
-            _load(s.tensor, x - delta[s.store_name])
-        self._send(delta, encoding=None, steps=self._since_push)
+        else:                                      # the spec's optimizer, in numpy
+            stepped = [s for s in self.params if s.tensor.grad is not None]
+            new = self.engine.local_step({s.store_name: _as_numpy(s.tensor, s.dtype) for s in stepped},
+                                         {s.store_name: _as_numpy(self._dense_grad(s), s.dtype) for s in stepped},
+                                         self._hyper)
+            for s in stepped:
+                load(s.tensor, new[s.store_name])
+        if self.engine.step_done():
+            new = self.engine.exchange({s.store_name: _as_numpy(s.tensor, s.dtype) for s in self.params})
+            for s in self.params:
+                load(s.tensor, new[s.store_name])
 
-    # ---- pushes and pulls ---------------------------------------------------------------------
+    # ---- moving tensors ---------------------------------------------------------------------
 
     def _dense_grad(self, s: _Slot) -> torch.Tensor:
         g = s.tensor.grad
@@ -409,62 +297,25 @@ class Worker:
         return g.to_dense() if g.is_sparse else g
 
     def _push_pending(self) -> None:
-        dense = self._stage.to_host({k: g for k, g in self._pending.items() if not g.is_sparse}, self._dtypes)
-        grads, encoding = codecs.encode_push(dense, self.compress_method, self._topk)
-        grads, encoding = dict(grads), dict(encoding or {})
-        for name, g in self._pending.items():
+        pending = self.engine.take()
+        dense = self._stage.to_host({k: g for k, g in pending.items() if not g.is_sparse}, self._dtypes)
+        rows = {}
+        for name, g in pending.items():
             if g.is_sparse:                        # row indices + rows; the store updates those rows only
                 g = g.coalesce()
-                rows = g.indices()[0].cpu()          # numpy reads host memory only (a GPU table's too)
-                self._touched[name] = rows
-                parts, enc = codecs.encode_rows(name, rows.numpy(),
-                                                _as_numpy(g.values(), self._dtypes[name]))
-                grads.update(parts)
-                encoding.update(enc)
-        grads.update(self._buffer_drift(self.world_size))
-        self._pending = {}
-        self._send(grads, encoding or None, steps=self._since_push)
+                self._touched[name] = g.indices()[0].cpu()   # numpy reads host memory only (a GPU table's too)
+                rows[name] = (self._touched[name].numpy(), _as_numpy(g.values(), self._dtypes[name]))
+        status = self.engine.push(dense, rows, plain=self._buffer_drift(self.world_size), hyper=self._hyper)
+        if status == DROPPED:                      # AdaRevision no longer holds our base: re-pull
+            self._pull(gate=False)
 
-    def _send(self, grads: dict[str, np.ndarray], encoding: dict | None, steps: int) -> None:
-        """One push, atomic in each Raft group: gradients, buffer drift and, per group, the count
-        of the steps they carry. A group that applied these steps before a crash is left out."""
-        for g, counter in self.counters.items():
-            grads[counter] = np.array([float(steps)])
-        for g in [g for g, n in self._ahead.items() if n >= steps]:
-            self._ahead[g] -= steps
-            grads = {k: v for k, v in grads.items() if self.client.group_of(k) != g}
-            if encoding:
-                encoding = {k: v for k, v in encoding.items() if self.client.group_of(k) != g} or None
-        if not grads:
-            self._since_push = 0
-            return
-        hyper = {k: v for k, v in self._hyper.items() if k in grads} if self.mode != "easgd" else {}
-        t0 = time.perf_counter()
-        while True:
-            try:
-                self.pushed = self.client.push(grads, base_version=self.version, encoding=encoding,
-                                               ssp=self.ssp.field() if self.ssp else None, hyper=hyper or None)
-                break
-            except StalenessBound:        # too far ahead after all: wait for the slowest, send again
-                self.ssp.wait_turn()
-            except NotInGroup:            # dropped as dead while away: join again, send again
-                self.ssp.join()
-            except StaleBase:             # AdaRevision no longer holds our base: drop it, re-pull
-                self._pull(self.pushed)
-                break
-        self._timed("push", t0)
-        self._since_push = 0
-
-    def _pull(self, min_version: int) -> None:
-        t0 = time.perf_counter()
-        tensors, version = self.client.pull(self._pulled_names(), min_version=min_version, linearizable=False)
-        self._install(tensors, version)
-        for s in self.params:       # sparse tables: the rows this worker just pushed (others' updates too)
-            rows = self._touched.pop(s.store_name, None)
-            if rows is not None and s.sparse and self.mode not in ("sync", "easgd"):
-                self._pull_rows(s, rows)
-        self._timed("pull", t0)
-        self._since_fetch = 0
+    def _pull(self, gate: bool = True) -> None:
+        with self.link.timing("pull"):
+            self._install(self.engine.pull(self._pulled_names(), gate))
+            for s in self.params:       # sparse tables: the rows this worker just pushed (others' updates too)
+                rows = self._touched.pop(s.store_name, None)
+                if rows is not None and s.sparse and self.mode not in ("sync", "easgd"):
+                    self._pull_rows(s, rows)
 
     def _buffer_drift(self, divide: int) -> dict[str, np.ndarray]:
         out = {}
@@ -473,7 +324,3 @@ class Worker:
             drift = now - self._buffer_base[s.store_name]
             out[s.store_name] = drift / drift.dtype.type(divide) if divide > 1 else drift
         return out
-
-    def _timed(self, what: str, t0: float) -> None:
-        self.timings[what][0] += 1
-        self.timings[what][1] += time.perf_counter() - t0

@@ -177,7 +177,7 @@ def test_leaders_spread_one_group_per_node(cluster) -> None:
 
 
 def test_export_and_import_across_groups(cluster, tmp_path) -> None:
-    from raftps.models import export_model, import_model
+    from raftps.model_files import export_model, import_model
     names = [f"m/layer{i}" for i in range(8)]
     with cluster.client(timeout=30.0) as c:
         c.create_many({n: np.full(3, float(i), np.float32) for i, n in enumerate(names)}, {n: SGD for n in names})

@@ -88,7 +88,7 @@ def test_diloco_rounds_equal_diloco_by_hand_and_restart_at_the_stores_round(clus
     # every round acknowledged to each rank, in order, with both contributions
     assert synced == {r: [(n, WORLD, False) for n in range(ROUNDS)] for r in range(WORLD)}
     with cluster.client() as c:
-        assert c.sync_applied(jobs.diloco_group("tdiloco", 0, 1)) == ROUNDS - 1     # rounds 0..ROUNDS-1 applied
+        assert c.sync_applied(jobs.diloco_job("tdiloco", 0, 1)) == ROUNDS - 1     # rounds 0..ROUNDS-1 applied
         versions = c.export("tdiloco/")["tensor_versions"]
         assert set(versions.values()) == {ROUNDS}                  # each global tensor: one update per round
     # a restarted rank resumes at the store's round, from the global parameters

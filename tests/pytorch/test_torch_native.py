@@ -340,7 +340,7 @@ def test_ranks_with_different_schedulers_are_refused_by_name_and_the_other_rank_
     for name, p in models[refused[0]].named_parameters():      # the refusal changed nothing here
         assert torch.equal(p, before[refused[0]][0][name]), name
     with cluster.client() as c:
-        assert c.sync_applied(jobs.group("native-hyper")) == 1
+        assert c.sync_applied(jobs.job_name("native-hyper")) == 1
 
 
 def test_bad_input_is_refused_clearly_before_any_io(cluster):
@@ -382,7 +382,7 @@ def test_export_format_torch_loads_in_plain_torch_and_imports_back(cluster, tmp_
     import os
     import subprocess
     import sys
-    from raftps.models import import_model
+    from raftps.model_files import import_model
 
     model = Net()
     with rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",

@@ -126,6 +126,6 @@ def test_per_rank_launch_restarts_a_dead_diloco_worker_alone(make_cluster, tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_test_acc"] >= TRAINED, summary
     with cluster.client() as c:
-        rounds = c.sync_applied(jobs.diloco_group("alone", 0, 1)) + 1
+        rounds = c.sync_applied(jobs.diloco_job("alone", 0, 1)) + 1
         versions = {t["version"] for t in c.tensors() if t["name"].startswith("alone/")}
     assert rounds == STEPS // sync_every and versions == {rounds}     # each round applied once, none lost

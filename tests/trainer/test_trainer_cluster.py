@@ -72,7 +72,7 @@ def test_downpour_replica_takes_its_own_steps_between_pulls(cluster, tmp_path):
     where 12 plain SGD steps on the worker's batches end, up to float summation order."""
     from trainer.config import Config
     from trainer.data import async_batch, async_shard, load_dataset
-    from trainer.models import make_model
+    from trainer.networks import make_model
     out = str(tmp_path / "downpour")
     summary = run_trainer(["--cluster", cluster.addresses, "--mode", "async", "--workers", "1", *SMALL,
                            "--steps", "12", "--n-fetch", "4", "--n-push", "4", "--seed", "4", "--prefix", "downpour"],

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from trainer.data import async_batch, async_shard, global_batch, load_dataset, steps_per_epoch, sync_shard
-from trainer.models import MLP, Softmax, make_model
+from trainer.networks import MLP, Softmax, make_model
 
 
 def numeric_grad(model, params, x, y, name, eps=1e-6, samples=20, seed=0):

@@ -1,0 +1,65 @@
+"""Synchronous steps, one rank's side: each rank sends the mean gradient of its shard of the
+step's batch with its rank; the store applies the mean of the ranks' contributions once, in the
+job's own step sequence (K equal shards: the full batch's mean gradient, the step one process
+would take). The leader sums a step's contributions and replicates the step once
+(``Client.push_step``); a step whose last rank has not arrived ``step_timeout`` seconds after its
+first (a dead worker) applies with those that did. A rank's second contribution to a step (a
+restarted worker) is ignored; a contribution that comes after its step applied (``late``)
+rejoins at the job's next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .link import StoreLink
+
+
+@dataclass
+class StepResult:
+    """What one synchronous step gave back."""
+    tensors: dict[str, np.ndarray]      # the step's values of the names asked for
+    version: Any
+    count: int                          # contributions in the applied step (< world size: some were late)
+    grad_norm: float | None             # with clip_norm: the mean gradient's norm
+    next_step: int                      # the step to contribute to next (past the job's, if this one was late)
+
+
+class SyncSteps:
+    """Job ``job``'s steps (None: the store-wide default job) for rank ``rank`` of ``world_size``."""
+
+    def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float):
+        self.link, self.job = link, job
+        self.world_size, self.rank, self.step_timeout = world_size, rank, step_timeout
+
+    def applied(self) -> int:
+        """The job's last applied step (-1 if none), read linearizably."""
+        return self.link.client.sync_applied(self.job)
+
+    def resume(self, names: list[str]) -> tuple[dict[str, np.ndarray], int]:
+        """The newest values of ``names`` and the step to contribute to first: the job's next.
+        The applied step is read before the values, so they are never older than the steps it
+        counts (a step applied in between answers this rank's contribution late: it rejoins)."""
+        first = self.applied() + 1
+        tensors, _ = self.link.resume(names)
+        return tensors, first
+
+    def step(self, grads: dict[str, np.ndarray], step: int, names: list[str], hyper: dict | None = None,
+             clip_norm: float | None = None) -> StepResult:
+        """Contribute ``grads`` to step ``step``; answered once the step is applied, with the step's
+        values of ``names`` (in the answer, or pulled from a node that has the step)."""
+        client = self.link.client
+        with self.link.timing("push"):
+            answer = client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
+                                      timeout=self.step_timeout, pull=True, hyper=hyper or None, clip_norm=clip_norm)
+        next_step = step + 1
+        if answer.get("late"):     # applied without us (we were away): rejoin at the job's next step
+            next_step = max(step, self.applied()) + 1
+        tensors, version = answer.get("tensors") or {}, answer["version"]
+        self.link.version = self.link.pushed = version
+        if not set(names) <= set(tensors):       # e.g. the answer to a contribution sent again
+            with self.link.timing("pull"):
+                tensors = self.link.pull(names)
+        return StepResult(tensors, self.link.version, int(answer.get("count", 0)), answer.get("grad_norm"), next_step)
