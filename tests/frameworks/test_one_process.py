@@ -1,0 +1,91 @@
+"""Each training framework, one process, sync mode, handed a raftps DistributedOptimizer as it
+would be a torch AdamW: 20 steps with the framework's scheduler, gradient clipping and
+accumulation equal the same framework on plain AdamW (parameters and optimizer state, 1e-5);
+the framework's own checkpoint (Lightning's optimizer_states, the Trainer's optimizer.pt,
+Accelerate's save_state) saved, and a fresh job resumed from it, continue equal. A real 3-node
+cluster; a tiny GPT-2 built from a config, nothing downloaded."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import raftps.torch as rpt  # noqa: E402
+
+from tests.conftest import start_cluster  # noqa: E402
+from tests.frameworks.common import (accelerate_train, adamw, hf_train, lightning_fit, max_diff,  # noqa: E402
+                                     state_diff, tiny_gpt, token_data)
+
+BASE_PORT = 24100
+STEPS, MORE, BATCH = 20, 6, 4
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = start_cluster(tmp_path_factory.mktemp("frameworks") / "run", BASE_PORT)
+    yield cl
+    cl.wipe()
+
+
+def on_raftps(cluster, prefix: str):
+    return lambda model: rpt.DistributedOptimizer(adamw(model), model=model, cluster=cluster.client(),
+                                                  mode="sync", prefix=prefix)
+
+
+def test_lightning_automatic_optimization_and_its_checkpoint(cluster, tmp_path):
+    """step(closure) from Lightning's automatic optimization, gradient_clip_val, accumulate_grad_batches,
+    a LambdaLR with interval "step"; then trainer.save_checkpoint and fit(ckpt_path=...)."""
+    data = token_data()
+    want, want_trainer = lightning_fit(adamw, STEPS, BATCH, data)
+    got, got_trainer = lightning_fit(on_raftps(cluster, "lt"), STEPS, BATCH, data)
+    assert max_diff(got, want) < TOLERANCE and max_diff(want, tiny_gpt()) > 1e-3
+    assert state_diff(got_trainer.optimizers[0].state_dict(), want_trainer.optimizers[0].state_dict()) < TOLERANCE
+    for trainer, name in ((want_trainer, "want"), (got_trainer, "got")):
+        trainer.save_checkpoint(str(tmp_path / f"{name}.ckpt"))
+    saved = {n: torch.load(tmp_path / f"{n}.ckpt", weights_only=True)["optimizer_states"][0] for n in ("want", "got")}
+    assert state_diff(saved["got"], saved["want"]) < TOLERANCE
+    assert saved["got"]["state"][0]["step"].item() == STEPS
+    # a new job (another prefix) seeded from the checkpoint by load_state_dict continues equal
+    want, _ = lightning_fit(adamw, STEPS + MORE, BATCH, data, ckpt_path=str(tmp_path / "want.ckpt"))
+    got, trainer = lightning_fit(on_raftps(cluster, "lt-resumed"), STEPS + MORE, BATCH, data,
+                                 ckpt_path=str(tmp_path / "got.ckpt"))
+    assert max_diff(got, want) < TOLERANCE
+    assert trainer.optimizers[0].state_dict()["state"][0]["step"].item() == STEPS + MORE
+
+
+def test_hf_trainer_and_its_checkpoint(cluster, tmp_path):
+    """Trainer(optimizers=(opt, None)): its linear warm-up scheduler, max_grad_norm,
+    gradient_accumulation_steps, model.zero_grad(); checkpoint-20/optimizer.pt and
+    train(resume_from_checkpoint=...)."""
+    data = token_data()
+    want, _ = hf_train(adamw, STEPS, BATCH, data, str(tmp_path / "want"), save_steps=STEPS)
+    got, _ = hf_train(on_raftps(cluster, "hf"), STEPS, BATCH, data, str(tmp_path / "got"), save_steps=STEPS)
+    assert max_diff(got, want) < TOLERANCE and max_diff(want, tiny_gpt()) > 1e-3
+    saved = {n: torch.load(tmp_path / n / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)
+             for n in ("want", "got")}
+    assert state_diff(saved["got"], saved["want"]) < TOLERANCE
+    want, _ = hf_train(adamw, STEPS + MORE, BATCH, data, str(tmp_path / "want2"),
+                       resume=str(tmp_path / "want" / f"checkpoint-{STEPS}"))
+    got, trainer = hf_train(on_raftps(cluster, "hf-resumed"), STEPS + MORE, BATCH, data, str(tmp_path / "got2"),
+                            resume=str(tmp_path / "got" / f"checkpoint-{STEPS}"))
+    assert max_diff(got, want) < TOLERANCE
+    assert trainer.optimizer.state_dict()["state"][0]["step"].item() == STEPS + MORE
+
+
+def test_accelerate_and_its_save_state(cluster, tmp_path):
+    """accelerator.prepare (which calls load_state_dict(state_dict()) on the optimizer),
+    accumulate(), clip_grad_norm_, a prepared LambdaLR; save_state, then load_state into a new job."""
+    data = token_data()
+    want, want_opt, _ = accelerate_train(adamw, STEPS, BATCH, data, save_dir=str(tmp_path / "want"))
+    got, got_opt, _ = accelerate_train(on_raftps(cluster, "acc"), STEPS, BATCH, data, save_dir=str(tmp_path / "got"))
+    assert max_diff(got, want) < TOLERANCE and max_diff(want, tiny_gpt()) > 1e-3
+    assert state_diff(got_opt.state_dict(), want_opt.state_dict()) < TOLERANCE
+    want, _, _ = accelerate_train(adamw, STEPS + MORE, BATCH, data, load_dir=str(tmp_path / "want"))
+    got, got_opt, _ = accelerate_train(on_raftps(cluster, "acc-resumed"), STEPS + MORE, BATCH, data,
+                                       load_dir=str(tmp_path / "got"))
+    assert max_diff(got, want) < TOLERANCE
+    assert got_opt.state_dict()["state"][0]["step"].item() == STEPS + MORE
