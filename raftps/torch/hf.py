@@ -26,14 +26,15 @@ import math
 from typing import Any
 
 try:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
+    import accelerate  # noqa: F401
 except ImportError:
     raise ImportError("raftps.torch.hf needs Accelerate (and Transformers for its Trainer): "
                       "pip install 'raftps[frameworks]' (install torch's CPU build first: "
                       "bash cluster/setup.sh --torch)") from None
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 # the Accelerator setups whose model wrapping is plain DDP (FSDP, DeepSpeed, XLA shard or own the optimizer)
 UNWRAPPABLE = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}

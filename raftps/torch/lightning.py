@@ -25,13 +25,14 @@ import math
 from typing import Any
 
 try:
-    from lightning.pytorch.strategies import DDPStrategy
-    from lightning.pytorch.utilities.seed import reset_seed
+    import lightning  # noqa: F401
 except ImportError:
     raise ImportError("raftps.torch.lightning needs PyTorch Lightning: pip install 'raftps[frameworks]' "
                       "(install torch's CPU build first: bash cluster/setup.sh --torch)") from None
 
 import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy
 
 
 class RaftpsStrategy(DDPStrategy):

@@ -21,9 +21,11 @@ Recorder = Callable[[torch.nn.Module], None]      # called after each optimizer 
 
 
 def tiny_gpt(seed: int = 0) -> GPT2LMHeadModel:
+    """No dropout: K ranks draw other masks than one process, and would differ by them alone."""
     torch.manual_seed(seed)
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                      bos_token_id=0, eos_token_id=0))
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
 
 
 def token_data(n: int = 320, seed: int = 1) -> torch.Tensor:
@@ -83,13 +85,17 @@ class _LightningRecorder(L.Callback):
 
 
 def lightning_fit(make_opt, steps: int, batch: int, data: torch.Tensor, devices: int = 1, strategy: Any = "auto",
-                  ckpt_path: str | None = None, record: Recorder | None = None) -> tuple[GptModule, L.Trainer]:
+                  ckpt_path: str | None = None, record: Recorder | None = None,
+                  shuffled: bool = False) -> tuple[GptModule, L.Trainer]:
+    """``shuffled``: one process reads the batches in the order Lightning's DistributedSampler
+    deals them to K ranks (one permutation, seed 0), so it sees the K ranks' batches together."""
     module = GptModule(make_opt)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
                         gradient_clip_val=CLIP, accumulate_grad_batches=ACCUM, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[_LightningRecorder(record)] if record else [])
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch), ckpt_path=ckpt_path)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, seed=0) if shuffled else None
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler), ckpt_path=ckpt_path)
     return module, trainer
 
 

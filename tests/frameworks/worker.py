@@ -1,0 +1,47 @@
+"""One rank of test_workers.py's torchrun job: Lightning (RaftpsStrategy), the HF Trainer and
+Accelerate (raftps.torch.hf.without_ddp), each in sync and in diloco mode, one after the other
+in this process. After every optimizer step the model's parameters are recorded; each run's
+record goes to OUT/<framework>-<mode>-rank<R>.pt (a tensor: one row per step).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/frameworks/worker.py OUT
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+import raftps.torch as rpt  # noqa: E402
+from raftps.torch.hf import without_ddp  # noqa: E402
+from raftps.torch.lightning import RaftpsStrategy  # noqa: E402
+from tests.frameworks.common import accelerate_train, adamw, flat, hf_train, lightning_fit, token_data  # noqa: E402
+
+STEPS, SYNC_EVERY, BATCH = 6, 3, 4       # BATCH: each rank's (Lightning, Trainer); Accelerate splits 2 * BATCH
+MODES = {"sync": {}, "diloco": {"sync_every": SYNC_EVERY}}
+
+
+def main(out: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    data = token_data()
+    for mode, options in MODES.items():
+        def make_opt(model: torch.nn.Module, prefix: str) -> torch.optim.Optimizer:
+            return rpt.DistributedOptimizer(adamw(model), model=model, mode=mode, prefix=prefix, **options)
+        for framework in ("lightning", "hf", "accelerate"):
+            steps: list[torch.Tensor] = []
+            record = lambda model: steps.append(flat(model))                       # noqa: E731
+            prefix = f"{framework}-{mode}"
+            opt_for = lambda model: make_opt(model, prefix)                         # noqa: E731, B023
+            if framework == "lightning":
+                lightning_fit(opt_for, STEPS, BATCH, data, devices=world, strategy=RaftpsStrategy(), record=record)
+            elif framework == "hf":
+                hf_train(opt_for, STEPS, BATCH, data, os.path.join(out, prefix), record=record, prepare=without_ddp)
+            else:
+                accelerate_train(opt_for, STEPS, world * BATCH, data, record=record, prepare=without_ddp)
+            torch.save(torch.stack(steps), os.path.join(out, f"{prefix}-rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
