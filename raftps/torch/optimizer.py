@@ -8,6 +8,8 @@ those values; the optimizer itself runs in the store (optimizers.py says which r
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Iterable
 
 import numpy as np
@@ -88,13 +90,17 @@ class _Distributed:
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": states, "param_groups": groups}
+        produced = {"state": states, "param_groups": groups}
+        self._raftps_exported = exported_mark(produced, exported, self._raftps.params)
+        return produced
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Seed the store from a torch state_dict of this class: every parameter's optimizer state
         and the model's current parameter values, in one write per Raft group; the groups'
         hyperparameters (lr, ...) are taken as torch does. Refused before any write if the groups,
-        the parameter count or a shape differ."""
+        the parameter count or a shape differ. The state_dict this optimizer's ``state_dict()``
+        just returned, loaded unchanged while neither the store nor the model moved, writes
+        nothing (it is what the store holds): Accelerate's ``prepare`` does that."""
         if self._raftps_local:
             return super().load_state_dict(state_dict)   # type: ignore[misc]
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
@@ -120,7 +126,12 @@ class _Distributed:
                                                          f"parameter {index} ({name})")
                 values[name] = slot.tensor.detach().to(device="cpu", dtype=torch.from_numpy(like).dtype).numpy()
                 index += 1
-        self._raftps.client.assign_state(values, states)
+        # load_state_dict(state_dict()) (Accelerate does it when it prepares the optimizer) would
+        # rewrite what the store holds: skipped when nothing moved since (mark_unchanged says what)
+        if not mark_unchanged(getattr(self, "_raftps_exported", None), state_dict, self._raftps.params,
+                              lambda: self._raftps.client.tensors(self._raftps.prefix + "/")):
+            self._raftps.client.assign_state(values, states)
+        self._raftps_exported = None
         for group, mine in zip(saved, self.param_groups):
             mine.update({k: v for k, v in group.items() if k != "params"})
 
@@ -181,6 +192,61 @@ class _Distributed:
 
     def _group_names(self) -> list[list[str]]:
         return self._raftps_names
+
+
+def exported_mark(produced: dict, exported: dict, slots: list) -> dict | None:
+    """What ``state_dict()`` just produced, to recognise it unchanged in ``load_state_dict``:
+    each of its tensors (by identity, weakly, and torch's in-place write counter ``_version``),
+    its groups, the store's tensor versions it was read at, and each parameter's write counter,
+    if the model then held the store's values (else loading it would write the model's, and
+    must). None when the model's parameters differ from the store's."""
+    for slot in slots:
+        stored = exported["tensors"].get(slot.store_name)
+        if stored is None:
+            return None
+        stored = torch.from_numpy(np.asarray(stored))
+        if not torch.equal(slot.tensor.detach().to(device="cpu", dtype=stored.dtype).reshape(stored.shape), stored):
+            return None
+    return {"state": {i: {k: (weakref.ref(v), _writes(v)) if isinstance(v, torch.Tensor) else ("value", v)
+                          for k, v in entries.items()} for i, entries in produced["state"].items()},
+            "groups": copy.deepcopy(produced["param_groups"]),
+            "params": [(weakref.ref(s.tensor), _writes(s.tensor)) for s in slots],
+            "versions": {s.store_name: exported["tensor_versions"][s.store_name] for s in slots}}
+
+
+def _writes(t: torch.Tensor) -> int:
+    """How many times ``t`` was written in place: torch's counter (``Tensor._version``, which
+    autograd checks; torch gives it no public name)."""
+    return getattr(t, "_version")
+
+
+def mark_unchanged(mark: dict | None, state_dict: dict, slots: list, store_tensors: Any) -> bool:
+    """True when ``state_dict`` is the one ``mark`` recorded, unchanged (the same tensor objects,
+    not written in place since; the same groups), the parameters were not written since, and the
+    store's tensors are at the versions it was read at (``store_tensors()``: their rows, one
+    metadata read): loading it would write back exactly what the store holds."""
+    if mark is None or len(mark["params"]) != len(slots):
+        return False
+    try:
+        if state_dict["param_groups"] != mark["groups"] or set(state_dict["state"]) != set(mark["state"]):
+            return False
+    except RuntimeError:                 # a group value that is a tensor of several elements: compare no further
+        return False
+    for index, entries in mark["state"].items():
+        given = state_dict["state"][index]
+        if not isinstance(given, dict) or set(given) != set(entries):
+            return False
+        for key, (ref, version) in entries.items():
+            value = given[key]
+            if ref == "value":
+                if isinstance(value, torch.Tensor) or value != version:
+                    return False
+            elif ref() is not value or _writes(value) != version:
+                return False
+    if any(ref() is not s.tensor or _writes(s.tensor) != version for (ref, version), s in zip(mark["params"], slots)):
+        return False
+    now = {row["name"]: row["version"] for row in store_tensors()}
+    return all(now.get(name) == version for name, version in mark["versions"].items())
 
 
 def _shorthand_spec(stored: dict, group: dict) -> dict:

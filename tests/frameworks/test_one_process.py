@@ -89,3 +89,55 @@ def test_accelerate_and_its_save_state(cluster, tmp_path):
                                        load_dir=str(tmp_path / "got"))
     assert max_diff(got, want) < TOLERANCE
     assert got_opt.state_dict()["state"][0]["step"].item() == STEPS + MORE
+
+
+def store_at(cluster, prefix: str) -> dict:
+    with cluster.client() as c:
+        exported = c.export(prefix + "/", state=True)
+    return {"versions": exported["tensor_versions"], "digest": exported["digest"]}
+
+
+def test_loading_the_state_dict_just_produced_writes_nothing_and_any_other_is_written(cluster):
+    """Accelerate's prepare calls load_state_dict(state_dict()): that writes nothing to the store.
+    A state_dict changed in place, a copy of it (after the store moved on), or one loaded after
+    the model's parameters changed is written, as load_state_dict says."""
+    data = token_data()[:8]
+    model = tiny_gpt()
+    opt = on_raftps(cluster, "sd-mark")(model)
+
+    def step(batch):
+        opt.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+    step(data[:4])
+    sd = opt.state_dict()
+    before = store_at(cluster, "sd-mark")
+    opt.load_state_dict(sd)
+    assert store_at(cluster, "sd-mark") == before                          # the same, unchanged: no write
+    kept = {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()}
+    step(data[4:])                                                         # the store moves on
+    opt.load_state_dict(sd)                                                # the older state: written back
+    back = opt.state_dict()
+    assert state_diff(back, {"state": kept, "param_groups": sd["param_groups"]}) == 0.0
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"].mul_(2.0)                                    # changed in place: written
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+    sd = opt.state_dict()
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)                             # the model changed: its values written
+    opt.load_state_dict(sd)
+    with cluster.client() as c:
+        stored, _ = c.pull(["sd-mark/transformer.wte.weight"])
+    assert torch.equal(torch.from_numpy(stored["sd-mark/transformer.wte.weight"]), model.transformer.wte.weight)
+    opt.close()
+
+
+def test_accelerate_prepare_reads_the_state_once_and_writes_nothing(cluster):
+    from accelerate import Accelerator
+    model = tiny_gpt()
+    opt = on_raftps(cluster, "sd-prepare")(model)
+    before = store_at(cluster, "sd-prepare")
+    Accelerator(cpu=True).prepare(model, opt)
+    assert store_at(cluster, "sd-prepare") == before
+    opt.close()
