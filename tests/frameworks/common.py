@@ -86,14 +86,14 @@ class _LightningRecorder(L.Callback):
 
 def lightning_fit(make_opt, steps: int, batch: int, data: torch.Tensor, devices: int = 1, strategy: Any = "auto",
                   ckpt_path: str | None = None, record: Recorder | None = None,
-                  shuffled: bool = False) -> tuple[GptModule, L.Trainer]:
+                  shuffled: bool = False, plugins: list | None = None) -> tuple[GptModule, L.Trainer]:
     """``shuffled``: one process reads the batches in the order Lightning's DistributedSampler
     deals them to K ranks (one permutation, seed 0), so it sees the K ranks' batches together."""
     module = GptModule(make_opt)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
                         gradient_clip_val=CLIP, accumulate_grad_batches=ACCUM, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[_LightningRecorder(record)] if record else [])
+                        callbacks=[_LightningRecorder(record)] if record else [], plugins=plugins)
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, seed=0) if shuffled else None
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler), ckpt_path=ckpt_path)
     return module, trainer
