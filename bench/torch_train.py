@@ -221,69 +221,6 @@ def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: A
             "behind_retries": retries, "wrapped_step_ms": wrapped_s * 1e3, "wrapped_ratio": wrapped_s / ad}
 
 
-def prepare_time(cluster: Any, rounds: int = 5) -> dict[str, Any]:
-    """``accelerate.Accelerator.prepare(model, optimizer)`` on examples/char_gpt.py's model, median
-    ms over ``rounds``: plain AdamW; raftps sync on a new job and on one whose AdamW state is in
-    the store (after a step: prepare's load_state_dict(state_dict()) reads it once, writes
-    nothing); and what that load cost when it wrote (load_state_dict of a copy: one write)."""
-    import torch
-    from accelerate import Accelerator
-    import raftps.torch as rpt
-    sys.path.insert(0, EXAMPLES)
-    gpt = __import__("char_gpt")
-    sys.path.remove(EXAMPLES)
-    times: dict[str, list[float]] = {"plain": [], "raftps_new": [], "raftps_trained": [], "write_copy": []}
-    tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    for r in range(rounds):
-        torch.manual_seed(0)
-        model = gpt.GPT(len(gpt.VOCAB), 64, 4, 4, 160)
-        t0 = time.perf_counter()
-        Accelerator(cpu=True).prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        times["plain"].append(time.perf_counter() - t0)
-        with cluster.client() as client:
-            opt = rpt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, cluster=client,
-                                           mode="sync", prefix=f"bench-prepare-{tag}-{r}")
-            t0 = time.perf_counter()
-            Accelerator(cpu=True).prepare(model, opt)
-            times["raftps_new"].append(time.perf_counter() - t0)
-            for p in model.parameters():
-                p.grad = torch.randn_like(p) * 1e-3
-            opt.step()
-            t0 = time.perf_counter()
-            Accelerator(cpu=True).prepare(model, opt)
-            times["raftps_trained"].append(time.perf_counter() - t0)
-            copy_ = copy.deepcopy(opt.state_dict())
-            t0 = time.perf_counter()
-            opt.load_state_dict(copy_)
-            times["write_copy"].append(time.perf_counter() - t0)
-            _delete_prefix(client, f"bench-prepare-{tag}-{r}")
-    return {"param_mb": sum(p.numel() * 4 for p in model.parameters()) / 2**20, "rounds": rounds,
-            **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}}
-
-
-def prepare_report(result: dict[str, Any], meta: dict[str, Any], out: str) -> str:
-    """torch_prepare.md/.json: prepare_time's medians."""
-    r = result
-    md = "\n".join([
-        "# accelerate.Accelerator.prepare: raftps DistributedOptimizer against plain AdamW", "",
-        f"`{meta['command']}`, {meta['date']}, commit {meta['commit']}, {meta['machine']}, torch {meta['torch']}, "
-        f"1-minute load average {meta['loadavg_1m']} (the machine is shared). examples/char_gpt.py's model "
-        f"({r['param_mb']:.2f} MB of float32 parameters), `prepare(model, optimizer)` on CPU, a 3-node LocalCluster on "
-        f"this machine, medians of {r['rounds']} rounds.", "",
-        "| optimizer | prepare ms |", "|---|---|",
-        f"| torch.optim.AdamW | {r['plain_ms']:.1f} |",
-        f"| raftps sync, new job (empty AdamW state) | {r['raftps_new_ms']:.1f} |",
-        f"| raftps sync, AdamW state in the store (after a step) | {r['raftps_trained_ms']:.1f} |",
-        f"| (load_state_dict of a copy of that state: the write prepare no longer makes) | {r['write_copy_ms']:.1f} |",
-        ""])
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "torch_prepare.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, "torch_prepare.json"), "w") as f:
-        json.dump({"meta": meta, "result": r}, f, indent=1)
-    return md
-
-
 def _fmt(x: Any, digits: int = 2) -> str:
     if x is None:
         return "not reached"
@@ -424,28 +361,11 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
     return runs
 
 
-def measure_prepare(base_port: int, out: str) -> int:
-    """``python -m bench.torch_train --prepare``: prepare_time against a LocalCluster of its own."""
-    from raftps.localcluster import LocalCluster
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="raftps-prepare-bench-") as run_dir:
-        cluster = LocalCluster(run_dir, nodes=3, base_port=base_port + 460)
-        try:
-            cluster.start(timeout=60)
-            result = prepare_time(cluster)
-        finally:
-            cluster.wipe()
-    meta = {"command": "python -m bench.torch_train --prepare", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} cores", "loadavg_1m": round((load + os.getloadavg()[0]) / 2, 2),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     cwd=ROOT).stdout.strip(), "torch": __import__("torch").__version__}
-    print(prepare_report(result, meta, out))
-    return 0
-
-
 def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     """``python -m bench --parts torch``: writes its own files; no rows for results.md."""
     measure(run_dir, base_port, mode, out, command="python -m bench")
+    from . import torch_frameworks
+    torch_frameworks.measure(base_port, out, 60 if mode == "quick" else 200, command="python -m bench")
     return []
 
 
@@ -458,10 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-port", type=int, default=22000)
     ap.add_argument("--examples", help="comma list (default cnn_digits,char_gpt)")
     ap.add_argument("--settings", help=f"comma list of {[s[0] for s in SETTINGS]}")
-    ap.add_argument("--prepare", action="store_true", help="only Accelerate's prepare time (torch_prepare.md)")
     a = ap.parse_args(argv)
-    if a.prepare:
-        return measure_prepare(a.base_port, a.out)
     with tempfile.TemporaryDirectory(prefix="raftps-torch-bench-") as run_dir:
         measure(run_dir, a.base_port, "full" if a.full else "quick", a.out,
                 a.examples.split(",") if a.examples else None,

@@ -11,27 +11,36 @@ the Trainer's own.
 """
 from __future__ import annotations
 
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from raftps.torch.hf import without_ddp
-from tiny_gpt import Windows, optimizer, parse_args, tiny_gpt, write_summary
+from tiny_gpt import StepClock, Windows, optimizer, parse_args, tiny_gpt, write_summary
+
+
+class Clock(TrainerCallback):
+    def __init__(self) -> None:
+        self.clock = StepClock()
+
+    def on_step_end(self, *args, **kwargs) -> None:
+        self.clock.tick()
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    model = tiny_gpt()
+    model, clock = tiny_gpt(args), Clock()
     opt = optimizer(args, model, "hf-trainer")
     training = TrainingArguments(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch,
                                  max_grad_norm=args.clip, lr_scheduler_type="cosine", warmup_steps=args.steps // 10,
                                  use_cpu=True, report_to=[], save_strategy="no", logging_steps=10,
                                  disable_tqdm=True)
     trainer = Trainer(model=model, args=training, train_dataset=Windows(args.steps * args.batch * training.world_size),
-                      eval_dataset=Windows(64, validation=True), optimizers=(opt, None))
-    without_ddp(trainer)
+                      eval_dataset=Windows(64, validation=True), optimizers=(opt, None), callbacks=[clock])
+    if args.backend == "raftps":
+        without_ddp(trainer)
     trainer.train()
     val_loss = trainer.evaluate()["eval_loss"]      # every rank its share, gathered: the Trainer's own
     if trainer.is_world_process_zero():
-        write_summary(args, val_loss=val_loss)
+        write_summary(args, val_loss=val_loss, steps_per_s=clock.clock.steady_rate())
 
 
 if __name__ == "__main__":

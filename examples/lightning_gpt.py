@@ -15,13 +15,21 @@ import torch
 import lightning as L
 
 from raftps.torch.lightning import RaftpsStrategy
-from tiny_gpt import Windows, optimizer, parse_args, tiny_gpt, write_summary
+from tiny_gpt import StepClock, Windows, optimizer, parse_args, tiny_gpt, write_summary
+
+
+class Clock(L.Callback):
+    def __init__(self) -> None:
+        self.clock = StepClock()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.clock.tick()
 
 
 class CharGPT(L.LightningModule):
     def __init__(self, args):
         super().__init__()
-        self.args, self.model = args, tiny_gpt()
+        self.args, self.model = args, tiny_gpt(args)
 
     def training_step(self, batch: dict, index: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -37,15 +45,16 @@ class CharGPT(L.LightningModule):
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    module = CharGPT(args)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=RaftpsStrategy(), max_steps=args.steps,
+    module, clock = CharGPT(args), Clock()
+    strategy = RaftpsStrategy() if args.backend == "raftps" else ("ddp" if world > 1 else "auto")
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
                         gradient_clip_val=args.clip, default_root_dir=args.out, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
     trainer.fit(module, torch.utils.data.DataLoader(Windows(args.steps * args.batch * world), batch_size=args.batch))
     if trainer.is_global_zero:                      # rank 0 evaluates and writes, as Lightning itself does
         with torch.no_grad():
             batch = torch.utils.data.default_collate([Windows(64, validation=True)[i] for i in range(64)])
-            write_summary(args, val_loss=module.model(**batch).loss.item())
+            write_summary(args, val_loss=module.model(**batch).loss.item(), steps_per_s=clock.clock.steady_rate())
 
 
 if __name__ == "__main__":

@@ -56,6 +56,28 @@ def state_diff(a: dict, b: dict) -> float:
                for i in a["state"] for k in a["state"][i])
 
 
+def overflowing(make_opt, at_backward: int = 3):
+    """``make_opt``, with the model's final LayerNorm weight given an infinite gradient in its
+    ``at_backward``-th backward pass (the first micro-batch of step 2): GradScaler skips that step."""
+    def make(model):
+        weight = next(p for n, p in model.named_parameters() if n.endswith("ln_f.weight"))
+        calls = [0]
+
+        def hook(grad):
+            calls[0] += 1
+            return torch.full_like(grad, float("inf")) if calls[0] == at_backward else grad
+        weight.register_hook(hook)
+        return make_opt(model)
+    return make
+
+
+def give_a_cpu_scaler(accelerator, *_):
+    """Accelerate builds its fp16 GradScaler on a GPU only; on this CPU the test hands it torch's
+    CPU GradScaler, which its AcceleratedOptimizer then uses as on a GPU. (Its clip_grad_norm_
+    unscales first only with a scaler of its own: runs with this one do not clip.)"""
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+
+
 # ---- Lightning ---------------------------------------------------------------------------------
 
 class GptModule(L.LightningModule):
@@ -122,11 +144,12 @@ class _HfRecorder(TrainerCallback):
 
 def hf_train(make_opt, steps: int, batch: int, data: torch.Tensor, out_dir: str, resume: str | None = None,
              save_steps: int | None = None, record: Recorder | None = None,
-             prepare: Callable[[Trainer], Any] | None = None) -> tuple[GPT2LMHeadModel, Trainer]:
+             prepare: Callable[[Trainer], Any] | None = None, clip: float | None = CLIP,
+             ) -> tuple[GPT2LMHeadModel, Trainer]:
     model = tiny_gpt()
     opt = make_opt(model)
     args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=ACCUM, max_grad_norm=CLIP, lr_scheduler_type="linear",
+                             gradient_accumulation_steps=ACCUM, max_grad_norm=clip or 0.0, lr_scheduler_type="linear",
                              warmup_steps=WARMUP, use_cpu=True, report_to=[], logging_strategy="no",
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                              disable_tqdm=True, seed=0)
@@ -143,9 +166,9 @@ def hf_train(make_opt, steps: int, batch: int, data: torch.Tensor, out_dir: str,
 def accelerate_train(make_opt, steps: int, batch: int, data: torch.Tensor, save_dir: str | None = None,
                      load_dir: str | None = None, record: Recorder | None = None,
                      prepare: Callable[[Accelerator, torch.optim.Optimizer], Any] | None = None,
-                     ) -> tuple[torch.nn.Module, Any, Accelerator]:
-    """``steps`` optimizer steps of ``ACCUM`` micro-batches each, clipped, with a per-step
-    LambdaLR; resumes from ``load_dir`` (accelerator.load_state) and saves to ``save_dir``."""
+                     clip: float | None = CLIP) -> tuple[torch.nn.Module, Any, Accelerator]:
+    """``steps`` optimizer steps of ``ACCUM`` micro-batches each, clipped at ``clip``, with a
+    per-step LambdaLR; resumes from ``load_dir`` (accelerator.load_state) and saves to ``save_dir``."""
     model = tiny_gpt()
     opt = make_opt(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -165,8 +188,8 @@ def accelerate_train(make_opt, steps: int, batch: int, data: torch.Tensor, save_
     for x in loader:
         with accelerator.accumulate(model):
             accelerator.backward(model(input_ids=x, labels=x).loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            if accelerator.sync_gradients and clip is not None:
+                accelerator.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             sched.step()
             opt.zero_grad()

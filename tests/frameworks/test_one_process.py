@@ -16,8 +16,8 @@ pytest.importorskip("accelerate")
 import raftps.torch as rpt  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
-from tests.frameworks.common import (accelerate_train, adamw, hf_train, lightning_fit, max_diff,  # noqa: E402
-                                     state_diff, tiny_gpt, token_data)
+from tests.frameworks.common import (accelerate_train, adamw, give_a_cpu_scaler, hf_train,  # noqa: E402
+                                     lightning_fit, max_diff, overflowing, state_diff, tiny_gpt, token_data)
 
 BASE_PORT = 24100
 STEPS, MORE, BATCH = 20, 6, 4
@@ -143,27 +143,6 @@ def test_accelerate_prepare_reads_the_state_once_and_writes_nothing(cluster):
     opt.close()
 
 
-def overflowing(make_opt, at_backward: int = 3):
-    """``make_opt``, with the model's final LayerNorm weight given an infinite gradient in its
-    ``at_backward``-th backward pass (the first micro-batch of step 2): GradScaler skips that step."""
-    def make(model):
-        weight = next(p for n, p in model.named_parameters() if n.endswith("ln_f.weight"))
-        calls = [0]
-
-        def hook(grad):
-            calls[0] += 1
-            return torch.full_like(grad, float("inf")) if calls[0] == at_backward else grad
-        weight.register_hook(hook)
-        return make_opt(model)
-    return make
-
-
-def give_a_cpu_scaler(accelerator, *_):
-    """Accelerate builds its fp16 GradScaler on a GPU only; on this CPU the test hands it torch's
-    CPU GradScaler, which its AcceleratedOptimizer then uses as on a GPU."""
-    accelerator.scaler = torch.amp.GradScaler("cpu")
-
-
 SKIP_STEPS = 4
 
 
@@ -183,12 +162,12 @@ def test_a_step_gradscaler_skips_changes_nothing_in_the_store(cluster, framework
     elif framework == "hf":
         (want, want_trainer), (got, got_trainer) = [
             hf_train(overflowing(make), SKIP_STEPS, BATCH, data, str(tmp_path / name),
-                     prepare=lambda trainer: give_a_cpu_scaler(trainer.accelerator))
+                     prepare=lambda trainer: give_a_cpu_scaler(trainer.accelerator), clip=None)
             for make, name in ((adamw, "want"), (on_raftps(cluster, "skip-hf"), "got"))]
         want_opt, got_opt = want_trainer.optimizer, got_trainer.optimizer
     else:
         (want, want_opt, _), (got, got_opt, _) = [
-            accelerate_train(overflowing(make), SKIP_STEPS, BATCH, data, prepare=give_a_cpu_scaler)
+            accelerate_train(overflowing(make), SKIP_STEPS, BATCH, data, prepare=give_a_cpu_scaler, clip=None)
             for make in (adamw, on_raftps(cluster, "skip-acc"))]
     assert want_opt.state_dict()["state"][0]["step"].item() == SKIP_STEPS - 1      # torch skipped one step
     assert got_opt.state_dict()["state"][0]["step"].item() == SKIP_STEPS - 1      # so did the store

@@ -19,8 +19,8 @@ pytest.importorskip("accelerate")
 from raftps.chaos.torchrun import TorchrunJob  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
-from tests.frameworks.common import (accelerate_train, adamw, flat, hf_train, lightning_fit, tiny_gpt,  # noqa: E402
-                                     token_data)
+from tests.frameworks.common import (accelerate_train, adamw, flat, give_a_cpu_scaler, hf_train,  # noqa: E402
+                                     lightning_fit, overflowing, tiny_gpt, token_data)
 from tests.frameworks.worker import BATCH, STEPS, SYNC_EVERY  # noqa: E402
 
 BASE_PORT = 24200
@@ -42,6 +42,8 @@ def job(tmp_path_factory):
         assert code == 0, f"torchrun exited with {code}:\n{log[-4000:]}"
         records = {(f, m, r): torch.load(tmp / f"{f}-{m}-rank{r}.pt", weights_only=True)
                    for f in FRAMEWORKS for m in ("sync", "diloco") for r in range(WORLD)}
+        records.update({("accelerate", "skip", r): torch.load(tmp / f"accelerate-skip-rank{r}.pt", weights_only=True)
+                        for r in range(WORLD)})
         yield cluster, records
     finally:
         if run is not None:
@@ -88,3 +90,17 @@ def test_diloco_ranks_drift_between_rounds_and_meet_at_each(job, framework):
         tensors, _ = c.pull([f"{framework}-diloco/{n}" for n in names])
     stored = torch.cat([torch.from_numpy(tensors[f"{framework}-diloco/{n}"]).flatten() for n in names])
     assert (stored - rank0[-1]).abs().max().item() == 0.0
+
+
+def test_a_step_every_rank_skips_changes_nothing_on_any_rank(job):
+    """Accelerate, sync, each rank's GradScaler skipping step 2: both ranks' parameters stay as
+    they were through step 2, and the run equals one process skipping the same step."""
+    steps: list[torch.Tensor] = []
+    accelerate_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(),
+                     record=lambda model: steps.append(flat(model)), prepare=give_a_cpu_scaler, clip=None)
+    want = torch.stack(steps)
+    assert torch.equal(want[1], want[0]) and not torch.equal(want[2], want[1])    # torch skipped step 2 only
+    for rank in range(WORLD):
+        got = job[1][("accelerate", "skip", rank)]
+        assert torch.equal(got[1], got[0]), rank                                   # nothing from the store
+        assert (got - want).abs().max().item() < 1e-5, (rank, (got - want).abs().max(dim=1).values)

@@ -1,7 +1,8 @@
 """One rank of test_workers.py's torchrun job: Lightning (RaftpsStrategy), the HF Trainer and
 Accelerate (raftps.torch.hf.without_ddp), each in sync and in diloco mode, one after the other
 in this process. After every optimizer step the model's parameters are recorded; each run's
-record goes to OUT/<framework>-<mode>-rank<R>.pt (a tensor: one row per step).
+record goes to OUT/<framework>-<mode>-rank<R>.pt (a tensor: one row per step). Then Accelerate in
+sync mode with a GradScaler that skips step 2 on every rank: OUT/accelerate-skip-rank<R>.pt.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/frameworks/worker.py OUT
 """
@@ -17,7 +18,8 @@ import torch  # noqa: E402
 import raftps.torch as rpt  # noqa: E402
 from raftps.torch.hf import without_ddp  # noqa: E402
 from raftps.torch.lightning import RaftpsStrategy  # noqa: E402
-from tests.frameworks.common import accelerate_train, adamw, flat, hf_train, lightning_fit, token_data  # noqa: E402
+from tests.frameworks.common import (accelerate_train, adamw, flat, give_a_cpu_scaler, hf_train,  # noqa: E402
+                                     lightning_fit, overflowing, token_data)
 
 STEPS, SYNC_EVERY, BATCH = 6, 3, 4       # BATCH: each rank's (Lightning, Trainer); Accelerate splits 2 * BATCH
 MODES = {"sync": {}, "diloco": {"sync_every": SYNC_EVERY}}
@@ -41,6 +43,17 @@ def main(out: str) -> None:
             else:
                 accelerate_train(opt_for, STEPS, world * BATCH, data, record=record, prepare=without_ddp)
             torch.save(torch.stack(steps), os.path.join(out, f"{prefix}-rank{rank}.pt"))
+    # every rank's GradScaler finds an infinite gradient in step 2 (as DDP's ranks all would) and skips it
+    steps = []
+
+    def scaled_without_ddp(accelerator, opt):
+        give_a_cpu_scaler(accelerator)
+        without_ddp(accelerator, opt)
+    accelerate_train(overflowing(lambda model: rpt.DistributedOptimizer(adamw(model), model=model, mode="sync",
+                                                                        prefix="accelerate-skip")),
+                     STEPS, world * BATCH, data, record=lambda model: steps.append(flat(model)),
+                     prepare=scaled_without_ddp, clip=None)
+    torch.save(torch.stack(steps), os.path.join(out, f"accelerate-skip-rank{rank}.pt"))
 
 
 if __name__ == "__main__":
