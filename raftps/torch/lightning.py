@@ -64,7 +64,9 @@ class RaftpsStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        self.precision_plugin.clip_grad_by_norm = _clip_through_optimizer(self.precision_plugin.clip_grad_by_norm)
+        plugin = self.precision_plugin
+        if "clip_grad_by_norm" not in vars(plugin):      # once per plugin, however many fits
+            plugin.clip_grad_by_norm = _clip_through_optimizer(plugin.clip_grad_by_norm)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass                             # no process group: ranks meet in the store's sync steps only

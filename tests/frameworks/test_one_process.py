@@ -176,3 +176,23 @@ def test_a_step_gradscaler_skips_changes_nothing_in_the_store(cluster, framework
     # step 2 with or without a skipped step; the others keep float32 here
     tolerance = 1e-3 if framework == "lightning" else TOLERANCE
     assert max_diff(got, want) < tolerance and max_diff(want, tiny_gpt()) > 0
+
+
+def test_the_pieces_refuse_what_would_train_unsynchronised_models(cluster):
+    """RaftpsStrategy and without_ddp refuse a plain torch optimizer (K unrelated models) and a
+    DistributedOptimizer whose world size is not the launcher's, naming the problem."""
+    from accelerate import Accelerator
+    from raftps.torch.hf import without_ddp
+    from raftps.torch.lightning import RaftpsStrategy
+    with pytest.raises(ValueError, match="RaftpsStrategy needs raftps DistributedOptimizers, got AdamW"):
+        lightning_fit(adamw, 1, BATCH, token_data(), strategy=RaftpsStrategy())
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="without_ddp needs the raftps DistributedOptimizer"):
+        without_ddp(Accelerator(cpu=True), adamw(model))
+    with pytest.raises(TypeError, match="takes a transformers.Trainer or an accelerate.Accelerator, got GPT2LMHeadModel"):
+        without_ddp(model)
+    opt = rpt.DistributedOptimizer(adamw(model), model=model, cluster=cluster.client(), mode="async",
+                                   prefix="refusals", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="world_size 2 but the launcher started 1 processes"):
+        without_ddp(Accelerator(cpu=True), opt)
+    opt.close()
