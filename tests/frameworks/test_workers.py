@@ -44,7 +44,9 @@ def job(tmp_path_factory):
                    for f in FRAMEWORKS for m in ("sync", "diloco") for r in range(WORLD)}
         records.update({("accelerate", "skip", r): torch.load(tmp / f"accelerate-skip-rank{r}.pt", weights_only=True)
                         for r in range(WORLD)})
-        yield cluster, records
+        checkpoints = {"lightning": torch.load(tmp / "lightning-sync.ckpt", weights_only=True)["optimizer_states"][0],
+                       "hf": torch.load(tmp / "hf-sync" / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)}
+        yield cluster, records, checkpoints
     finally:
         if run is not None:
             run.stop()
@@ -66,18 +68,22 @@ def one_process(framework: str, tmp_path) -> torch.Tensor:
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_sync_ranks_equal_one_process_on_the_full_batch(job, framework, tmp_path):
-    _, records = job
+    _, records, checkpoints = job
     want = one_process(framework, tmp_path)
     assert (want[-1] - flat(tiny_gpt())).abs().max() > 1e-3           # it trained
     for rank in range(WORLD):
         got = records[(framework, "sync", rank)]
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 1e-5, (framework, rank, (got - want).abs().max(dim=1).values)
+    if framework in checkpoints:       # the framework's own checkpoint holds the store's AdamW state
+        saved = checkpoints[framework]
+        assert sorted(saved["state"]) == list(range(len(list(tiny_gpt().parameters()))))
+        assert all(entry["step"].item() == STEPS for entry in saved["state"].values())
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_diloco_ranks_drift_between_rounds_and_meet_at_each(job, framework):
-    cluster, records = job
+    cluster, records, _ = job
     rank0, rank1 = records[(framework, "diloco", 0)], records[(framework, "diloco", 1)]
     apart = (rank0 - rank1).abs().max(dim=1).values                     # by step, 1-based: apart[s - 1]
     for step in range(SYNC_EVERY, STEPS + 1, SYNC_EVERY):

@@ -36,10 +36,15 @@ def main(out: str) -> None:
             record = lambda model: steps.append(flat(model))                       # noqa: E731
             prefix = f"{framework}-{mode}"
             opt_for = lambda model: make_opt(model, prefix)                         # noqa: E731, B023
+            save = mode == "sync"          # the framework's checkpoint (written by rank 0, as it does)
             if framework == "lightning":
-                lightning_fit(opt_for, STEPS, BATCH, data, devices=world, strategy=RaftpsStrategy(), record=record)
+                _, trainer = lightning_fit(opt_for, STEPS, BATCH, data, devices=world, strategy=RaftpsStrategy(),
+                                           record=record)
+                if save:
+                    trainer.save_checkpoint(os.path.join(out, "lightning-sync.ckpt"))
             elif framework == "hf":
-                hf_train(opt_for, STEPS, BATCH, data, os.path.join(out, prefix), record=record, prepare=without_ddp)
+                hf_train(opt_for, STEPS, BATCH, data, os.path.join(out, prefix), record=record, prepare=without_ddp,
+                         save_steps=STEPS if save else None)
             else:
                 accelerate_train(opt_for, STEPS, world * BATCH, data, record=record, prepare=without_ddp)
             torch.save(torch.stack(steps), os.path.join(out, f"{prefix}-rank{rank}.pt"))
