@@ -17,7 +17,7 @@ from raftps.chaos.torchrun import TorchrunJob  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
 
-BASE_PORT = 24000
+BASE_PORT = 25000
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -19,7 +19,7 @@ from tests.conftest import start_cluster  # noqa: E402
 from tests.frameworks.common import (accelerate_train, adamw, give_a_cpu_scaler, hf_train,  # noqa: E402
                                      lightning_fit, max_diff, overflowing, state_diff, tiny_gpt, token_data)
 
-BASE_PORT = 24100
+BASE_PORT = 25400
 STEPS, MORE, BATCH = 20, 6, 4
 TOLERANCE = 1e-5
 

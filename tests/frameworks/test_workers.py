@@ -23,7 +23,7 @@ from tests.frameworks.common import (accelerate_train, adamw, flat, give_a_cpu_s
                                      lightning_fit, overflowing, tiny_gpt, token_data)
 from tests.frameworks.worker import BATCH, STEPS, SYNC_EVERY  # noqa: E402
 
-BASE_PORT = 24200
+BASE_PORT = 24600
 WORLD = 2
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 FRAMEWORKS = ("lightning", "hf", "accelerate")
