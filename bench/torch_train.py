@@ -364,6 +364,8 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[st
 def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     """``python -m bench --parts torch``: writes its own files; no rows for results.md."""
     measure(run_dir, base_port, mode, out, command="python -m bench")
+    from . import torch_frameworks
+    torch_frameworks.measure(base_port, out, 60 if mode == "quick" else 200, command="python -m bench")
     return []
 
 

@@ -17,6 +17,7 @@ from .. import optim
 from ..client import Client
 from . import optimizers
 from .diloco import DilocoWorker
+from .state_marks import exported_mark, mark_unchanged
 from .worker import MODES as STORE_MODES, STORED_AS, Worker
 
 DEFAULT_SPEC = {"name": "sgd", "lr": 0.01}
@@ -88,13 +89,17 @@ class _Distributed:
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": states, "param_groups": groups}
+        produced = {"state": states, "param_groups": groups}
+        self._raftps_exported = exported_mark(produced, exported, self._raftps.params)
+        return produced
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Seed the store from a torch state_dict of this class: every parameter's optimizer state
         and the model's current parameter values, in one write per Raft group; the groups'
         hyperparameters (lr, ...) are taken as torch does. Refused before any write if the groups,
-        the parameter count or a shape differ."""
+        the parameter count or a shape differ. The state_dict this optimizer's ``state_dict()``
+        just returned, loaded unchanged while neither the store nor the model moved, writes
+        nothing (it is what the store holds): Accelerate's ``prepare`` does that."""
         if self._raftps_local:
             return super().load_state_dict(state_dict)   # type: ignore[misc]
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
@@ -120,7 +125,12 @@ class _Distributed:
                                                          f"parameter {index} ({name})")
                 values[name] = slot.tensor.detach().to(device="cpu", dtype=torch.from_numpy(like).dtype).numpy()
                 index += 1
-        self._raftps.client.assign_state(values, states)
+        # load_state_dict(state_dict()) (Accelerate does it when it prepares the optimizer) would
+        # rewrite what the store holds: skipped when nothing moved since (mark_unchanged says what)
+        if not mark_unchanged(getattr(self, "_raftps_exported", None), state_dict, self._raftps.params,
+                              lambda: self._raftps.client.tensors(self._raftps.prefix + "/")):
+            self._raftps.client.assign_state(values, states)
+        self._raftps_exported = None
         for group, mine in zip(saved, self.param_groups):
             mine.update({k: v for k, v in group.items() if k != "params"})
 
