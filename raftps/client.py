@@ -61,7 +61,7 @@ class Client:
         self._router = Router(addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
         # push_async: up to max_in_flight pushes on their way at once
         self._pipeline = Pipeline(max_in_flight, lambda: self._new_transport())
-        self._steps = JobSteps(self._router, self._write, self._request, self._lock)
+        self._steps = JobSteps(self._router, self._write, self._request, self._lock, self._pipeline.submit)
 
     def _new_transport(self) -> Transport:
         return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
@@ -96,8 +96,12 @@ class Client:
         """Send to Raft group ``raft_group``'s members until a definite reply (router.py)."""
         return self._router.request(message, to_leader, attempt_timeout, raft_group, timeout)
 
-    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, **fields: Any) -> dict:
-        """One write; ``waits``: seconds the node may hold it before answering (push_step)."""
+    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, call: Callable[[str, dict, float], dict] | None = None,
+               **fields: Any) -> dict:
+        """One write; ``waits``: seconds the node may hold it before answering (push_step);
+        ``call``: a push_async lane's transport (its own connections, so no need of the lock)."""
+        if call is not None:
+            return self._send_write(op, raft_group, fields, waits, call=call)
         with self._lock:
             return self._send_write(op, raft_group, fields, waits)
 
@@ -281,7 +285,8 @@ class Client:
         as its entry left them, read on the leader right after the apply, so no pull is needed (a
         reply without them, e.g. to a contribution sent again, means: pull). Exactly-once: a
         contribution in flight when the leader died is sent again to the new leader with the same
-        seq. With several Raft groups, each group's part in turn.
+        seq. With several Raft groups, every group's part at once, each on connections of its own
+        (push_async's lanes), so that the parts cross the links to the groups' leaders together.
 
         ``hyper``: as push's, and every contribution to a step must carry the same (else refused).
         ``clip_norm``: the leader scales the step's mean gradient to at most this L2 norm, as

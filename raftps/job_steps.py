@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import numpy as np
@@ -20,11 +21,15 @@ from .router import Router
 class JobSteps:
     """``write(op, raft_group, waits=..., **fields)``: one exactly-once write (Client._write);
     ``request(message, attempt_timeout=..., raft_group=...)``: one read until a definite reply
-    (Client._request), sent holding ``lock``."""
+    (Client._request), sent holding ``lock``; ``submit(send)``: runs ``send(call)`` on a thread
+    with connections of its own (Client's push_async lanes), so that a step's parts in several
+    Raft groups are on their way at once: with the groups' leaders on different hosts, a step's
+    contributions (and its answers) cross G leaders' links together instead of one after another."""
 
     def __init__(self, router: Router, write: Callable[..., dict], request: Callable[..., dict],
-                 lock: threading.RLock):
+                 lock: threading.RLock, submit: Callable[[Callable[[Any], dict]], "Future[dict]"]):
         self._router, self._write, self._request, self._lock = router, write, request, lock
+        self._submit = submit
         self._raft_groups: dict[str, set[int]] = {}     # job -> Raft groups this client contributed to
 
     def contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
@@ -41,13 +46,14 @@ class JobSteps:
         if self._router.groups() == 1:
             return self._write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
 
-        def write(g: int, part: dict) -> dict:
+        def write(g: int, part: dict, call: Any) -> dict:
             mine = {key: {k: v for k, v in by_name.items() if k in part} for key, by_name in per_tensor.items()}
-            return self._write(op, g, waits=waits, tensors=part, **fields, **{k: v for k, v in mine.items() if v})
+            return self._write(op, g, waits=waits, call=call, tensors=part, **fields,
+                               **{k: v for k, v in mine.items() if v})
         parts = self._router.split(grads)
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
-        result = self._router.each_group(write, parts)
+        result = self._router.each_group_at_once(write, parts, self._submit)
         sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         sent.update(result["version"])
         return result

@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -222,13 +223,31 @@ class Router:
         placement and sent there; one that names a tensor being moved (Moving) is sent again after
         a pause, until the client's timeout. Either refusal means nothing of that part was applied,
         so sending it again (with a new seq) applies it once."""
+        return merge(self._replies(write, parts))
+
+    def each_group_at_once(self, write: Callable[[int, Any, Call], dict], parts: dict[int, Any],
+                           submit: Callable[[Callable[[Call], dict]], "Future[dict]"]) -> dict:
+        """As each_group, but every group's part on its way at once: ``submit(send)`` runs
+        ``send(call)`` on a thread with connections of its own (Client's push_async lanes), and
+        ``write(group, part, call)`` sends one part over them. A part re-routed by a move goes on
+        in its thread. One reply, merged in group order, as each_group's."""
+        futures = [submit(lambda call, g=g, part=part: self._replies(lambda g2, p2: write(g2, p2, call), {g: part}))
+                   for g, part in parts.items()]
+        replies: dict[int, dict] = {}
+        wait(futures)                   # every part's outcome, before any error is raised
+        for future in futures:
+            for g, reply in future.result().items():
+                replies[g] = _merge_same_group(replies[g], reply) if g in replies else reply
+        return merge(dict(sorted(replies.items())))
+
+    def _replies(self, write: Any, parts: dict[int, Any]) -> dict[int, dict]:
         replies: dict[int, dict] = {}
         queue = list(parts.items())
         deadline = time.monotonic() + self.timeout
         pause = 0.02
         for _ in range(10_000):             # bounded: each turn sends one part (or waits, bounded by time)
             if not queue:
-                return merge(replies)
+                return replies
             g, part = queue.pop(0)
             try:
                 reply = write(g, part)
