@@ -30,7 +30,7 @@ from .deprecated import renamed_keyword
 from .errors import ProtocolError, RaftpsError
 from .job_steps import JobSteps
 from .pipeline import Pipeline
-from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
+from .router import Call, Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
 from .session import Session
 from .tensor_move import Mover
@@ -96,10 +96,9 @@ class Client:
         """Send to Raft group ``raft_group``'s members until a definite reply (router.py)."""
         return self._router.request(message, to_leader, attempt_timeout, raft_group, timeout)
 
-    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, call: Callable[[str, dict, float], dict] | None = None,
-               **fields: Any) -> dict:
+    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, call: Call | None = None, **fields: Any) -> dict:
         """One write; ``waits``: seconds the node may hold it before answering (push_step);
-        ``call``: a push_async lane's transport (its own connections, so no need of the lock)."""
+        ``call``: a push_async lane's transport (connections of its own: no need of the lock)."""
         if call is not None:
             return self._send_write(op, raft_group, fields, waits, call=call)
         with self._lock:
