@@ -71,13 +71,15 @@ def phases(samples: list, t0: float, t1: float, hosts: dict[str, list[int]]) -> 
 
 
 def balanced_leaders(cluster, groups: int, timeout: float = 60.0) -> dict[int, int]:
-    """{group: leading node}, once the groups' leaders sit on as many hosts as they can (the
-    nodes' leader balancing, replica/upkeep.py), or as they are after ``timeout`` s."""
+    """{group: leading node}, once every group is led by its preferred node (node g % N + 1, so
+    that with G = N every node leads one group), or as they are after ``timeout`` s. The nodes
+    hand leadership over to it every 5 s (replica/upkeep.py); a hand-over during the timed steps
+    costs every rank a part sent to the old leader whole and sent again."""
+    want = {g: g % cluster.nodes + 1 for g in range(groups)}
     deadline = time.monotonic() + timeout
     while True:
         leaders = {g: cluster.leader(g) for g in range(groups)}
-        hosts = {n for n in leaders.values() if n is not None}
-        if len(hosts) == min(groups, cluster.nodes) and None not in leaders.values() or time.monotonic() > deadline:
+        if leaders == want or time.monotonic() > deadline:
             return leaders
         time.sleep(0.5)
 
@@ -175,7 +177,8 @@ def report(record: dict) -> str:
     for name, r in record["runs"].items():
         lines += ["", f"## {name}", ""]
         for rank, rep in enumerate(r["reports"]):
-            lines.append(f"- rank {rank}: " + (f"ok in {rep['seconds']:.1f} s" if rep["ok"] else f"failed: {rep['error']}"))
+            lines.append(f"- rank {rank}: " + (f"ok in {rep['seconds']:.1f} s, {rep.get('tcp_retransmits', '?')} TCP "
+                                               "segments sent again on its host" if rep["ok"] else f"failed: {rep['error']}"))
         lines += ["", "Bytes on each host's link over this configuration (MB sent / received):", "",
                   "| host | sent | received |", "|---|---|---|"]
         lines += [f"| {h} | {s / MB:.2f} | {v / MB:.2f} |" for h, (s, v) in r["bytes"].items()]

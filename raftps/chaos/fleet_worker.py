@@ -42,6 +42,13 @@ def model(nbytes: int) -> dict[str, np.ndarray]:
     return {"w": np.linspace(-1, 1, n - n // 8, dtype=np.float32), "b": np.zeros(n // 8, np.float32)}
 
 
+def tcp_retransmits() -> int:
+    """Segments this host's TCP sent again (its network namespace's /proc/net/snmp)."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
+
+
 def balanced_model(nbytes: int, prefix: str, groups: int, per_group: int = 4) -> dict[str, np.ndarray]:
     """``per_group`` float32 tensors of equal size in each of ``groups`` Raft groups, ``nbytes``
     in all: names picked so that every group holds the same bytes (what a placement that
@@ -133,8 +140,10 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    retransmits = tcp_retransmits()
     try:
         out = main()
+        out["tcp_retransmits"] = tcp_retransmits() - retransmits
     except Exception as exc:        # reported to the test, which names the rank
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(out), flush=True)
