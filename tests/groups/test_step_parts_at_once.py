@@ -16,6 +16,7 @@ from raftps.groups import group_of
 from raftps.localcluster import LocalCluster
 from raftps.transport import TcpTransport
 
+from tests.conftest import start_cluster
 from tests.groups.test_groups_cluster import wait_identical
 
 SGD = {"name": "sgd", "lr": 0.5}
@@ -25,11 +26,9 @@ K = 3
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cl = LocalCluster(str(tmp_path_factory.mktemp("parts3")), nodes=3, base_port=29460, groups=3)
-    cl.start(timeout=60.0)
+    cl = start_cluster(tmp_path_factory.mktemp("parts3"), 29460, groups=3)
     yield cl
-    cl.stop()
-    cl.drop_payloads()
+    cl.wipe()
 
 
 def gradients(rank: int, step: int) -> dict[str, np.ndarray]:
