@@ -1,7 +1,7 @@
 """Where a synchronous step's bytes and time go on a fleet of shaped links (raftps.chaos.fleet).
 
     python -m bench.fleet_step [--link 100mbit] [--workers 4] [--mb 5.1] [--steps 5] [--mode sync-pull]
-                               [--groups 1] [--parts both] [--wire fp32] [--ddp]
+                               [--groups 1] [--parts both] [--answers leader] [--wire fp32] [--ddp]
                                [--out bench/results] [--name fleet_step]
 
 3 store hosts and ``--workers`` worker hosts, one rank each (raftps.chaos.fleet_worker), every
@@ -18,7 +18,8 @@ without pull (``--steps 0``: rank 0 creates, the others wait for its tensors, an
 into tensors of equal bytes per group) and waits until their leaders sit on different hosts;
 ``--parts``: a step's parts go to the groups' leaders at once (the client's lanes), in turn (one
 lane: push_step before its parts went at once), or both, one after the other on the same fleet.
-``--wire fp16``: gradients as fp16 (and DDP's all-reduce of fp16). ``--ddp``: then the DDP
+``--answers spread``: each rank reads the step's tensors from member rank mod 3 (push_step's
+``spread_answers``), ``both``: leader's answers, then spread. ``--wire fp16``: gradients as fp16 (and DDP's all-reduce of fp16). ``--ddp``: then the DDP
 baseline on the same fleet, in the same run: gloo all-reduces of the same bytes among the worker
 hosts, as DDP does with a step's gradients (one bucket). Steps/s counts steps 1..end.
 Writes NAME.md and NAME.json in --out.
@@ -85,7 +86,7 @@ def balanced_leaders(cluster, groups: int, timeout: float = 60.0) -> dict[int, i
 
 
 def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, prefix: str, lanes: int,
-              env: dict, samples: list, hosts: dict | None) -> dict:
+              env: dict, samples: list, hosts: dict | None, answers: str = "leader") -> dict:
     """One configuration: ``--workers`` ranks of fleet_worker MODE, one per worker host; their
     reports, the bytes per host, and per step after the first its seconds (and phases when
     ``hosts`` names the one leader's)."""
@@ -93,7 +94,7 @@ def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, p
     t_start = time.time()
     procs = [fleet.start_worker(r + 1, [sys.executable, "-m", "raftps.chaos.fleet_worker", mode, address, prefix,
                                         str(r), str(workers), str(int(args.mb * MB)), str(args.steps),
-                                        str(args.timeout), str(lanes), args.wire], env=env, log=subprocess.PIPE)
+                                        str(args.timeout), str(lanes), args.wire, answers], env=env, log=subprocess.PIPE)
              for r in range(workers)]
     reports = []
     for p in procs:
@@ -103,7 +104,7 @@ def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, p
                        {"ok": False, "error": "\n".join(lines[-5:])})
     time.sleep(2 * SAMPLE)
     first, last = at(samples, t_start), samples[-1][1]
-    out: dict = {"mode": mode, "lanes": lanes, "reports": reports,
+    out: dict = {"mode": mode, "lanes": lanes, "answers": answers, "reports": reports,
                  "bytes": {h: [last[h][0] - first[h][0], last[h][1] - first[h][1]] for h in sorted(last)}}
     if not all(r["ok"] and "times" in r for r in reports) or args.steps < 2:
         return out
@@ -143,11 +144,14 @@ def run(args: argparse.Namespace) -> dict:
         configs = [("one Raft group", 16)] if args.groups == 1 else \
             [("parts at once", 16), ("parts in turn", 1)] if args.parts == "both" else \
             [("parts in turn", 1)] if args.parts == "in-turn" else [("parts at once", 16)]
+        answers = ["leader", "spread"] if args.answers == "both" else [args.answers]
+        configs = [(name + (", answers from member rank mod 3" if a == "spread" else ""), lanes, a)
+                   for name, lanes in configs for a in answers]
         runs = {}
         try:
-            for i, (name, lanes) in enumerate(configs):
+            for i, (name, lanes, a) in enumerate(configs):
                 runs[name] = run_ranks(fleet, args, args.mode, cluster.addresses, f"bench{i}", lanes, env, samples,
-                                       hosts if args.mode == "sync-pull" else None)
+                                       hosts if args.mode == "sync-pull" else None, a)
             if args.ddp:
                 runs["DDP (gloo all-reduce)"] = run_ranks(fleet, args, "allreduce", f"{fleet.ip(fleet.worker_host(1))}:29555",
                                                           "ddp", 1, {"GLOO_SOCKET_IFNAME": "eth0"}, samples, None)
@@ -163,7 +167,8 @@ def report(record: dict) -> str:
              f"{record['mb']} MB model, {record['groups']} Raft group(s)", "",
              f"Command: `python -m bench.fleet_step --link {record['link']} --workers {record['workers']} "
              f"--mb {record['mb']} --mode {record['mode']} --steps {record['steps']} --timeout {record['timeout']:g} "
-             f"--groups {record['groups']} --parts {record.get('parts', 'both')} --wire {record.get('wire', 'fp32')}"
+             f"--groups {record['groups']} --parts {record.get('parts', 'both')} --wire {record.get('wire', 'fp32')} "
+             f"--answers {record.get('answers', 'leader')}"
              f"{' --ddp' if record.get('ddp') else ''}`"
              f" (commit {record.get('commit', '?')}); leaders (group: store host) {record['leaders']} "
              "(hosts 1-3 store, then workers). Every configuration ran in this one run, on this one fleet.", ""]
@@ -204,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with several groups: a step's parts at once (the client's lanes), in turn (one lane), or both")
     p.add_argument("--ddp", action="store_true", help="then the DDP baseline on the same fleet: gloo all-reduces "
                    "of the same bytes among the worker hosts")
+    p.add_argument("--answers", choices=("leader", "spread", "both"), default="leader",
+                   help="spread: each rank reads the step's tensors from store member rank mod 3 "
+                   "(push_step's spread_answers) instead of taking them in the leader's answer")
     p.add_argument("--wire", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: sync steps send fp16 gradients (push_step's encoding), DDP all-reduces fp16")
     p.add_argument("--out", default="bench/results")
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"fleet_step needs a fleet: {problem}")
         return 2
     record = run(args)
-    record["parts"], record["ddp"], record["wire"] = args.parts, args.ddp, args.wire
+    record["parts"], record["ddp"], record["wire"], record["answers"] = args.parts, args.ddp, args.wire, args.answers
     record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=1)

@@ -37,6 +37,9 @@ class JobSteps:
         """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group
         (with it the per-tensor fields, ``hyper`` and ``encoding``: each part takes its tensors')."""
         per_tensor = {key: extra.pop(key) for key in ("hyper", "encoding") if extra.get(key)}
+        if extra.pop("spread_answers", False) and extra.pop("pull", False):
+            reply = self.contribute(op, grads, step, workers, job, rank, waits, **extra, **per_tensor)
+            return {**reply, **self._read_answer(grads, reply, rank or 0)}
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
         if job is not None:
             fields["job"] = job
@@ -57,6 +60,22 @@ class JobSteps:
         sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         sent.update(result["version"])
         return result
+
+    def _read_answer(self, grads: dict[str, Any], reply: dict, rank: int) -> dict:
+        """A step's tensors (``grads``' names) read at its version from the member ``rank`` mod
+        the members of each group (the leader or a follower, which waits until it has applied
+        that version), each group's at once: K ranks' answers leave every member's link, not
+        only the leader's. tensors, tensor_versions and the versions they were read at."""
+        versions = reply["version"] if isinstance(reply["version"], dict) else {0: reply["version"]}
+        parts = {g: list(part) for g, part in self._router.split(dict(grads)).items()} \
+            if self._router.groups() > 1 else {0: list(grads)}
+
+        def read(g: int, names: list[str], call: Any) -> dict:
+            request = {"op": "pull", "names": names, "linearizable": False, "min_version": int(versions.get(g, 0))}
+            return self._router.request(request, to_leader=False, raft_group=g, call=call, first=rank)
+        result = self._router.each_group_at_once(read, parts, self._submit)
+        read_at = result["version"] if self._router.groups() > 1 else result["version"][0]
+        return {"tensors": result["tensors"], "tensor_versions": result["tensor_versions"], "read_version": read_at}
 
     def raft_groups(self, job: str | None) -> list[int]:
         """The Raft groups a job's steps live in: those this client contributed to, else all."""

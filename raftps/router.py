@@ -80,10 +80,12 @@ class Router:
             self._leaders.pop(group, None)
 
     def request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
-                raft_group: int = 0, timeout: float | None = None, call: Call | None = None) -> dict:
+                raft_group: int = 0, timeout: float | None = None, call: Call | None = None,
+                first: int | None = None) -> dict:
         """Send to Raft group ``raft_group``'s members until a definite reply; raise its error, or
         Unavailable at the deadline (``timeout``, by default the client's). ``call``: another
-        transport's (a push_async lane's connections)."""
+        transport's (a push_async lane's connections). ``first``: a read goes first to member
+        ``first`` mod the members (spreads reads over the members' links), then as any read."""
         group = raft_group
         call = call or self._call
         timeout = timeout or self.timeout
@@ -99,7 +101,8 @@ class Router:
             # leads: ask a node first.
             return (large and self._leader_hint(group, addresses, call)) or self._next_address(addresses)
         known = self._leaders.get(group)
-        target = known if to_leader and known else next_target()
+        target = known if to_leader and known else \
+            addresses[first % len(addresses)] if first is not None and not to_leader else next_target()
         last_problem = "no attempt made"
         pause = 0.02
         uncertain = False       # an attempt may have reached a log (no answer, or "unknown")

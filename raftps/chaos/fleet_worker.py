@@ -1,6 +1,6 @@
 """One worker of a fleet run, on a worker host (tests/fault/test_slow_links.py, bench/fleet_step.py).
 
-    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT [LANES [WIRE]]
+    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT [LANES [WIRE [ANSWERS]]]
 
 MODE ``create``: every rank creates the job's tensors itself, all at once (what the ranks of
 raftps.torch and DiLoCo did before one rank became the creator), and reports the time.
@@ -12,7 +12,8 @@ MODE ``diloco``: DiLoCo with H = 1 for STEPS rounds (its create: rank 0's).
 LANES: the client's max_in_flight (default 16); 1 sends a step's parts in several Raft groups
 one after another, as push_step did before they went at once. WIRE ``fp16``: sync steps send
 their gradients as fp16 (push_step's encoding; raftps.compress.encode_fp16), the all-reduce
-reduces fp16 tensors (the bytes of DDP's fp16_compress_hook); default ``fp32``.
+reduces fp16 tensors (the bytes of DDP's fp16_compress_hook); default ``fp32``. ANSWERS
+``spread``: sync-pull's tensors read from store member rank mod 3 (push_step's spread_answers).
 MODE ``allreduce``: the DDP baseline, no store: STEPS gloo all-reduces (torch.distributed) of
 one float32 tensor of BYTES among WORLD ranks, ADDRESSES being rank 0's host:port for the
 rendezvous; the ranks' interface is eth0 (GLOO_SOCKET_IFNAME); ``times`` as sync-pull's.
@@ -94,6 +95,7 @@ def main() -> dict:
     mode, addresses, prefix, rank, world, nbytes, steps, timeout = sys.argv[1:9]
     lanes = int(sys.argv[9]) if len(sys.argv) > 9 else 16
     wire = sys.argv[10] if len(sys.argv) > 10 else "fp32"
+    spread = len(sys.argv) > 11 and sys.argv[11] == "spread"
     rank, world, steps, timeout = int(rank), int(world), int(steps), float(timeout)
     if mode == "allreduce":
         return allreduce(addresses, rank, world, int(nbytes), steps, timeout, wire)
@@ -133,7 +135,7 @@ def main() -> dict:
                 encoded = {n: encode_fp16(g) for n, g in grads.items()}
                 grads, encoding = {n: e[0] for n, e in encoded.items()}, {n: e[1] for n, e in encoded.items()}
             reply = client.push_step(grads, step, world, job=prefix, rank=rank, timeout=timeout,
-                                     pull=mode == "sync-pull", encoding=encoding)
+                                     pull=mode == "sync-pull", encoding=encoding, spread_answers=spread)
             times.append([began, time.time()])
             counts.append(reply["count"])
         return {"ok": True, "counts": counts, "seconds": time.monotonic() - started, "times": times}

@@ -151,3 +151,36 @@ def test_a_part_sent_again_with_its_seq_is_counted_once(cluster) -> None:
     assert len(replies) == 3 and all(r.get("version") is not None for r in replies), replies
     for n in names:          # sgd lr 0.5 on the mean of 2 and 4, once
         np.testing.assert_array_equal(tensors[n], np.full(4, -1.5, np.float32))
+
+
+def test_answers_read_from_the_members_by_rank_are_the_steps_values(cluster) -> None:
+    """spread_answers: rank r reads each group's part from member r mod 3 (two ranks of three
+    from a follower), at the step's version: each answer is the step's values, checked against
+    a hand computation and the leader's linearizable read, and read at the step's version or later."""
+    names = [f"spread/{n}" for n in NAMES]
+    with cluster.client(timeout=30.0) as c:
+        c.create_many({n: np.zeros(8, np.float32) for n in names}, {n: SGD for n in names})
+    answers: list = [None] * K
+
+    def rank(r: int) -> None:
+        with cluster.client(timeout=30.0) as c:
+            answers[r] = [c.push_step({n: np.full(8, float(r + s + 1), np.float32) for n in names}, s, K,
+                                      job="spread", rank=r, timeout=20.0, pull=True, spread_answers=True)
+                          for s in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(K)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    with cluster.client() as c:
+        tensors, _ = c.pull(names)
+    want = [np.full(8, -0.5 * 2.0, np.float32), np.full(8, -0.5 * 2.0 - 0.5 * 3.0, np.float32)]  # mean of r+s+1
+    for r, replies in enumerate(answers):
+        assert replies is not None, f"rank {r} did not finish"
+        for s, reply in enumerate(replies):
+            assert reply["count"] == K
+            assert all(reply["read_version"][g] >= reply["version"][g] for g in reply["version"])
+            for n in names:
+                np.testing.assert_array_equal(reply["tensors"][n], want[s], err_msg=f"rank {r} step {s} {n}")
+    for n in names:
+        np.testing.assert_array_equal(tensors[n], want[1])
