@@ -61,6 +61,17 @@ class Layout:
     def group_of(self, name: str) -> int:
         return group_of(name, self.groups)
 
+    def member_change_refusal(self, group: int, action: str, address: str) -> str | None:
+        """Why a Raft membership change must not run: with several groups, a node that follows
+        the hosts record (hosting.py) allows its moves' changes; the bare formula allows none."""
+        if self.groups == 1:
+            return None
+        return "with several Raft groups, membership changes go through raftps hosts move (the hosts record)"
+
+    def base_fields(self) -> dict:
+        """The formula as the base of a hosts_change entry (hosts.py)."""
+        return {"base_nodes": list(self.nodes), "base_placed": [self.members(g) for g in range(self.groups)]}
+
 
 def group_of(name: str, groups: int) -> int:
     if groups == 1:

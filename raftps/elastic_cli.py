@@ -1,0 +1,57 @@
+"""``raftps hosts list | add ADDR | move GROUP FROM TO``: elastic hosts of a cluster of several
+Raft groups (elastic.py; docs/cluster.md, "Adding a host")."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from . import auth
+from .elastic import HostsAdmin
+from .errors import UsageError
+from .hosts import Hosts
+
+
+def add_parser(sub: Any, client_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``hosts`` subcommand (``sub``: the subparsers of raftps's parser)."""
+    p = sub.add_parser("hosts", help="which nodes serve which Raft group: list, add a host, move a group's replica")
+    p.add_argument("action", choices=["list", "add", "move"])
+    p.add_argument("args", nargs="*", help="add: ADDR (the new node's Raft address host:port); "
+                                           "move: GROUP FROM TO (a Raft group, two nodes' Raft addresses)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the cluster (and a catch-up)")
+    client_options(p)
+    p.set_defaults(func=hosts)
+
+
+def hosts(args: argparse.Namespace) -> int:
+    want = {"list": 0, "add": 1, "move": 3}[args.action]
+    if len(args.args) != want or args.action == "move" and not args.args[0].isdigit():
+        raise UsageError("usage: raftps hosts list | add ADDR | move GROUP FROM TO (GROUP: a number; ADDR, FROM, "
+                         "TO: nodes' Raft addresses host:port, as in --peers)")
+    token = auth.read_secret_file(args.token_file) if args.token_file else None
+    try:
+        admin = HostsAdmin(args.cluster, token=token, tls=args.tls_ca, timeout=args.timeout)
+    except ValueError as exc:                  # no or malformed cluster addresses
+        raise UsageError(str(exc)) from None
+    with admin:
+        if args.action == "list":
+            record = admin.hosts()
+        elif args.action == "add":
+            record = admin.add_host(args.args[0])
+            print(f"added {args.args[0]} as node {len(record.nodes)}: start it with serve --join; "
+                  "raftps hosts move gives it replicas")
+        else:
+            group, source, target = int(args.args[0]), args.args[1], args.args[2]
+            record = admin.move(group, source, target, catch_up_timeout=args.timeout)
+            print(f"Raft group {group}: replica moved from {source} to {target}")
+    print(describe(record))
+    return 0
+
+
+def describe(record: Hosts) -> str:
+    """The record in lines: its epoch, then each group's members (and its move in flight)."""
+    lines = [f"hosts epoch {record.epoch}: " + ", ".join(f"{i}={a}" for i, a in enumerate(record.nodes, 1))]
+    for group in range(record.groups):
+        move = record.move_of(group)
+        lines.append(f"group {group}: nodes {','.join(map(str, record.placed[group]))}"
+                     + (f" (moving {move.source} -> {move.target}: {move.stage})" if move else ""))
+    return "\n".join(lines)
