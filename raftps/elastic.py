@@ -67,6 +67,7 @@ class HostsAdmin:
 
     def change(self, action: str, **fields: Any) -> Hosts:
         """One hosts_change entry through group 0's log: the record after it."""
+        self._router.groups()                     # the layout first: group 0's members
         seq, ack = self._session.next_seq(0)
         refused = False
         try:
@@ -101,9 +102,10 @@ class HostsAdmin:
         Start it with ``serve --join``."""
         return self.change("add_host", address=address)
 
-    def move(self, group: int, source: str, target: str, catch_up_timeout: float = 120.0) -> Hosts:
+    def move(self, group: int, source: str, target: str, catch_up_timeout: float = 120.0) -> tuple[Hosts, bool]:
         """Move ``group``'s replica from node ``source`` to node ``target`` (node Raft addresses,
-        as in --peers); see the module docstring. Returns the record after the move."""
+        as in --peers); see the module docstring. Returns the record after the move, and False
+        if the move had been made before."""
         hosts = self.hosts()
         if not 0 <= group < hosts.groups:
             raise InvalidRequest(f"Raft group {group} is out of range: this cluster has groups 0..{hosts.groups - 1}")
@@ -112,7 +114,7 @@ class HostsAdmin:
                                  "its files share the node's data dir")
         src, tgt = hosts.node_of(source), hosts.node_of(target)
         if tgt in hosts.placed[group] and src not in hosts.placed[group] and hosts.move_of(group) is None:
-            return hosts                              # done already (a finished move run again)
+            return hosts, False                       # done already (a finished move run again)
         move = hosts.move_of(group)
         if move is None or (move.source, move.target) != (src, tgt):
             hosts = self.change("move_start", move_group=group, source=src, target=tgt)
@@ -122,7 +124,7 @@ class HostsAdmin:
             hosts = self.change("move_stage", move_group=group)
         self._wait_caught_up(hosts, group, tgt, catch_up_timeout)
         self.member(group, "remove", hosts.raft_address(src, group))
-        return self.change("move_done", move_group=group)
+        return self.change("move_done", move_group=group), True
 
     def _wait_caught_up(self, hosts: Hosts, group: int, target: int, timeout: float) -> None:
         """Until the target's replica has applied what the group's leader had committed when we

@@ -41,8 +41,8 @@ def hosts(args: argparse.Namespace) -> int:
                   "raftps hosts move gives it replicas")
         else:
             group, source, target = int(args.args[0]), args.args[1], args.args[2]
-            record = admin.move(group, source, target, catch_up_timeout=args.timeout)
-            print(f"Raft group {group}: replica moved from {source} to {target}")
+            record, moved = admin.move(group, source, target, catch_up_timeout=args.timeout)
+            print(f"Raft group {group}: replica moved from {source} to {target}" if moved else "nothing to change")
     print(describe(record))
     return 0
 

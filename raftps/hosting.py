@@ -66,14 +66,22 @@ class Hosting:
     def member_change_refusal(self, group: int, action: str, address: str) -> str | None:
         """Why a Raft membership change of ``group`` must not run now, or None: with several
         groups only the move the record has in flight may add its target or remove its source
-        (or, aborting, its target)."""
-        move = self.current.move_of(group) if self.current else None
-        if move is not None and (action, address) in (("add", self.current.raft_address(move.target, group)),
-                                                      ("remove", self.current.raft_address(move.source, group)),
-                                                      ("remove", self.current.raft_address(move.target, group))):
+        (or, aborting, its target). The node may not have polled the record since the move
+        started: it reads it once more before it refuses."""
+        if self._allows(group, action, address):
+            return None
+        self.refresh()
+        if self._allows(group, action, address):
             return None
         return (f"Raft group {group} has no move in flight that {action}s {address}: with several Raft groups, "
                 "membership changes go through raftps hosts move (the hosts record)")
+
+    def _allows(self, group: int, action: str, address: str) -> bool:
+        hosts = self.current
+        move = hosts.move_of(group) if hosts else None
+        return move is not None and (action, address) in (("add", hosts.raft_address(move.target, group)),
+                                                          ("remove", hosts.raft_address(move.source, group)),
+                                                          ("remove", hosts.raft_address(move.target, group)))
 
     # ---- start, follow, stop ---------------------------------------------------------------
 
@@ -89,15 +97,18 @@ class Hosting:
         self._stop.set()
 
     def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Ask group 0's members for the record once, and follow the newest they answer."""
         transport = TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
         try:
-            while not self._stop.wait(self._poll):
-                newest = self._fetch(transport)
-                if newest is not None:
-                    try:
-                        self.follow(newest)
-                    except Exception:             # a replica that would not start: try again next poll
-                        log.exception("following hosts record epoch %d failed", newest.epoch)
+            newest = self._fetch(transport)
+            if newest is not None:
+                self.follow(newest)
+        except Exception:                         # a replica that would not start: try again next poll
+            log.exception("following the hosts record failed")
         finally:
             transport.close()
 
