@@ -1,5 +1,6 @@
 """The operator's side of elastic hosts (``raftps hosts``; docs/design/elastic.md): add a host to
-the hosts record, and move one Raft group's replica from one node to another, online.
+the hosts record, move one Raft group's replica from one node to another, online, or roll a
+move back (``abort``: its target leaves the group, then the record forgets the move).
 
 A move is five steps, each idempotent, so running the command again after any crash goes on
 where it stopped (the record says which stage the group's move is at):
@@ -125,6 +126,16 @@ class HostsAdmin:
         self._wait_caught_up(hosts, group, tgt, catch_up_timeout)
         self.member(group, "remove", hosts.raft_address(src, group))
         return self.change("move_done", move_group=group), True
+
+    def abort(self, group: int) -> Hosts:
+        """Roll back ``group``'s move in flight: its target leaves the group's Raft membership (if
+        it joined), then the record forgets the move. Nothing to abort: InvalidRequest."""
+        hosts = self.hosts()
+        move = hosts.move_of(group) if 0 <= group < hosts.groups else None
+        if move is None:
+            raise InvalidRequest(f"Raft group {group} has no move in flight: nothing to abort")
+        self.member(group, "remove", hosts.raft_address(move.target, group))
+        return self.change("move_abort", move_group=group)
 
     def _wait_caught_up(self, hosts: Hosts, group: int, target: int, timeout: float) -> None:
         """Until the target's replica has applied what the group's leader had committed when we

@@ -1,4 +1,4 @@
-"""``raftps hosts list | add ADDR | move GROUP FROM TO``: elastic hosts of a cluster of several
+"""``raftps hosts list | add ADDR | move GROUP FROM TO | abort GROUP``: elastic hosts of a cluster of several
 Raft groups (elastic.py; docs/cluster.md, "Adding a host")."""
 from __future__ import annotations
 
@@ -14,19 +14,20 @@ from .hosts import Hosts
 def add_parser(sub: Any, client_options: Callable[[argparse.ArgumentParser], None]) -> None:
     """The ``hosts`` subcommand (``sub``: the subparsers of raftps's parser)."""
     p = sub.add_parser("hosts", help="which nodes serve which Raft group: list, add a host, move a group's replica")
-    p.add_argument("action", choices=["list", "add", "move"])
+    p.add_argument("action", choices=["list", "add", "move", "abort"])
     p.add_argument("args", nargs="*", help="add: ADDR (the new node's Raft address host:port); "
-                                           "move: GROUP FROM TO (a Raft group, two nodes' Raft addresses)")
+                                           "move: GROUP FROM TO (a Raft group, two nodes' Raft addresses); abort: GROUP "
+                                           "(roll back its move in flight)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the cluster (and a catch-up)")
     client_options(p)
     p.set_defaults(func=hosts)
 
 
 def hosts(args: argparse.Namespace) -> int:
-    want = {"list": 0, "add": 1, "move": 3}[args.action]
-    if len(args.args) != want or args.action == "move" and not args.args[0].isdigit():
-        raise UsageError("usage: raftps hosts list | add ADDR | move GROUP FROM TO (GROUP: a number; ADDR, FROM, "
-                         "TO: nodes' Raft addresses host:port, as in --peers)")
+    want = {"list": 0, "add": 1, "move": 3, "abort": 1}[args.action]
+    if len(args.args) != want or args.action in ("move", "abort") and not args.args[0].isdigit():
+        raise UsageError("usage: raftps hosts list | add ADDR | move GROUP FROM TO | abort GROUP (GROUP: a number; "
+                         "ADDR, FROM, TO: nodes' Raft addresses host:port, as in --peers)")
     token = auth.read_secret_file(args.token_file) if args.token_file else None
     try:
         admin = HostsAdmin(args.cluster, token=token, tls=args.tls_ca, timeout=args.timeout)
@@ -39,6 +40,9 @@ def hosts(args: argparse.Namespace) -> int:
             record = admin.add_host(args.args[0])
             print(f"added {args.args[0]} as node {len(record.nodes)}: start it with serve --join; "
                   "raftps hosts move gives it replicas")
+        elif args.action == "abort":
+            record = admin.abort(int(args.args[0]))
+            print(f"Raft group {args.args[0]}: move rolled back")
         else:
             group, source, target = int(args.args[0]), args.args[1], args.args[2]
             record, moved = admin.move(group, source, target, catch_up_timeout=args.timeout)

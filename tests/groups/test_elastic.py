@@ -1,7 +1,8 @@
 """Elastic hosts on real processes (docs/design/elastic.md): a fifth host joins a (G = 3, N = 4)
-cluster under a steady push load and takes a replica of Raft group 1 from its leader's node.
-Every acknowledged push is applied once, the group's new replicas agree, clients routed by the
-old layout keep working, and every node follows the same hosts record. Bad commands change nothing."""
+cluster under a steady push load and takes a replica of Raft group 1 from its leader's node; a
+move to a host that never comes up is rolled back. Every acknowledged push is applied once, the
+group's new replicas agree, clients routed by the old layout keep working, and every node
+follows the same hosts record. Bad commands change nothing."""
 import json
 import os
 import subprocess
@@ -20,9 +21,9 @@ GROUP = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def hosts_cmd(cl, *args, ok=True):
+def hosts_cmd(cl, *args, ok=True, timeout=90):
     done = subprocess.run([sys.executable, "-m", "raftps", "hosts", *args, "--cluster", cl.addresses,
-                           "--timeout", "90"], env={**os.environ, **cl.client_env, "PYTHONPATH": ROOT},
+                           "--timeout", str(timeout)], env={**os.environ, **cl.client_env, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=150)
     assert (done.returncode == 0) == ok, (args, done.stdout, done.stderr)
     return done.stdout if ok else done.stderr
@@ -130,6 +131,20 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
             said = hosts_cmd(cl, *args, ok=ok)
             assert message in said.splitlines()[0] and (ok or len(said.strip().splitlines()) == 1), (args, said)
         assert f"hosts epoch {epoch}:" in hosts_cmd(cl, "list")
+
+        # a move whose target never comes up (its host died before catching up) is rolled back;
+        # group 2 commits throughout (3 live voters of 4), and is back to its 3 members after
+        dead = cl.add_node()
+        hosts_cmd(cl, "add", cl.peers[dead - 1])
+        said = hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[dead - 1], ok=False, timeout=5)
+        assert "did not catch up" in said and "Run the command again" in said, said
+        assert "group 2: nodes 1,3,4 (moving 1 -> 6: catch_up)" in hosts_cmd(cl, "list")
+        load.wait(10)
+        out = hosts_cmd(cl, "abort", "2")
+        assert "move rolled back" in out and "group 2: nodes 1,3,4\n" in out, out
+        until("group 2 is back to 3 members", lambda: all(len(group_rows(cl, n)[2]["members"]) == 3 for n in (1, 3, 4)))
+        load.wait(10)
+        epoch = out.split("hosts epoch ")[1].split(":")[0]
         acked, unknown = load.finish()
 
         # the source's node stops its replica; the group's three replicas agree
@@ -153,7 +168,7 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
             assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
         # every node follows the same record, and answers the same layout
         def records():
-            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 6)]
+            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 6)]   # not 6
             return got if all(r == got[0] and r["epoch"] == int(epoch) for r in got) else None
         assert until("every node follows the newest record", records)[0]["placed"][GROUP] == members
     finally:
