@@ -97,20 +97,28 @@ class Hosting:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._poll):
-            self.refresh()
-
-    def refresh(self) -> None:
-        """Ask group 0's members for the record once, and follow the newest they answer."""
-        transport = TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
+        transport = self._transport()             # its connections kept from one poll to the next
         try:
-            newest = self._fetch(transport)
+            while not self._stop.wait(self._poll):
+                self.refresh(transport)
+        finally:
+            transport.close()
+
+    def _transport(self) -> TcpTransport:
+        return TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
+
+    def refresh(self, transport: TcpTransport | None = None) -> None:
+        """Ask group 0's members for the record once, and follow the newest they answer."""
+        own = transport or self._transport()
+        try:
+            newest = self._fetch(own)
             if newest is not None:
                 self.follow(newest)
         except Exception:                         # a replica that would not start: try again next poll
             log.exception("following the hosts record failed")
         finally:
-            transport.close()
+            if transport is None:
+                own.close()
 
     def _fetch(self, transport: TcpTransport) -> Hosts | None:
         """The newest record group 0's members answer (each its own copy), or None."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequest
-from .groups import REPLICAS, STRIDE, Layout, group_of
+from .groups import REPLICAS, Addressing, Layout
 
 STAGES = ("add", "catch_up")
 ACTIONS = ("add_host", "move_start", "move_stage", "move_done", "move_abort")
@@ -42,7 +42,7 @@ class Move:
 
 
 @dataclass(frozen=True)
-class Hosts:
+class Hosts(Addressing):
     nodes: tuple[str, ...]                  # node id i -> nodes[i-1], its Raft address (group 0's block)
     placed: tuple[tuple[int, ...], ...]     # Raft group -> its settled members' node ids, sorted
     moves: tuple[Move, ...] = ()            # in flight, by group
@@ -69,30 +69,17 @@ class Hosts:
         joining = (move.target,) if move is not None and move.stage == "catch_up" else ()
         return sorted({*self.placed[group], *joining})
 
-    def hosted_by(self, node: int) -> list[int]:
-        return [g for g in range(self.groups) if node in self.members(g)]
-
     def preferred_leader(self, group: int) -> int:
         """The formula's choice (node g+1 mod N) while it still serves the group, else the
         group's lowest settled member."""
         wanted = group % len(self.nodes) + 1
         return wanted if wanted in self.placed[group] else self.placed[group][0]
 
-    def raft_address(self, node: int, group: int) -> str:
-        host, port = self.nodes[node - 1].rsplit(":", 1)
-        return f"{host}:{int(port) + STRIDE * group}"
-
-    def peers(self, group: int) -> list[str]:
-        return [self.raft_address(m, group) for m in self.members(group)]
-
-    def group_of(self, name: str) -> int:
-        return group_of(name, self.groups)
-
     def node_of(self, address: str) -> int:
         """The node id of a node's Raft address (group 0's block), or InvalidRequest."""
         if address not in self.nodes:
             raise InvalidRequest(f"{address} is not a host of this cluster (hosts: {', '.join(self.nodes)}); "
-                                 "add it first with raftps cluster add-host")
+                                 "add it first with raftps hosts add")
         return self.nodes.index(address) + 1
 
     # ---- the record as plain data (log entries, snapshots, replies) -----------------------

@@ -46,20 +46,26 @@ class Load:
             t.start()
 
     def run(self, client):
+        grads = {n: -np.ones(1) for n in self.names}
         try:
-            for _ in range(100_000):
+            for _ in range(100_000):              # bounded; the test stops it far sooner
                 if self.stop.is_set():
                     return
-                try:
-                    client.push({n: -np.ones(1) for n in self.names})
-                except Unavailable:
-                    with self.lock:
-                        self.unknown += 1
-                    continue
+                acked = self.push(client, grads)
                 with self.lock:
-                    self.acked += 1
+                    self.acked += acked
+                    self.unknown += not acked
         except BaseException as exc:
             self.errors.append(exc)
+
+    @staticmethod
+    def push(client, grads) -> bool:
+        """True: acknowledged; False: no definite answer (it may or may not have been applied)."""
+        try:
+            client.push(grads)
+            return True
+        except Unavailable:
+            return False
 
     def wait(self, more, timeout=60.0):
         start, deadline = self.acked, time.monotonic() + timeout
