@@ -1,6 +1,6 @@
 """Elastic hosts on real processes (docs/design/elastic.md): a fifth host joins a (G = 3, N = 4)
 cluster under a steady push load and takes a replica of Raft group 1 from its leader's node; a
-move to a host that never comes up is rolled back. Every acknowledged push is applied once, the
+move to a host that is not up is rolled back, and one interrupted goes on when run again. Every acknowledged push is applied once, the
 group's new replicas agree, clients routed by the old layout keep working, and every node
 follows the same hosts record. Bad commands change nothing."""
 import json
@@ -140,15 +140,23 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
 
         # a move whose target never comes up (its host died before catching up) is rolled back;
         # group 2 commits throughout (3 live voters of 4), and is back to its 3 members after
-        dead = cl.add_node()
-        hosts_cmd(cl, "add", cl.peers[dead - 1])
-        said = hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[dead - 1], ok=False, timeout=5)
+        late = cl.add_node()
+        hosts_cmd(cl, "add", cl.peers[late - 1])
+        said = hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[late - 1], ok=False, timeout=5)
         assert "did not catch up" in said and "Run the command again" in said, said
         assert "group 2: nodes 1,3,4 (moving 1 -> 6: catch_up)" in hosts_cmd(cl, "list")
         load.wait(10)
         out = hosts_cmd(cl, "abort", "2")
         assert "move rolled back" in out and "group 2: nodes 1,3,4\n" in out, out
         until("group 2 is back to 3 members", lambda: all(len(group_rows(cl, n)[2]["members"]) == 3 for n in (1, 3, 4)))
+        load.wait(10)
+
+        # a move interrupted after its target joined goes on when run again, once the host is up
+        hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[late - 1], ok=False, timeout=3)
+        cl.start_node(late, ("--join",))
+        out = hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[late - 1])
+        assert f"group 2: nodes 3,4,{late}\n" in out, out
+        until("node 1 stops serving group 2", lambda: 2 not in group_rows(cl, 1))
         load.wait(10)
         epoch = out.split("hosts epoch ")[1].split(":")[0]
         acked, unknown = load.finish()
@@ -174,7 +182,7 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
             assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
         # every node follows the same record, and answers the same layout
         def records():
-            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 6)]   # not 6
+            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7)]
             return got if all(r == got[0] and r["epoch"] == int(epoch) for r in got) else None
         assert until("every node follows the newest record", records)[0]["placed"][GROUP] == members
     finally:
