@@ -127,6 +127,21 @@ class HostsAdmin:
         self.member(group, "remove", hosts.raft_address(src, group))
         return self.change("move_done", move_group=group), True
 
+    def drain(self, address: str, catch_up_timeout: float = 120.0) -> tuple[Hosts, int]:
+        """Move every replica off node ``address`` (hosts.drain_plan chooses where), one group
+        at a time; its node then exits. Refused, with nothing changed, when a group would fall
+        short of replicas or the node serves group 0. Returns the record and the moves made."""
+        hosts = self.hosts()
+        plan = hosts.drain_plan(hosts.node_of(address))
+        if any(group == 0 for group, _ in plan):
+            raise InvalidRequest(f"{address} serves Raft group 0, whose replica cannot be moved yet: "
+                                 "draining it is not built")
+        moved = 0
+        for group, target in plan:
+            hosts, made = self.move(group, address, hosts.nodes[target - 1], catch_up_timeout)
+            moved += made
+        return hosts, moved
+
     def abort(self, group: int) -> Hosts:
         """Roll back ``group``'s move in flight: its target leaves the group's Raft membership (if
         it joined), then the record forgets the move. Nothing to abort: InvalidRequest."""

@@ -1,4 +1,4 @@
-"""``raftps hosts list | add ADDR | move GROUP FROM TO | abort GROUP``: elastic hosts of a cluster of several
+"""``raftps hosts list | add ADDR | move GROUP FROM TO | abort GROUP | drain ADDR``: elastic hosts of a cluster of several
 Raft groups (elastic.py; docs/cluster.md, "Adding a host")."""
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ from .hosts import Hosts
 def add_parser(sub: Any, client_options: Callable[[argparse.ArgumentParser], None]) -> None:
     """The ``hosts`` subcommand (``sub``: the subparsers of raftps's parser)."""
     p = sub.add_parser("hosts", help="which nodes serve which Raft group: list, add a host, move a group's replica")
-    p.add_argument("action", choices=["list", "add", "move", "abort"])
+    p.add_argument("action", choices=["list", "add", "move", "abort", "drain"])
     p.add_argument("args", nargs="*", help="add: ADDR (the new node's Raft address host:port); "
                                            "move: GROUP FROM TO (a Raft group, two nodes' Raft addresses); abort: GROUP "
-                                           "(roll back its move in flight)")
+                                           "(roll back its move in flight); drain: ADDR (move every replica off it)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the cluster (and a catch-up)")
     client_options(p)
     p.set_defaults(func=hosts)
 
 
 def hosts(args: argparse.Namespace) -> int:
-    want = {"list": 0, "add": 1, "move": 3, "abort": 1}[args.action]
+    want = {"list": 0, "add": 1, "move": 3, "abort": 1, "drain": 1}[args.action]
     if len(args.args) != want or args.action in ("move", "abort") and not args.args[0].isdigit():
-        raise UsageError("usage: raftps hosts list | add ADDR | move GROUP FROM TO | abort GROUP (GROUP: a number; "
+        raise UsageError("usage: raftps hosts list | add ADDR | move GROUP FROM TO | abort GROUP | drain ADDR (GROUP: a number; "
                          "ADDR, FROM, TO: nodes' Raft addresses host:port, as in --peers)")
     token = auth.read_secret_file(args.token_file) if args.token_file else None
     try:
@@ -40,6 +40,9 @@ def hosts(args: argparse.Namespace) -> int:
             record = admin.add_host(args.args[0])
             print(f"added {args.args[0]} as node {len(record.nodes)}: start it with serve --join; "
                   "raftps hosts move gives it replicas")
+        elif args.action == "drain":
+            record, moved = admin.drain(args.args[0], catch_up_timeout=args.timeout)
+            print(f"drained {args.args[0]}: {moved} replica(s) moved; its node exits")
         elif args.action == "abort":
             record = admin.abort(int(args.args[0]))
             print(f"Raft group {args.args[0]}: move rolled back")

@@ -82,6 +82,27 @@ class Hosts(Addressing):
                                  "add it first with raftps hosts add")
         return self.nodes.index(address) + 1
 
+    def drain_plan(self, node: int) -> list[tuple[int, int]]:
+        """(group, target) for every group ``node`` serves, in group order: a move in flight off
+        ``node`` keeps its target; otherwise the node serving the fewest replicas among those
+        outside the group (counting the plan's earlier moves; the lowest id on a tie).
+        InvalidRequest when a group has no such node: draining would leave it short of replicas."""
+        load = {n: len(self.hosted_by(n)) for n in range(1, len(self.nodes) + 1) if n != node}
+        plan = []
+        for group in self.hosted_by(node):
+            move = self.move_of(group)
+            if move is not None and move.source == node:
+                target = move.target
+            else:
+                free = sorted((count, n) for n, count in load.items() if n not in self.members(group))
+                if not free:
+                    raise InvalidRequest(f"draining node {node} ({self.nodes[node - 1]}) would leave Raft group {group} "
+                                         f"with {len(self.members(group)) - 1} replicas: add a host first")
+                target = free[0][1]
+            load[target] += 1
+            plan.append((group, target))
+        return plan
+
     # ---- the record as plain data (log entries, snapshots, replies) -----------------------
 
     def record(self) -> dict:

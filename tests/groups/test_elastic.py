@@ -1,8 +1,9 @@
 """Elastic hosts on real processes (docs/design/elastic.md): a fifth host joins a (G = 3, N = 4)
 cluster under a steady push load and takes a replica of Raft group 1 from its leader's node; a
-move to a host that is not up is rolled back, and one interrupted goes on when run again. Every acknowledged push is applied once, the
-group's new replicas agree, clients routed by the old layout keep working, and every node
-follows the same hosts record. Bad commands change nothing."""
+move to a host that is not up is rolled back, one interrupted goes on when run again, and the
+fifth host is drained. Every acknowledged push is applied once, each group's replicas agree,
+clients routed by the old layout keep working, and every node follows the same hosts record.
+Bad commands change nothing."""
 import json
 import os
 import subprocess
@@ -125,6 +126,16 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         members = sorted(({2, 3, 4} - {source}) | {new})
         assert f"group {GROUP}: nodes {','.join(map(str, members))}" in out
         load.wait(20)
+        # the source's node stops its replica, and then answers a request for the group with
+        # where it went (a client routed by the old layout follows that as it follows a "not the
+        # leader")
+        until("the source stops serving group 1", lambda: GROUP not in group_rows(cl, source))
+        transport = TcpTransport(cl.token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
+        try:
+            reply = transport.call(cl.client_address(source), {"op": "pull", "names": [mine], "raft_group": GROUP}, 5.0)
+        finally:
+            transport.close()
+        assert reply["retry"] and reply["not_leader"] and reply["leader"] in [cl.client_address(n) for n in members]
 
         # bad commands: one line each, and the record stays as it is
         epoch = out.split("hosts epoch ")[1].split(":")[0]
@@ -132,14 +143,15 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
                               (("move", str(GROUP), "127.0.0.1:1", new_addr), "not a host of this cluster"),
                               (("move", str(GROUP), cl.peers[source - 1], new_addr), "nothing to change"),
                               (("move", "0", cl.peers[0], new_addr), "Raft group 0"),
-                              (("move", "7", cl.peers[0], new_addr), "out of range")]:
+                              (("move", "7", cl.peers[0], new_addr), "out of range"),
+                              (("drain", cl.peers[0]), "serves Raft group 0")]:
             ok = message == "nothing to change"           # a finished move, run again
             said = hosts_cmd(cl, *args, ok=ok)
             assert message in said.splitlines()[0] and (ok or len(said.strip().splitlines()) == 1), (args, said)
         assert f"hosts epoch {epoch}:" in hosts_cmd(cl, "list")
 
-        # a move whose target never comes up (its host died before catching up) is rolled back;
-        # group 2 commits throughout (3 live voters of 4), and is back to its 3 members after
+        # a move whose target is not up is rolled back; group 2 commits throughout (3 live voters
+        # of 4), and is back to its 3 members after
         late = cl.add_node()
         hosts_cmd(cl, "add", cl.peers[late - 1])
         said = hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[late - 1], ok=False, timeout=5)
@@ -158,32 +170,30 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         assert f"group 2: nodes 3,4,{late}\n" in out, out
         until("node 1 stops serving group 2", lambda: 2 not in group_rows(cl, 1))
         load.wait(10)
-        epoch = out.split("hosts epoch ")[1].split(":")[0]
+
+        # the fifth host is drained (its one replica moves on) and its node exits
+        out = hosts_cmd(cl, "drain", new_addr)
+        assert f"drained {new_addr}: 1 replica(s) moved" in out, out
+        until("the drained node exits", lambda: not cl.is_up(new))
+        load.wait(10)
+        epoch = int(out.split("hosts epoch ")[1].split(":")[0])
         acked, unknown = load.finish()
 
-        # the source's node stops its replica; the group's three replicas agree
-        until("the source stops serving group 1", lambda: GROUP not in group_rows(cl, source))
-        def agreeing():
-            rows = [group_rows(cl, n).get(GROUP) for n in members]
-            return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
-        rows = until("group 1's replicas agree", agreeing)
-        assert sum(r["role"] == "leader" for r in rows) == 1
-        # the node that left answers a request for the group with where it went (a client routed
-        # by the old layout follows that, as it follows a "not the leader")
-        transport = TcpTransport(cl.token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
-        try:
-            reply = transport.call(cl.client_address(source), {"op": "pull", "names": [mine], "raft_group": GROUP}, 5.0)
-        finally:
-            transport.close()
-        assert reply["retry"] and reply["not_leader"] and reply["leader"] in [cl.client_address(n) for n in members]
+        # every node holds the newest record (the drained one too: it left by following it)
+        def records():
+            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7)]
+            return got if all(r == got[0] and r["epoch"] == epoch for r in got) else None
+        placed = until("every node follows the newest record", records)[0]["placed"]
+        assert all(len(m) == 3 and new not in m for m in placed) and placed[2] == [3, 4, late], placed
+        for group, members in enumerate(placed):          # each group's replicas agree, one leads
+            def agreeing():
+                rows = [group_rows(cl, n).get(group) for n in members]
+                return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
+            rows = until(f"group {group}'s replicas agree", agreeing)
+            assert sum(r["role"] == "leader" for r in rows) == 1, (group, rows)
         with cl.client() as c:
             totals = c.pull(names)[0]
         for n in names:                                   # each acked push applied once, none twice
             assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
-        # every node follows the same record, and answers the same layout
-        def records():
-            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7)]
-            return got if all(r == got[0] and r["epoch"] == int(epoch) for r in got) else None
-        assert until("every node follows the newest record", records)[0]["placed"][GROUP] == members
     finally:
         cl.wipe()

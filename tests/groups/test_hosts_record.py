@@ -92,3 +92,19 @@ def test_the_first_change_needs_the_formula():
     with pytest.raises(InvalidRequest, match="needs the formula's record as base"):
         state.apply_change({"action": "add_host", "address": "127.0.0.1:9005"})
     assert state.current is None
+
+
+def test_a_drain_spreads_the_replicas_and_never_leaves_a_group_short():
+    hosts = start().change({"action": "add_host", "address": "127.0.0.1:9005"})
+    # node 3 serves groups 0, 1, 2; nodes 1, 2, 4 serve two each, node 5 none. Group 0 (outside
+    # it: 4 with 2, 5 with 0) -> 5; group 1 (outside: 1 with 2, 5 now with 1) -> 5; group 2
+    # (outside: 2 with 2, 5 now with 2) -> 2, the lower id of a tie
+    assert hosts.hosted_by(1) == [0, 2] and hosts.hosted_by(2) == [0, 1] and hosts.hosted_by(4) == [1, 2]
+    assert hosts.drain_plan(3) == [(0, 5), (1, 5), (2, 2)]
+    # a move in flight off the node keeps its target (node 1, now with 3); group 2 (outside it:
+    # 2 with 2, 5 with 1) -> 5
+    moving = hosts.change({"action": "move_start", "move_group": 1, "source": 3, "target": 1})
+    assert moving.drain_plan(3) == [(0, 5), (1, 1), (2, 5)]
+    three = Hosts.from_layout(Layout(NODES[:3], 2))
+    with pytest.raises(InvalidRequest, match="would leave Raft group 0 with 2 replicas: add a host first"):
+        three.drain_plan(1)
