@@ -7,7 +7,8 @@ where it stopped (the record says which stage the group's move is at):
 
 1. ``move_start`` in group 0: the intent (one move per group at a time);
 2. Raft add: the group's log makes the target a member (4 voters; the 3 old ones still make
-   every majority, so the group keeps committing while the target is empty);
+   every majority, so the group keeps committing while the target is empty). A source whose
+   node does not answer is removed first: 2 live voters of 2, then 3 with the target;
 3. ``move_stage`` catch_up in group 0: the target's node starts its replica (hosting.py), which
    catches up from the group's leader (its snapshot, then the log; payloads from its peers);
 4. when the target has applied what the group had committed: Raft remove of the source (a
@@ -121,6 +122,10 @@ class HostsAdmin:
             hosts = self.change("move_start", move_group=group, source=src, target=tgt)
             move = hosts.move_of(group)
         if move.stage == "add":
+            if not any(r.get("node") == src for r in self.group_rows(hosts, group)):
+                # a dead source goes first (as member replace does for one group): with it still
+                # a voter, the target's add would need the empty target to commit
+                self.member(group, "remove", hosts.raft_address(src, group))
             self.member(group, "add", hosts.raft_address(tgt, group))
             hosts = self.change("move_stage", move_group=group)
         self._wait_caught_up(hosts, group, tgt, catch_up_timeout)

@@ -1,7 +1,7 @@
 """Elastic hosts on real processes (docs/design/elastic.md): a fifth host joins a (G = 3, N = 4)
 cluster under a steady push load and takes a replica of Raft group 1 from its leader's node; a
-move to a host that is not up is rolled back, one interrupted goes on when run again, and the
-fifth host is drained. Every acknowledged push is applied once, each group's replicas agree,
+move to a host that is not up is rolled back, one interrupted goes on when run again, the
+fifth host is drained, and the sixth's replica is re-created elsewhere after a SIGKILL. Every acknowledged push is applied once, each group's replicas agree,
 clients routed by the old layout keep working, and every node follows the same hosts record.
 Bad commands change nothing."""
 import json
@@ -176,15 +176,22 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         assert f"drained {new_addr}: 1 replica(s) moved" in out, out
         until("the drained node exits", lambda: not cl.is_up(new))
         load.wait(10)
+
+        # the sixth host dies for good: its replica of group 2 is re-created on node 1 (which
+        # served group 2 before: its replica starts anew), the dead member removed first
+        cl.kill(late)
+        out = hosts_cmd(cl, "move", "2", cl.peers[late - 1], cl.peers[0])
+        assert "group 2: nodes 1,3,4\n" in out, out
+        load.wait(10)
         epoch = int(out.split("hosts epoch ")[1].split(":")[0])
         acked, unknown = load.finish()
 
-        # every node holds the newest record (the drained one too: it left by following it)
+        # every running node holds the newest record
         def records():
-            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7)]
+            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in (1, 2, 3, 4)]
             return got if all(r == got[0] and r["epoch"] == epoch for r in got) else None
         placed = until("every node follows the newest record", records)[0]["placed"]
-        assert all(len(m) == 3 and new not in m for m in placed) and placed[2] == [3, 4, late], placed
+        assert all(len(m) == 3 and new not in m and late not in m for m in placed) and placed[2] == [1, 3, 4], placed
         for group, members in enumerate(placed):          # each group's replicas agree, one leads
             def agreeing():
                 rows = [group_rows(cl, n).get(group) for n in members]
