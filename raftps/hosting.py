@@ -97,6 +97,11 @@ class Hosting:
         self._stop.set()
 
     def _run(self) -> None:
+        if self.config.client_token is None or self.config.tls_cert:
+            # it reads the record over the client port with the cluster's token, without TLS
+            # (docs/design/elastic.md, "What is next")
+            log.warning("this node does not follow the hosts record: it needs --token-file and no --tls-cert")
+            return
         transport = self._transport()             # its connections kept from one poll to the next
         try:
             while not self._stop.wait(self._poll):
