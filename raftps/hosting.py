@@ -16,12 +16,14 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import threading
 from typing import Any, Callable
 
 from . import codec
 from .groups import Layout, data_dir, group_config
 from .hosts import Hosts
+from .raft.durability import Durability
 from .replica.config import NodeConfig, offset_address
 from .transport import TcpTransport
 
@@ -165,7 +167,14 @@ class Hosting:
                 self.drained.set()
 
     def _set_aside(self, group: int, epoch: int) -> None:
-        """A left replica's files, kept but out of the way: a later replica of the group starts empty."""
+        """A left replica's files, kept but out of the way: a later replica of the group starts
+        empty. Its payloads in tmpfs (raft/durability.py) are deleted: they are named after the
+        data dir's path, so a later replica of the group would find them as its own; its peers
+        hold every payload it had."""
+        if group and not self.config.payload_dir:
+            durability = Durability.for_mode(self.config.durability)
+            if not durability.durable:
+                shutil.rmtree(durability.payload_dir(data_dir(self.config.data_dir, group)), ignore_errors=True)
         for base in {self.config.data_dir, self.config.payload_dir} - {None}:
             path = data_dir(base, group)
             if group and os.path.isdir(path):

@@ -15,6 +15,7 @@ import numpy as np
 
 from raftps import Client, Unavailable, codec
 from raftps.localcluster import LocalCluster
+from raftps.raft.durability import default_payload_dir
 from raftps.transport import TcpTransport
 
 BASE = 19000       # nodes: Raft 19001..19005 (+ 400 per group; clients + 100, data + 200, metrics + 300)
@@ -169,6 +170,10 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         out = hosts_cmd(cl, "move", "2", cl.peers[0], cl.peers[late - 1])
         assert f"group 2: nodes 3,4,{late}\n" in out, out
         until("node 1 stops serving group 2", lambda: 2 not in group_rows(cl, 1))
+        # and sets its files aside; its payloads in tmpfs are gone (a later replica starts empty)
+        left = os.path.join(cl.data_dir(1), "group2")
+        until("node 1's replica of group 2 is set aside", lambda: not os.path.exists(left)
+              and not os.path.exists(default_payload_dir(left)))
         load.wait(10)
 
         # the fifth host is drained (its one replica moves on) and its node exits
