@@ -87,7 +87,8 @@ def serve(args: argparse.Namespace) -> int:
                         durability=args.durability, entries_in_flight=args.entries_in_flight)
     layout = Layout(tuple(peers), args.groups)
     # several groups: this node's replicas follow group 0's hosts record (hosting.py)
-    hosting = Hosting(config, layout, RaftNode, join=args.join) if layout.groups > 1 else None
+    hosting = Hosting(config, layout, RaftNode, join=args.join, dead_host_timeout=args.dead_host_timeout) \
+        if layout.groups > 1 else None
     try:
         replicas = hosting.replicas if hosting else {0: RaftNode(group_config(config, layout, 0))}
         if hosting:
@@ -356,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=1,
                    help="Raft groups the tensors are sharded over (the same on every node): with G > 1 each "
                         "group has 3 members, group g on nodes g+1..g+3 (mod N), Raft port + 400 g")
-    p.add_argument("--join", action="store_true",
-                   help="with --groups G > 1: a new host (raftps hosts add): serve no Raft group until the hosts "
-                        "record gives it one")
+    elastic_cli.add_serve_options(p)
     p.add_argument("--secret-file", default=None, help="file holding the cluster's peer secret (>= 16 bytes)")
     p.add_argument("--token-file", default=None,
                    help="file holding the client token; when given, every client must present it")

@@ -23,6 +23,16 @@ def add_parser(sub: Any, client_options: Callable[[argparse.ArgumentParser], Non
     p.set_defaults(func=hosts)
 
 
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    """``raftps serve``'s options for elastic hosts (with --groups G > 1)."""
+    p.add_argument("--join", action="store_true",
+                   help="with --groups G > 1: a new host (raftps hosts add): serve no Raft group until the hosts "
+                        "record gives it one")
+    p.add_argument("--dead-host-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="with --groups G > 1: while this node leads group 0, re-create the replicas of a node that "
+                        "has not answered for this long on the others (0: off, the default)")
+
+
 def hosts(args: argparse.Namespace) -> int:
     want = {"list": 0, "add": 1, "move": 3, "abort": 1, "drain": 1}[args.action]
     if len(args.args) != want or args.action in ("move", "abort") and not args.args[0].isdigit():

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from . import codec
 from .groups import Layout, data_dir, group_config
 from .hosts import Hosts
+from .placement_loop import PlacementLoop
 from .raft.durability import Durability
 from .replica.config import NodeConfig, offset_address
 from .transport import TcpTransport
@@ -33,7 +34,7 @@ RECORD_FILE = "hosts.json"
 
 class Hosting:
     def __init__(self, config: NodeConfig, layout: Layout, make_replica: Callable[[NodeConfig], Any],
-                 join: bool = False, poll: float = 1.0):
+                 join: bool = False, poll: float = 1.0, dead_host_timeout: float = 0.0):
         self.config = config
         self.node = config.node_id
         self.replicas: dict[int, Any] = {}        # Raft group -> this node's replica (RaftNode); shared
@@ -43,6 +44,8 @@ class Hosting:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._poll = poll
+        self._loop = PlacementLoop(config.client_token, dead_host_timeout, lambda: self.current, self._leads_group_0) \
+            if dead_host_timeout > 0 and config.client_token is not None and not config.tls_cert else None
         self.drained = threading.Event()          # set when a record leaves this node nothing to host
         self._seeds = [offset_address(a, config.client_offset) for a in layout.nodes]
         # the formula, the base of the record's first change; a joining node's --peers are not
@@ -94,9 +97,17 @@ class Hosting:
             for group in self.current.hosted_by(self.node):
                 self.replicas[group] = self._make_replica(group_config(self.config, self.current, group))
         threading.Thread(target=self._run, name="hosting", daemon=True).start()
+        if self._loop is not None:
+            self._loop.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._loop is not None:
+            self._loop.stop()
+
+    def _leads_group_0(self) -> bool:
+        replica = self.replicas.get(0)
+        return replica is not None and replica.is_leader()
 
     def _run(self) -> None:
         if self.config.client_token is None or self.config.tls_cert:

@@ -82,12 +82,13 @@ class Hosts(Addressing):
                                  "add it first with raftps hosts add")
         return self.nodes.index(address) + 1
 
-    def drain_plan(self, node: int) -> list[tuple[int, int]]:
+    def drain_plan(self, node: int, avoid: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """(group, target) for every group ``node`` serves, in group order: a move in flight off
         ``node`` keeps its target; otherwise the node serving the fewest replicas among those
-        outside the group (counting the plan's earlier moves; the lowest id on a tie).
-        InvalidRequest when a group has no such node: draining would leave it short of replicas."""
-        load = {n: len(self.hosted_by(n)) for n in range(1, len(self.nodes) + 1) if n != node}
+        outside the group and not in ``avoid`` (dead ones), counting the plan's earlier moves,
+        the lowest id on a tie. InvalidRequest when a group has no such node: draining would
+        leave it short of replicas."""
+        load = {n: len(self.hosted_by(n)) for n in range(1, len(self.nodes) + 1) if n != node and n not in avoid}
         plan = []
         for group in self.hosted_by(node):
             move = self.move_of(group)

@@ -108,3 +108,12 @@ def test_a_drain_spreads_the_replicas_and_never_leaves_a_group_short():
     three = Hosts.from_layout(Layout(NODES[:3], 2))
     with pytest.raises(InvalidRequest, match="would leave Raft group 0 with 2 replicas: add a host first"):
         three.drain_plan(1)
+
+
+def test_a_dead_node_is_never_a_target():
+    hosts = start().change({"action": "add_host", "address": "127.0.0.1:9005"})
+    # as above, with node 5 dead: group 0 -> 4 (the only node outside {1,2,3}), group 1 -> 1
+    # (the only one outside {2,3,4}), group 2 -> 2 (the only one outside {1,3,4})
+    assert hosts.drain_plan(3, avoid=frozenset({5})) == [(0, 4), (1, 1), (2, 2)]
+    with pytest.raises(InvalidRequest, match="would leave Raft group 0 with 2 replicas"):
+        hosts.drain_plan(3, avoid=frozenset({4, 5}))
