@@ -33,6 +33,7 @@ class PlacementLoop:
         self.period = period
         self._seen: dict[int, float] = {}         # node -> when it last answered (monotonic)
         self._stop = threading.Event()
+        self._said: str | None = None             # the last warning: a turn repeats it only when it changes
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="placement-loop", daemon=True).start()
@@ -51,7 +52,7 @@ class PlacementLoop:
                 try:
                     self.turn(hosts, transport)
                 except (RaftpsError, OSError, ConnectionError) as exc:
-                    log.warning("placement loop: %s (tried again next turn)", exc)
+                    self._say(f"placement loop: {exc} (tried again every turn)")
         finally:
             transport.close()
 
@@ -69,7 +70,7 @@ class PlacementLoop:
         for node in sorted(dead):
             plan = [(g, t) for g, t in hosts.drain_plan(node, avoid=dead) if g != 0]
             if 0 in hosts.hosted_by(node):
-                log.warning("node %d is dead and served Raft group 0, which cannot be refilled yet", node)
+                self._say(f"node {node} is dead and served Raft group 0, which cannot be refilled yet")
             if plan:
                 group, target = plan[0]
                 log.warning("node %d has not answered for %.0f s: re-creating its replica of Raft group %d on "
@@ -78,3 +79,8 @@ class PlacementLoop:
                 with HostsAdmin(live, token=self.token, tls=False, timeout=30.0) as admin:
                     admin.move(group, hosts.nodes[node - 1], hosts.nodes[target - 1])
                 return
+
+    def _say(self, message: str) -> None:
+        if message != self._said:
+            self._said = message
+            log.warning("%s", message)
