@@ -9,9 +9,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
-from . import auth, codec, localcluster_cli
+from . import auth, codec, elastic_cli, localcluster_cli
 from .client import Client
 from .errors import RaftpsError
 from .localcluster import ClusterError, LocalCluster
@@ -49,6 +50,7 @@ def _credentials(args: argparse.Namespace, loopback: bool) -> tuple[bytes, str |
 
 def serve(args: argparse.Namespace) -> int:
     from .groups import Layout, group_config
+    from .hosting import Hosting
     from .node import NodeConfig, RaftNode
     from .rbac import Authorizer
     from .server import ClientServer
@@ -84,8 +86,13 @@ def serve(args: argparse.Namespace) -> int:
                         read_mode=args.read_mode, read_confirm=not args.unsafe_skip_read_confirm,
                         durability=args.durability, entries_in_flight=args.entries_in_flight)
     layout = Layout(tuple(peers), args.groups)
+    # several groups: this node's replicas follow group 0's hosts record (hosting.py)
+    hosting = Hosting(config, layout, RaftNode, join=args.join, dead_host_timeout=args.dead_host_timeout) \
+        if layout.groups > 1 else None
     try:
-        replicas = {g: RaftNode(group_config(config, layout, g)) for g in layout.hosted_by(args.id)}
+        replicas = hosting.replicas if hosting else {0: RaftNode(group_config(config, layout, 0))}
+        if hosting:
+            hosting.start()
     except ValueError as exc:                  # e.g. a data dir of the other durability mode
         print(f"raftps serve: {exc}", file=sys.stderr)
         return 2
@@ -93,9 +100,14 @@ def serve(args: argparse.Namespace) -> int:
         where = "%s:%d" % config.bind(config.data_offset)
         print(f"raftps serve: {_os_error(exc, f'cannot listen on {where} (the data plane)')}", file=sys.stderr)
         return 1
+    if not replicas:
+        print(f"node {args.id}: joining: it serves clients once the hosts record gives it a Raft group", flush=True)
+    while not replicas:                        # a joining node (serve --join), until the record names it
+        time.sleep(0.2)
     node = replicas[min(replicas)]             # its metrics and status stand for the node
     try:
-        server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer, layout=layout,
+        server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer,
+                              layout=hosting or layout,
                               client_offset=config.client_offset)
     except OSError as exc:
         where = "%s:%d" % config.bind(config.client_offset)
@@ -118,12 +130,17 @@ def serve(args: argparse.Namespace) -> int:
           f"data plane {config.address(args.id, config.data_offset)}, metrics {node.metrics_address or 'off'}",
           flush=True)
     while not stop.wait(1.0):
-        if not all(r.tick_thread_alive() for r in replicas.values()):
+        if hosting and hosting.drained.is_set():
+            print(f"node {args.id}: the hosts record leaves it no Raft group: exiting", flush=True)
+            break
+        if not all(r.tick_thread_alive() for r in list(replicas.values())):
             print(f"node {args.id}: the raft tick thread died; exiting so a supervisor restarts the node",
                   file=sys.stderr)
             return 1
     server.close()
-    for replica in replicas.values():
+    if hosting:
+        hosting.stop()
+    for replica in list(replicas.values()):
         replica.stop()
     return 0
 
@@ -340,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=1,
                    help="Raft groups the tensors are sharded over (the same on every node): with G > 1 each "
                         "group has 3 members, group g on nodes g+1..g+3 (mod N), Raft port + 400 g")
+    elastic_cli.add_serve_options(p)
     p.add_argument("--secret-file", default=None, help="file holding the cluster's peer secret (>= 16 bytes)")
     p.add_argument("--token-file", default=None,
                    help="file holding the client token; when given, every client must present it")
@@ -460,9 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=token_hash)
 
     localcluster_cli.add_parser(sub, lambda variable, default: _env_int(parser, variable, default))
+    elastic_cli.add_parser(sub, _client_options)
 
     args = parser.parse_args(argv)
-    name = args.command + (f" {args.action}" if args.command in ("cluster", "snapshot", "member") else "")
+    name = args.command + (f" {args.action}" if args.command in ("cluster", "snapshot", "member", "hosts") else "")
     return _run(name, lambda: args.func(args))
 
 

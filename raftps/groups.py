@@ -24,8 +24,32 @@ STRIDE = 400
 REPLICAS = 3
 
 
+class Addressing:
+    """What a layout and the hosts record (hosts.py) both answer, from their ``nodes``,
+    ``groups`` and ``members(group)``."""
+    nodes: tuple[str, ...]
+    groups: int
+
+    def members(self, group: int) -> list[int]:
+        raise NotImplementedError
+
+    def hosted_by(self, node: int) -> list[int]:
+        return [g for g in range(self.groups) if node in self.members(g)]
+
+    def raft_address(self, node: int, group: int) -> str:
+        host, port = self.nodes[node - 1].rsplit(":", 1)
+        return f"{host}:{int(port) + STRIDE * group}"
+
+    def peers(self, group: int) -> list[str]:
+        """``group``'s members' Raft addresses (its --peers)."""
+        return [self.raft_address(m, group) for m in self.members(group)]
+
+    def group_of(self, name: str) -> int:
+        return group_of(name, self.groups)
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(Addressing):
     nodes: tuple[str, ...]          # every node's Raft address (group 0's), in node-id order
     groups: int = 1
 
@@ -47,19 +71,16 @@ class Layout:
         with G = N every node leads one group."""
         return group % len(self.nodes) + 1
 
-    def hosted_by(self, node: int) -> list[int]:
-        return [g for g in range(self.groups) if node in self.members(g)]
+    def member_change_refusal(self, group: int, action: str, address: str) -> str | None:
+        """Why a Raft membership change must not run: with several groups, a node that follows
+        the hosts record (hosting.py) allows its moves' changes; the bare formula allows none."""
+        if self.groups == 1:
+            return None
+        return "with several Raft groups, membership changes go through raftps hosts move (the hosts record)"
 
-    def raft_address(self, node: int, group: int) -> str:
-        host, port = self.nodes[node - 1].rsplit(":", 1)
-        return f"{host}:{int(port) + STRIDE * group}"
-
-    def peers(self, group: int) -> list[str]:
-        """``group``'s members' Raft addresses (its --peers)."""
-        return [self.raft_address(m, group) for m in self.members(group)]
-
-    def group_of(self, name: str) -> int:
-        return group_of(name, self.groups)
+    def base_fields(self) -> dict:
+        """The formula as the base of a hosts_change entry (hosts.py)."""
+        return {"base_nodes": list(self.nodes), "base_placed": [self.members(g) for g in range(self.groups)]}
 
 
 def group_of(name: str, groups: int) -> int:

@@ -44,14 +44,20 @@ class Handlers:
         self.layout, self.client_offset = layout, client_offset   # every node's client port: Raft port + offset
         self.limits = limits
         self.open_connections = open_connections
-        # each replica's open sync steps while it leads (aggregate.py)
-        self._aggregators = {g: StepAggregator(node) for g, node in replicas.items()}
+        # each replica's open sync steps while it leads (aggregate.py); a replica started later
+        # (a node following the hosts record, hosting.py) gets its own on first use
+        self._aggregators: dict[int, StepAggregator] = {}
+
+    def _aggregator(self, group: int, node: RaftNode) -> StepAggregator:
+        if group not in self._aggregators or self._aggregators[group].node is not node:
+            self._aggregators[group] = StepAggregator(node)
+        return self._aggregators[group]
 
     def _status(self, req: dict, identity: Identity) -> dict:
         """This node's row for its first group; with several groups, ``groups`` has a row per
         hosted group (each with its ``group``)."""
         digest = req.get("digest", True) is not False
-        rows = [{**node.status(digest=digest), "group": g, "open_steps": self._aggregators[g].open_steps()}
+        rows = [{**node.status(digest=digest), "group": g, "open_steps": self._aggregator(g, node).open_steps()}
                 for g, node in sorted(self.replicas.items())]
         return {**rows[0], "connections": self.open_connections(), **({"groups": rows} if len(rows) > 1 else {})}
 
@@ -92,7 +98,7 @@ class Handlers:
             return redirect
         grads = check_tensors(req["tensors"])     # each checked against its tensor by the aggregator
         try:
-            return self._aggregators[req.get("raft_group", 0)].contribute(req, grads)
+            return self._aggregator(req.get("raft_group", 0), node).contribute(req, grads)
         except NotApplied as outcome:
             return retry(str(outcome), unknown=outcome.applied is None)
 
@@ -142,6 +148,20 @@ class Handlers:
         readable = None if identity.unrestricted else (lambda n: identity.allows("read", n))
         return self._linearizable(node, lambda m: {"version": m.version, "placement": {
             n: g for n, g in m.placement_table().items() if readable is None or readable(n)}})
+
+    def _hosts(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """Group 0's hosts record as this replica has applied it (None: the formula holds); the
+        nodes follow the newest epoch they are shown (hosting.py)."""
+        _group_0("hosts", req)
+        return {"hosts": node.read_locked(lambda m: m.hosts.snapshot())}
+
+    def _hosts_write(self, node: RaftNode, req: dict, identity: Identity) -> dict:
+        """A hosts change, with the formula's record this node started from as the base of the first."""
+        _group_0("hosts_change", req)
+        if self.layout is None or self.layout.groups == 1:
+            raise InvalidRequest("hosts_change: hosts are placed per Raft group only with several groups "
+                                 "(serve --groups G, G > 1); a one-group cluster changes members with raftps member")
+        return self._write(node, {**req, **self.layout.base_fields()}, identity)
 
     def _pull(self, node: RaftNode, req: dict, identity: Identity) -> dict:
         names = req.get("names")
@@ -245,13 +265,14 @@ class Handlers:
             return redirect
         if action == "list":
             return {"members": node.members, "leader": node.config.raft_address}
-        if self.layout is not None and self.layout.groups > 1:
-            raise InvalidRequest("membership changes of a cluster of several Raft groups are not supported yet "
-                                 "(the layout places groups by node number)")
         new = _raft_address(req.get("node"))
         old = _raft_address(req.get("old")) if action == "replace" else None
         if old == new:
             raise InvalidRequest(f"replace {old} with itself")
+        if self.layout is not None and self.layout.groups > 1:    # only the hosts record's move (hosting.py)
+            refusal = self.layout.member_change_refusal(req.get("raft_group", 0), action, new)
+            if refusal:
+                raise InvalidRequest(refusal)
         try:
             if action != "replace":
                 return node.change_members(action, new)
@@ -293,6 +314,11 @@ class Handlers:
         if not isinstance(ssp_group, str) or not isinstance(worker, str):
             raise InvalidRequest("ssp_wait needs ssp_group (str), worker (str) and timeout (seconds)")
         return node.wait_ssp(ssp_group, worker, min(_seconds(req.get("timeout", 10.0), "timeout"), 300.0))
+
+
+def _group_0(op: str, req: dict) -> None:
+    if req.get("raft_group", 0) != 0:
+        raise InvalidRequest(f"{op}: the hosts record lives in Raft group 0")
 
 
 def _raft_address(value: Any) -> str:

@@ -170,12 +170,14 @@ class LocalCluster:
 
     # ---- lifecycle ------------------------------------------------------------------------
 
-    def start_node(self, node: int) -> int:
+    def start_node(self, node: int, extra_args: tuple[str, ...] = ()) -> int:
+        """``extra_args``: this start's own serve flags (``--join``: a host added to a cluster of
+        several Raft groups, raftps hosts add)."""
         if self.is_up(node):
             return self.pid(node)
         argv = [sys.executable, "-m", self.node_module, "serve", "--id", str(node), "--peers", ",".join(self.peers),
                 "--data-dir", self.data_dir(node), "--secret-file", self.secret_file,
-                "--token-file", self.token_file, *self._tls_args(), *self.extra_args]
+                "--token-file", self.token_file, *self._tls_args(), *self.extra_args, *extra_args]
         if self.command_prefix is not None:
             argv = self.command_prefix(node) + argv
         # "{node}" in a value is this node's number (e.g. a simulated disk's state dir per node)

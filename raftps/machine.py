@@ -1,12 +1,11 @@
 """The replicated state machine: a pure object that knows nothing of sockets, threads or Raft.
 
-``TensorStore.apply(version, command)`` is called once per write, in log order, on every replica,
-with the next store version (the node numbers the writes of each log entry: an entry may carry a
-batch of them, group_commit.py). It never raises: a rejected command returns an error result and changes no
-tensor. Its state (tensors, optimizer state, client sessions, sync-step buffers, each tensor's
-recent update indices for staleness, SSP groups' clocks, statistics) is a function of the log
-alone: no clock, no randomness, sorted iteration, copy-on-write arrays. Push staleness comes
-from the push's base_version and those indices, never from time.
+``TensorStore.apply(version, command)`` is called once per write, in log order, on every replica, with the
+next store version (the node numbers the writes of each log entry: an entry may carry a batch of them,
+group_commit.py). It never raises: a rejected command returns an error result and changes no tensor. Its
+state (tensors, optimizer state, client sessions, sync-step buffers, each tensor's recent update indices
+for staleness, SSP groups' clocks, statistics, group 0's hosts) is a function of the log alone: no clock,
+no randomness, sorted iteration, copy-on-write arrays. Staleness comes from base_version, never time.
 ``snapshot()`` / ``restore()`` turn it into a codec message and back; ``digest()`` hashes it.
 
 Arrays and who may hold them. Dense updates are copy-on-write: they build new arrays and freeze
@@ -33,9 +32,9 @@ import numpy as np
 
 from . import codec, compress, ops, optim, store_snapshot
 from .store_snapshot import snapshot_digest
-
 from .errors import (DtypeMismatch, Internal, InvalidRequest, RaftpsError, TensorExists, UnknownTensor,
                      error_result, exception_result)
+from .hosts import HostsState
 from .moves import Moves
 from .assign_state import plan
 from .ssp_clocks import SspClocks
@@ -59,14 +58,14 @@ class TensorStore:
         self.sessions: OrderedDict[str, Session] = OrderedDict()   # least recently active first
         self.session_limits = session_limits
         self.sync = SyncJobs()                             # sync steps per job (sync_jobs.py)
-        # tensor -> Raft indices of its latest updates (as many as staleness_window): a push's
-        # staleness tau is how many of them come after its base version. Past the window tau
-        # saturates at staleness_window.
+        # tensor -> Raft indices of its latest updates (as many as staleness_window): a push's staleness
+        # tau is how many of them come after its base version (past the window, staleness_window).
         self.staleness_window = staleness_window
         self.update_indices: dict[str, deque[int]] = {}
         self.ssp = SspClocks()                              # SSP groups' bounds and clocks (ssp_clocks.py)
         self.stats = {"pushes": 0, "rejected": 0, "duplicates": 0, "staleness": {}}
         self.moves = Moves()                               # frozen, tombstoned, placed tensors (moves.py)
+        self.hosts = HostsState()                          # group 0: which nodes serve which group (hosts.py)
         self._digest_cache: tuple[int, str] | None = None
 
     # ---- apply -----------------------------------------------------------------------------
@@ -423,8 +422,10 @@ class TensorStore:
     def _place(self, index: int, command: dict) -> dict:
         return self.moves.place(index, command)
 
-    # A log entry's op -> its handler: made from the ops' records (ops.py) below the class.
-    _OPS: dict[str, Callable[["TensorStore", int, dict], dict] | None]
+    def _hosts_change(self, index: int, command: dict) -> dict:
+        return {"version": index, **self.hosts.apply_change(command)}
+
+    _OPS: dict[str, Callable[["TensorStore", int, dict], dict] | None]   # entry op -> handler (ops.py; below)
 
     # ---- reads (callers hold whatever lock guards apply) ------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import schema
 from .errors import InvalidRequest
+from .hosts import ACTIONS as HOSTS_ACTIONS
 from .schema import (ENCODING, HYPER, JOB, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
                      RAFT_GROUP, SSP, SSP_GROUP, STALE_READ, STATE_PART, STATE_RECORD, TENSORS, VERSION,
                      WORKER, WRITE, Array, Bool, Enum, Int, ListOf, MapOf, Number, Seconds, Str, request_record)
@@ -121,6 +122,17 @@ _RECORDS = [
        "admin", ("name",), "_move_write", apply="_place", renamed=(("group", "to"),)),
     Op("move_state", request_record({"name": (NAME, True), "full": (Bool(), False)}), "admin", ("name",), "_move_state"),
     Op("placement", request_record({}), "read", (), "_placement"),      # routing needs it; filtered like tensors
+    # ---- which nodes serve which Raft group (hosts.py; raftps cluster add-host / move-replica) ----
+    Op("hosts", request_record({}), None, (), "_hosts"),                 # group 0's record; nodes follow it
+    Op("hosts_change", request_record({
+        **WRITE, "action": (Enum(HOSTS_ACTIONS), True),
+        "address": (_ADDRESS, False), "move_group": (RAFT_GROUP, False), "source": (Int(1, 64), False),
+        "target": (Int(1, 64), False),
+        # the formula's record, which the first change starts from (the state machine has no
+        # layout): group 0's leader puts its own in the entry, whatever a client sent
+        "base_nodes": (ListOf(Str("a Raft address HOST:PORT", max_len=255), min_len=1, max_len=64), False),
+        "base_placed": (ListOf(ListOf(Int(1, 64), min_len=1, max_len=64), min_len=1, max_len=64), False)}),
+       "admin", ("everything",), "_hosts_write", apply="_hosts_change"),
 ]
 
 OPS: dict[str, Op] = {op.name: op for op in _RECORDS}

@@ -27,7 +27,7 @@ from .errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, Protoc
 from .groups import Layout
 from .handlers import Handlers, retry
 from .instruments import ServerInstruments
-from .node import RaftNode
+from .node import RaftNode, offset_address
 from .rbac import Identity
 
 log = logging.getLogger("raftps.server")
@@ -211,6 +211,9 @@ class ClientServer:
             rbac.authorize(identity, request)     # every name the request carries, before it runs
             if op in self._node_handlers:
                 return self._node_handlers[op](request, identity)
+            replica = self.replicas.get(request.get("raft_group", 0))
+            if replica is None and self.layout is not None and request.get("raft_group", 0) < self.layout.groups:
+                return self._elsewhere(request.get("raft_group", 0))
             return self._handlers[op](self._replica(request), request, identity)
         except RaftpsError as exc:
             reply = exception_result(exc)
@@ -229,6 +232,13 @@ class ClientServer:
             raise InvalidRequest(f"this node hosts Raft groups {hosted}, not {raft_group}: ask a member of Raft "
                                  f"group {raft_group} (the client finds them with the layout op)")
         return node
+
+    def _elsewhere(self, raft_group: int) -> dict:
+        """A request for a Raft group this node does not host (a client routed by an old layout,
+        the group's replica moved away: hosting.py): sent on to a member the layout names."""
+        members = [offset_address(self.layout.nodes[m - 1], self.client_offset) for m in self.layout.members(raft_group)]
+        return retry(f"this node does not host Raft group {raft_group}; its members are {', '.join(members)}",
+                     not_leader=True, leader=members[0] if members else None)
 
     def close(self) -> None:
         codec.close_listener(self.sock)

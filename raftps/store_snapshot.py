@@ -37,6 +37,8 @@ def message(store: Any, share: bool = True) -> dict:
         "stats": [store.stats["pushes"], store.stats["rejected"], store.stats["duplicates"],
                   sorted(store.stats["staleness"].items())],
         "moves": store.moves.snapshot(),
+        # group 0's hosts record (hosts.py), once a host was added or a replica moved
+        **({"hosts": store.hosts.snapshot()} if store.hosts.current is not None else {}),
     }
 
 
@@ -57,6 +59,7 @@ def fill(fresh: Any, snap: Any) -> None:
     pushes, rejected, duplicates, staleness = snap["stats"]
     fresh.stats = {"pushes": pushes, "rejected": rejected, "duplicates": duplicates, "staleness": dict(staleness)}
     fresh.moves.restore(snap.get("moves"))
+    fresh.hosts.restore(snap.get("hosts"))
 
 
 def snapshot_digest(snap: dict) -> str:
