@@ -15,9 +15,10 @@ A push names its encoded tensors in an ``encoding`` field; every other tensor in
   2022, "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861, with linear codes): the
   flattened tensor is cut into blocks of B elements (the last may be shorter), block i travels
   as int8 codes ``round(g / S[i])`` in [-127, 127] with ``S[i] = max|g in block i| / 127``
-  (float32; 1.0 for an all-zero block), S a float32 array of ceil(n / B) scales in the
-  encoding entry itself (so it routes with its tensor). The store decodes ``dtype(q) *
-  dtype(S[i])``. 1 + 4/B bytes per element: B = 256 gives 0.254x float32's bytes.
+  (a float32 value; 1.0 for an all-zero block), S the list of ceil(n / B) scales in the
+  encoding entry itself (so it routes with its tensor and fits a log entry's msgpack, where
+  arrays live only under ``tensors``). The store decodes ``dtype(q) * dtype(S[i])``. 1 + 8/B
+  bytes per element (a scale is a msgpack float64): B = 256 gives 0.258x float32's bytes.
 
 - ``{"kind": "rows"}``: a row-sparse gradient (``nn.Embedding(sparse=True)``): the tensor travels
   as the values of k rows, shape ``(k, *tensor.shape[1:])`` in the tensor's dtype, and
@@ -81,7 +82,8 @@ def encode_int8(grad: np.ndarray, block: int = INT8_BLOCK) -> tuple[np.ndarray, 
         else np.zeros(0, np.float32)
     scales[scales == 0] = 1.0          # an all-zero block (or one below float32's range): codes of 0
     codes = np.clip(np.rint(padded / scales[:, None].astype(grad.dtype)), -127, 127).astype(np.int8)
-    return codes.reshape(-1)[:flat.size].reshape(grad.shape), {"kind": "int8", "block": block, "scales": scales}
+    return codes.reshape(-1)[:flat.size].reshape(grad.shape), {"kind": "int8", "block": block,
+                                                               "scales": scales.tolist()}
 
 
 def topk_indices(values: np.ndarray, k: int) -> np.ndarray:
@@ -232,10 +234,11 @@ def _decode_int8(name: str, x: np.ndarray, enc: dict, target: np.ndarray) -> np.
     if x.shape != target.shape:
         raise InvalidRequest(f"tensor {name!r}: int8 values of shape {x.shape}, the tensor is {target.shape}")
     count = -(-x.size // block)
-    if not isinstance(scales, np.ndarray) or scales.dtype != np.float32 or scales.shape != (count,):
-        raise InvalidRequest(f"tensor {name!r}: int8 scales must be a float32 array of {count} (one per block of "
-                             f"{block}), got {getattr(scales, 'dtype', type(scales).__name__)} of shape "
-                             f"{getattr(scales, 'shape', None)}")
+    if not isinstance(scales, list) or len(scales) != count \
+            or not all(type(v) in (int, float) for v in scales):
+        raise InvalidRequest(f"tensor {name!r}: int8 scales must be a list of {count} numbers (one per block of "
+                             f"{block}), got {type(scales).__name__} of length {getattr(scales, '__len__', lambda: None)()}")
+    scales = np.asarray(scales, np.float64)
     if count and not (bool(np.all(np.isfinite(scales))) and bool(np.all(scales > 0))):
         raise InvalidRequest(f"tensor {name!r}: int8 scales must be finite and > 0")
     t = target.dtype

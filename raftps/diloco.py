@@ -66,9 +66,9 @@ pseudo-gradient: ``python -m bench.diloco_state``), so 3x a round's traffic and 
 arrays more in the store, to save a few inner steps of moment warm-up.
 
 Compression: ``compress="fp16"`` sends pseudo-gradients as float16 with a power-of-two scale
-(raftps.compress), half the bytes; ``compress="int8"`` as int8 codes with one float32 scale per
-block of 256 elements (block-wise absmax, Dettmers et al. 2022, arXiv 2110.02861), 0.254x the
-bytes. Synchronous rounds' contributions are decoded by the leader before they join the round's
+(raftps.compress), half the bytes; ``compress="int8"`` as int8 codes with one scale per
+block of 256 elements (block-wise absmax, Dettmers et al. 2022, arXiv 2110.02861; a scale
+travels as a msgpack float64), 0.258x the bytes. Synchronous rounds' contributions are decoded by the leader before they join the round's
 sum (push_step's ``encoding``), asynchronous ones by the state machine (push's): the log and every
 replica see plain arrays.
 
@@ -344,8 +344,7 @@ class DiLoCo:
     def _round(self, f: int, grads: dict[str, np.ndarray], encoding: dict[str, dict]) -> tuple:
         """Fragment ``f``'s round on the wire (no state of this object changes here: it may run on
         the sender thread): (new global tensors by store name, version, Round, next round)."""
-        sent = sum(g.nbytes for g in grads.values()) + sum(e["scales"].nbytes for e in encoding.values()
-                                                            if "scales" in e)
+        sent = sum(g.nbytes for g in grads.values()) + sum(8 * len(e.get("scales", ())) for e in encoding.values())
         round_ = self.next_round[f]
         if self.asynchronous:
             count = np.zeros(len(self.fragments), np.float64)
