@@ -14,7 +14,7 @@ import pytest
 from raftps import InvalidRequest, jobs
 from raftps.diloco import DiLoCo
 from tests.conftest import start_cluster
-from tests.test_diloco import F32, in_threads, nesterov, versions
+from tests.test_diloco import F32, nesterov, one_round_of_two_ranks, versions
 
 torch = pytest.importorskip("torch")
 
@@ -46,25 +46,17 @@ def int8_decoded(g: np.ndarray) -> np.ndarray:
 def test_an_int8_round_is_the_outer_formula_on_the_mean_of_the_decoded_pseudo_gradients(cluster):
     rng = np.random.default_rng(8)
     init = {"w": rng.standard_normal((30, 20)).astype(F32), "b": rng.standard_normal(3).astype(F32)}
-    with cluster.client() as c0, cluster.client() as c1:
-        ranks = [DiLoCo(c, "bits8", init, rank=r, world_size=2, sync_every=1, compress="int8", step_timeout=20.0)
-                 for r, c in enumerate((c0, c1))]
-        ranks[0].create()
-        for d in ranks:
-            d.resume()
-        local = [{k: v - rng.standard_normal(v.shape).astype(F32) * F32(0.01) for k, v in init.items()}
-                 for _ in range(2)]
-        got = in_threads(*(lambda d=d, p=p: d.after_inner_step(0, p) for d, p in zip(ranks, local)))
-        for k in init:
-            decoded = [int8_decoded(init[k] - p[k]) for p in local]
-            for p, d in zip(local, decoded):       # each within half a step of its block's scale
-                assert np.max(np.abs(d - (init[k] - p[k]))) <= np.max(np.abs(init[k] - p[k])) / 127 / 2 * 1.001
-            want, _ = nesterov(init[k], np.zeros_like(init[k]), (decoded[0] + decoded[1]) / F32(2))
-            for answer in got:
-                assert answer[k].tobytes() == want.tobytes(), k
-        # w: 600 codes + 3 scales, b: 3 codes + 1 scale (a scale: a float64), against 603 float32s
-        assert [d.bytes_sent for d in ranks] == [600 + 3 * 8 + 3 + 8] * 2
-        assert ranks[0].bytes_sent / (603 * 4) < 0.27             # about 1/4 (0.258 on large tensors)
+    ranks, local, got = one_round_of_two_ranks(cluster, "bits8", init, rng, compress="int8")
+    for k in init:
+        decoded = [int8_decoded(init[k] - p[k]) for p in local]
+        for p, d in zip(local, decoded):       # each within half the largest block step
+            assert np.max(np.abs(d - (init[k] - p[k]))) <= np.max(np.abs(init[k] - p[k])) / 127 / 2 * 1.001
+        want, _ = nesterov(init[k], np.zeros_like(init[k]), (decoded[0] + decoded[1]) / F32(2))
+        for answer in got:
+            assert answer[k].tobytes() == want.tobytes(), k
+    # w: 600 codes + 3 scales, b: 3 codes + 1 scale (a scale: a float64), against 603 float32s
+    assert [d.bytes_sent for d in ranks] == [600 + 3 * 8 + 3 + 8] * 2
+    assert ranks[0].bytes_sent / (603 * 4) < 0.27             # about 1/4 (0.258 on large tensors)
 
 
 def bad_encodings(codes, scales):
