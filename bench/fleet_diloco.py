@@ -39,7 +39,8 @@ def worker(argv: list[str]) -> dict:
     rank, world, h, rounds, step_s = int(rank), int(world), int(h), int(rounds), float(step_s)
     with Client(addresses, timeout=float(timeout)) as client:
         d = DiLoCo(client, prefix, model(int(nbytes)), rank=rank, world_size=world, sync_every=h, outer=AVERAGE,
-                   step_timeout=float(timeout), overlap=overlap == "on", compress=None if compress == "none" else compress)
+                   step_timeout=float(timeout), overlap=overlap == "on",
+                   compress=None if compress == "none" else compress)
         try:
             d.create()
             start, local = d.resume()
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load0 = os.getloadavg()[0]
     record = run(args)
-    record.update(command="python -m bench.fleet_diloco " + " ".join(argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    record.update(command="python -m bench.fleet_diloco " + " ".join(argv),
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip(), load=(load0, os.getloadavg()[0]))
     print(write_results(args.out, args.name, record, lambda: report(record)))

@@ -236,8 +236,9 @@ def _decode_int8(name: str, x: np.ndarray, enc: dict, target: np.ndarray) -> np.
     count = -(-x.size // block)
     if not isinstance(scales, list) or len(scales) != count \
             or not all(type(v) in (int, float) for v in scales):
+        length = len(scales) if isinstance(scales, (list, tuple, np.ndarray)) else None
         raise InvalidRequest(f"tensor {name!r}: int8 scales must be a list of {count} numbers (one per block of "
-                             f"{block}), got {type(scales).__name__} of length {getattr(scales, '__len__', lambda: None)()}")
+                             f"{block}), got {type(scales).__name__} of length {length}")
     scales = np.asarray(scales, np.float64)
     if count and not (bool(np.all(np.isfinite(scales))) and bool(np.all(scales > 0))):
         raise InvalidRequest(f"tensor {name!r}: int8 scales must be finite and > 0")

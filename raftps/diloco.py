@@ -68,9 +68,9 @@ arrays more in the store, to save a few inner steps of moment warm-up.
 Compression: ``compress="fp16"`` sends pseudo-gradients as float16 with a power-of-two scale
 (raftps.compress), half the bytes; ``compress="int8"`` as int8 codes with one scale per
 block of 256 elements (block-wise absmax, Dettmers et al. 2022, arXiv 2110.02861; a scale
-travels as a msgpack float64), 0.258x the bytes. Synchronous rounds' contributions are decoded by the leader before they join the round's
-sum (push_step's ``encoding``), asynchronous ones by the state machine (push's): the log and every
-replica see plain arrays.
+travels as a msgpack float64), 0.258x the bytes. Synchronous rounds' contributions are decoded
+by the leader before they join the round's sum (push_step's ``encoding``), asynchronous ones by
+the state machine (push's): the log and every replica see plain arrays.
 
 Overlap (``overlap=True``; Streaming DiLoCo's overlapped communication, Douillard et al. 2025,
 arXiv 2501.18512): at a round's end the rank sends the round (the same one push_step or push as
