@@ -30,7 +30,7 @@ from .deprecated import renamed_keyword
 from .errors import ProtocolError, RaftpsError
 from .job_steps import JobSteps
 from .pipeline import Pipeline
-from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
+from .router import Call, Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
 from .session import Session
 from .tensor_move import Mover
@@ -61,7 +61,7 @@ class Client:
         self._router = Router(addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
         # push_async: up to max_in_flight pushes on their way at once
         self._pipeline = Pipeline(max_in_flight, lambda: self._new_transport())
-        self._steps = JobSteps(self._router, self._write, self._request, self._lock)
+        self._steps = JobSteps(self._router, self._write, self._request, self._lock, self._pipeline.submit)
 
     def _new_transport(self) -> Transport:
         return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
@@ -96,8 +96,11 @@ class Client:
         """Send to Raft group ``raft_group``'s members until a definite reply (router.py)."""
         return self._router.request(message, to_leader, attempt_timeout, raft_group, timeout)
 
-    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, **fields: Any) -> dict:
-        """One write; ``waits``: seconds the node may hold it before answering (push_step)."""
+    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, call: Call | None = None, **fields: Any) -> dict:
+        """One write; ``waits``: seconds the node may hold it before answering (push_step);
+        ``call``: a push_async lane's transport (connections of its own: no need of the lock)."""
+        if call is not None:
+            return self._send_write(op, raft_group, fields, waits, call=call)
         with self._lock:
             return self._send_write(op, raft_group, fields, waits)
 
@@ -270,7 +273,7 @@ class Client:
     @renamed_keyword("group", "job")
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                   rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
-                  clip_norm: float | None = None, encoding: dict | None = None) -> dict:
+                  clip_norm: float | None = None, encoding: dict | None = None, spread_answers: bool = False) -> dict:
         """One worker's contribution to synchronous step ``step`` of job ``job``, summed on
         the leader with the step's other contributions (in rank order, so the sum's bits do not
         depend on arrival order) and replicated once as the step (aggregation
@@ -281,17 +284,18 @@ class Client:
         as its entry left them, read on the leader right after the apply, so no pull is needed (a
         reply without them, e.g. to a contribution sent again, means: pull). Exactly-once: a
         contribution in flight when the leader died is sent again to the new leader with the same
-        seq. With several Raft groups, each group's part in turn.
+        seq. With several Raft groups, every group's part at once (push_async's lanes).
 
         ``hyper``: as push's, and every contribution to a step must carry the same (else refused).
         ``clip_norm``: the leader scales the step's mean gradient to at most this L2 norm, as
         ``torch.nn.utils.clip_grad_norm_`` on one process's full batch (each Raft group clips its
         own part); the answer's ``grad_norm`` is the mean's norm before clipping. ``encoding``: as
         push's, fp16 only (``raftps.compress.encode_fp16``); the leader decodes each contribution
-        before it joins the step's sum."""
+        before it joins the step's sum. ``spread_answers`` (with ``pull``): the tensors read at the
+        step's version from member ``rank`` mod the members (``read_version``): K answers, N links."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
-        extra: dict[str, Any] = {"pull": True} if pull else {}
+        extra: dict[str, Any] = {"pull": True, "spread_answers": spread_answers} if pull else {}
         if hyper:
             extra["hyper"] = hyper
         if clip_norm is not None:

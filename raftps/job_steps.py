@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import numpy as np
@@ -20,11 +21,15 @@ from .router import Router
 class JobSteps:
     """``write(op, raft_group, waits=..., **fields)``: one exactly-once write (Client._write);
     ``request(message, attempt_timeout=..., raft_group=...)``: one read until a definite reply
-    (Client._request), sent holding ``lock``."""
+    (Client._request), sent holding ``lock``; ``submit(send)``: runs ``send(call)`` on a thread
+    with connections of its own (Client's push_async lanes), so that a step's parts in several
+    Raft groups are on their way at once: with the groups' leaders on different hosts, a step's
+    contributions (and its answers) cross G leaders' links together instead of one after another."""
 
     def __init__(self, router: Router, write: Callable[..., dict], request: Callable[..., dict],
-                 lock: threading.RLock):
+                 lock: threading.RLock, submit: Callable[[Callable[[Any], dict]], "Future[dict]"]):
         self._router, self._write, self._request, self._lock = router, write, request, lock
+        self._submit = submit
         self._raft_groups: dict[str, set[int]] = {}     # job -> Raft groups this client contributed to
 
     def contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
@@ -32,6 +37,9 @@ class JobSteps:
         """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group
         (with it the per-tensor fields, ``hyper`` and ``encoding``: each part takes its tensors')."""
         per_tensor = {key: extra.pop(key) for key in ("hyper", "encoding") if extra.get(key)}
+        if extra.pop("spread_answers", False) and extra.pop("pull", False):
+            reply = self.contribute(op, grads, step, workers, job, rank, waits, **extra, **per_tensor)
+            return {**reply, **self._read_answer(grads, reply, rank or 0)}
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
         if job is not None:
             fields["job"] = job
@@ -41,16 +49,33 @@ class JobSteps:
         if self._router.groups() == 1:
             return self._write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
 
-        def write(g: int, part: dict) -> dict:
+        def write(g: int, part: dict, call: Any) -> dict:
             mine = {key: {k: v for k, v in by_name.items() if k in part} for key, by_name in per_tensor.items()}
-            return self._write(op, g, waits=waits, tensors=part, **fields, **{k: v for k, v in mine.items() if v})
+            return self._write(op, g, waits=waits, call=call, tensors=part, **fields,
+                               **{k: v for k, v in mine.items() if v})
         parts = self._router.split(grads)
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
-        result = self._router.each_group(write, parts)
+        result = self._router.each_group_at_once(write, parts, self._submit)
         sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         sent.update(result["version"])
         return result
+
+    def _read_answer(self, grads: dict[str, Any], reply: dict, rank: int) -> dict:
+        """A step's tensors (``grads``' names) read at its version from the member ``rank`` mod
+        the members of each group (the leader or a follower, which waits until it has applied
+        that version), each group's at once: K ranks' answers leave every member's link, not
+        only the leader's. tensors, tensor_versions and the versions they were read at."""
+        versions = reply["version"] if isinstance(reply["version"], dict) else {0: reply["version"]}
+        parts = {g: list(part) for g, part in self._router.split(dict(grads)).items()} \
+            if self._router.groups() > 1 else {0: list(grads)}
+
+        def read(g: int, names: list[str], call: Any) -> dict:
+            request = {"op": "pull", "names": names, "linearizable": False, "min_version": int(versions.get(g, 0))}
+            return self._router.request(request, to_leader=False, raft_group=g, call=call, first=rank)
+        result = self._router.each_group_at_once(read, parts, self._submit)
+        read_at = result["version"] if self._router.groups() > 1 else result["version"][0]
+        return {"tensors": result["tensors"], "tensor_versions": result["tensor_versions"], "read_version": read_at}
 
     def raft_groups(self, job: str | None) -> list[int]:
         """The Raft groups a job's steps live in: those this client contributed to, else all."""

@@ -13,6 +13,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -79,10 +80,12 @@ class Router:
             self._leaders.pop(group, None)
 
     def request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
-                raft_group: int = 0, timeout: float | None = None, call: Call | None = None) -> dict:
+                raft_group: int = 0, timeout: float | None = None, call: Call | None = None,
+                first: int | None = None) -> dict:
         """Send to Raft group ``raft_group``'s members until a definite reply; raise its error, or
         Unavailable at the deadline (``timeout``, by default the client's). ``call``: another
-        transport's (a push_async lane's connections)."""
+        transport's (a push_async lane's connections). ``first``: a read goes first to member
+        ``first`` mod the members (spreads reads over the members' links), then as any read."""
         group = raft_group
         call = call or self._call
         timeout = timeout or self.timeout
@@ -98,7 +101,8 @@ class Router:
             # leads: ask a node first.
             return (large and self._leader_hint(group, addresses, call)) or self._next_address(addresses)
         known = self._leaders.get(group)
-        target = known if to_leader and known else next_target()
+        target = known if to_leader and known else \
+            addresses[first % len(addresses)] if first is not None and not to_leader else next_target()
         last_problem = "no attempt made"
         pause = 0.02
         uncertain = False       # an attempt may have reached a log (no answer, or "unknown")
@@ -222,13 +226,31 @@ class Router:
         placement and sent there; one that names a tensor being moved (Moving) is sent again after
         a pause, until the client's timeout. Either refusal means nothing of that part was applied,
         so sending it again (with a new seq) applies it once."""
+        return merge(self._replies(write, parts))
+
+    def each_group_at_once(self, write: Callable[[int, Any, Call], dict], parts: dict[int, Any],
+                           submit: Callable[[Callable[[Call], dict]], "Future[dict]"]) -> dict:
+        """As each_group, but every group's part on its way at once: ``submit(send)`` runs
+        ``send(call)`` on a thread with connections of its own (Client's push_async lanes), and
+        ``write(group, part, call)`` sends one part over them. A part re-routed by a move goes on
+        in its thread. One reply, merged in group order, as each_group's."""
+        futures = [submit(lambda call, g=g, part=part: self._replies(lambda g2, p2: write(g2, p2, call), {g: part}))
+                   for g, part in parts.items()]
+        replies: dict[int, dict] = {}
+        wait(futures)                   # every part's outcome, before any error is raised
+        for future in futures:
+            for g, reply in future.result().items():
+                replies[g] = _merge_same_group(replies[g], reply) if g in replies else reply
+        return merge(dict(sorted(replies.items())))
+
+    def _replies(self, write: Any, parts: dict[int, Any]) -> dict[int, dict]:
         replies: dict[int, dict] = {}
         queue = list(parts.items())
         deadline = time.monotonic() + self.timeout
         pause = 0.02
         for _ in range(10_000):             # bounded: each turn sends one part (or waits, bounded by time)
             if not queue:
-                return merge(replies)
+                return replies
             g, part = queue.pop(0)
             try:
                 reply = write(g, part)
