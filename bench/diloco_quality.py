@@ -1,7 +1,8 @@
 """DiLoCo against synchronous training at the same tokens: the char GPT x4 on a real 3-node cluster.
 
 ``python -m bench.diloco_quality [--batches 300,1200] [--h 5,20,50] [--outer nesterov,average]
-[--modes diloco,diloco-async] [--warmup 0,30] [--inner-lr 2e-3,4e-3] [--out bench/results]``: for each configuration, 4 ranks (threads of
+[--modes diloco,diloco-async] [--warmup 0,30] [--inner-lr 2e-3,4e-3] [--compress none,fp16,int8]
+[--overlap off,on] [--name diloco_quality] [--out bench/results]``: for each configuration, 4 ranks (threads of
 this process, each with its own model replica and inner optimizer) train examples/char_gpt.py's
 GPT on 1/4 of each global batch of 32 windows, and the validation loss is taken at every budget
 in ``--batches``; "sync x4" is raftps's synchronous mode (the store's Adam on the mean gradient
@@ -9,7 +10,8 @@ every batch), the reference DiLoCo must match within 5% at the same tokens. Inne
 torch.optim.Adam at the examples' lr (2e-3), the optimizer sync runs in the store. Outer steps:
 "nesterov" (the paper's: momentum SGD, lr 0.7, momentum 0.9, Nesterov) and "average" (SGD lr 1.0:
 the global parameters become the mean of the ranks'). Also reports the bytes sent to the store per
-token. Writes diloco_quality.md/.json; progress on stderr.
+token. ``--compress``: the pseudo-gradients' encoding (raftps/diloco.py); ``--overlap on``: each
+round sent in the background while inner steps go on. Writes NAME.md/.json; progress on stderr.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ OUTERS = {"nesterov": {"name": "momentum", "lr": 0.7, "momentum": 0.9, "nesterov
 
 
 def run(cluster: Any, label: str, budgets: list[int], mode: str, sync_every: int = 1,
-        outer: dict | None = None, warmup: int = 0, lr: float = LR) -> dict[str, Any]:
+        outer: dict | None = None, warmup: int = 0, lr: float = LR, compress: str = "none",
+        overlap: bool = False) -> dict[str, Any]:
     """One configuration: 4 ranks to the largest budget; the validation loss at each budget."""
     import torch
     import raftps.torch as rpt
@@ -49,7 +52,8 @@ def run(cluster: Any, label: str, budgets: list[int], mode: str, sync_every: int
     def rank(r: int) -> None:
         model, batch_indices, loss_on, val_loss = built[r]
         inner = torch.optim.Adam(model.parameters(), lr=lr)
-        extra = {"sync_every": sync_every, "outer": outer, "warmup": warmup} if mode.startswith("diloco") else {}
+        extra = {"sync_every": sync_every, "outer": outer, "warmup": warmup, "compress": compress,
+                 "overlap": overlap} if mode.startswith("diloco") else {}
         with rpt.DistributedOptimizer(inner, model=model, cluster=cluster.client(timeout=120), mode=mode,
                                       prefix=prefix, rank=r, world_size=WORLD, step_timeout=120.0, **extra) as opt:
             for g in range(max(budgets)):
@@ -57,6 +61,8 @@ def run(cluster: Any, label: str, budgets: list[int], mode: str, sync_every: int
                 opt.zero_grad()
                 loss_on(model, idx[r * BATCH // WORLD:(r + 1) * BATCH // WORLD]).backward()
                 opt.step()
+                if g + 1 in budgets and overlap:     # the round in flight, applied: the global values
+                    opt.flush()
                 if r == 0 and g + 1 in budgets:      # at a round's end every rank holds the global values
                     val[g + 1] = val_loss(model)
                     log(f"{label}: batch {g + 1}, validation loss {val[g + 1]:.4f} ({time.monotonic() - t0:.0f} s)")
@@ -79,7 +85,8 @@ def run(cluster: Any, label: str, budgets: list[int], mode: str, sync_every: int
     tokens = max(budgets) * BATCH * char_gpt.BLOCK
     # sync: every rank sends its float32 gradient every batch
     per_token = (sum(sent) if mode.startswith("diloco") else WORLD * params * max(budgets)) / tokens
-    return {"label": label, "mode": mode, "sync_every": sync_every, "outer": outer, "val_loss": val,
+    return {"label": label, "mode": mode, "sync_every": sync_every, "outer": outer, "compress": compress,
+            "overlap": overlap, "val_loss": val,
             "bytes_per_token": per_token, "seconds": time.monotonic() - t0}
 
 
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="diloco", help="comma list of diloco, diloco-async")
     ap.add_argument("--warmup", default="0", help="comma list of DiLoCo warm-up steps (rounds of one step first)")
     ap.add_argument("--inner-lr", default=str(LR), help="comma list of the inner Adam's lr")
+    ap.add_argument("--compress", default="none", help="comma list of none, fp16, int8 (pseudo-gradients)")
+    ap.add_argument("--overlap", default="off", help="comma list of off, on (rounds sent in the background)")
+    ap.add_argument("--name", default="diloco_quality", help="the results' file name (NAME.md, NAME.json)")
     ap.add_argument("--no-sync", action="store_true", help="skip the sync x4 reference")
     ap.add_argument("--base-port", type=int, default=25600)
     ap.add_argument("--out", default="bench/results")
@@ -131,17 +141,20 @@ def main(argv: list[str] | None = None) -> int:
                 for h in (int(x) for x in a.h.split(",")):
                     for name in a.outer.split(","):
                         for w in (int(x) for x in a.warmup.split(",")):
-                            for lr in (float(x) for x in a.inner_lr.split(",")):
+                            for lr, comp, olap in ((float(x), c, o) for x in a.inner_lr.split(",")
+                                                   for c in a.compress.split(",") for o in a.overlap.split(",")):
                                 label = (f"{mode} x4 H={h} {name}" + (f" warmup {w}" if w else "")
-                                         + (f" inner lr {lr:g}" if lr != LR else ""))
-                                rows.append(run(cluster, label, budgets, mode, h, OUTERS[name], w, lr))
+                                         + (f" inner lr {lr:g}" if lr != LR else "")
+                                         + (f" {comp}" if comp != "none" else "") + (" overlap" if olap == "on" else ""))
+                                rows.append(run(cluster, label, budgets, mode, h, OUTERS[name], w, lr, comp,
+                                                olap == "on"))
         finally:
             cluster.wipe()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"command": "python -m bench.diloco_quality " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "load": (load0, os.getloadavg()[0])}
-    print(write_results(a.out, "diloco_quality", {"meta": meta, "rows": rows}, lambda: report(rows, budgets, meta)))
+    print(write_results(a.out, a.name, {"meta": meta, "rows": rows}, lambda: report(rows, budgets, meta)))
     return 0
 
 

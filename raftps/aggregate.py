@@ -343,19 +343,21 @@ def _check_hyper(hyper: Any, tensors: dict) -> None:
 
 
 def _decoded(grads: dict[str, np.ndarray], encoding: Any, tensors: dict) -> dict[str, np.ndarray]:
-    """A contribution's gradients as arrays of their tensors' dtypes: fp16 is decoded here, per
-    contribution, so the step's sum and its one entry are plain arrays (the state machine never
-    sees the encoding). Only fp16: top-k and rows carry index arrays that a step's dense sum and
-    its entry do not take."""
+    """A contribution's gradients as arrays of their tensors' dtypes: fp16 and int8 are decoded
+    here, per contribution, so the step's sum and its one entry are plain arrays (the state machine
+    never sees the encoding). Only those two: top-k and rows carry index arrays that a step's dense
+    sum and its entry do not take."""
     if encoding is None:
         return grads
     for name in sorted(grads):
         if tensors.get(name) is None:
             raise UnknownTensor(f"unknown tensor {name!r}")
-    other = sorted(n for n, enc in encoding.items() if enc.get("kind") != "fp16")
-    if other:
-        raise InvalidRequest(f"push_step: tensor {other[0]!r} is encoded as {encoding[other[0]].get('kind')}: "
-                             "a sync step takes fp16 or no encoding")
+    if isinstance(encoding, dict):          # any other shape: decode_push refuses it by name
+        kinds = [(n, enc.get("kind")) for n, enc in encoding.items() if isinstance(enc, dict)]
+        other = [(n, kind) for n, kind in kinds if kind in compress.KINDS and kind not in compress.DENSE_KINDS]
+        if other:
+            raise InvalidRequest(f"push_step: tensor {other[0][0]!r} is encoded as {other[0][1]}: "
+                                 "a sync step takes fp16 or no encoding (or int8)")
     like = {name: t.data for name, t in tensors.items() if t is not None}
     return compress.decode_push(grads, encoding, like)
 

@@ -33,7 +33,8 @@ MAGIC = b"RPS1"
 PREFIX = struct.Struct("!4sIQ")
 ARRAY_EXT = 1
 # Little-endian only, so the bytes of a tensor are the same on every replica and on disk.
-DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int32": "<i4", "int64": "<i8"}
+DTYPES = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int32": "<i4", "int64": "<i8",
+          "int8": "|i1"}   # int8: compressed pseudo-gradients' codes (raftps.compress), never a stored tensor
 _DTYPE_NAMES = {np.dtype(v).str: k for k, v in DTYPES.items()}
 MAX_NDIM = 8
 # A larger blob is received into anonymous mmap memory, whose pages cost RAM only once bytes

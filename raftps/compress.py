@@ -11,6 +11,14 @@ A push names its encoded tensors in an ``encoding`` field; every other tensor in
   duplicates and a check that costs one pass). The store scatters them into zeros and applies
   the tensor's optimizer to that dense gradient. 8 (int32) bytes per kept value, so the
   payload and the log scale with k. The worker keeps what it did not send (error feedback).
+- ``{"kind": "int8", "block": B, "scales": S}``: block-wise absmax quantisation (Dettmers et al.
+  2022, "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861, with linear codes): the
+  flattened tensor is cut into blocks of B elements (the last may be shorter), block i travels
+  as int8 codes ``round(g / S[i])`` in [-127, 127] with ``S[i] = max|g in block i| / 127``
+  (a float32 value; 1.0 for an all-zero block), S the list of ceil(n / B) scales in the
+  encoding entry itself (so it routes with its tensor and fits a log entry's msgpack, where
+  arrays live only under ``tensors``). The store decodes ``dtype(q) * dtype(S[i])``. 1 + 8/B
+  bytes per element (a scale is a msgpack float64): B = 256 gives 0.258x float32's bytes.
 
 - ``{"kind": "rows"}``: a row-sparse gradient (``nn.Embedding(sparse=True)``): the tensor travels
   as the values of k rows, shape ``(k, *tensor.shape[1:])`` in the tensor's dtype, and
@@ -34,7 +42,10 @@ from .errors import InvalidGradient, InvalidRequest
 INDICES_SUFFIX = ":indices"
 FP16_TARGET = 2.0 ** 14
 INDEX_DTYPES = (np.dtype("int32"), np.dtype("int64"))
-KINDS = ("fp16", "topk", "rows")
+KINDS = ("fp16", "int8", "topk", "rows")
+DENSE_KINDS = ("fp16", "int8")     # decode to a dense array of the tensor's shape (a sync step takes these)
+INT8_BLOCK = 256
+INT8_MAX_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,21 @@ def fp16_scale(grad: np.ndarray) -> float:
 def encode_fp16(grad: np.ndarray) -> tuple[np.ndarray, dict]:
     scale = fp16_scale(grad)
     return (grad * grad.dtype.type(scale)).astype(np.float16), {"kind": "fp16", "scale": scale}
+
+
+def encode_int8(grad: np.ndarray, block: int = INT8_BLOCK) -> tuple[np.ndarray, dict]:
+    """(int8 codes of grad's shape, its encoding entry): see the module docstring."""
+    flat = grad.reshape(-1)
+    count = -(-flat.size // block)
+    padded = np.zeros(count * block, grad.dtype)
+    padded[:flat.size] = flat
+    padded = padded.reshape(count, block)
+    scales = (np.max(np.abs(padded), axis=1) / grad.dtype.type(127)).astype(np.float32) if count \
+        else np.zeros(0, np.float32)
+    scales[scales == 0] = 1.0          # an all-zero block (or one below float32's range): codes of 0
+    codes = np.clip(np.rint(padded / scales[:, None].astype(grad.dtype)), -127, 127).astype(np.int8)
+    return codes.reshape(-1)[:flat.size].reshape(grad.shape), {"kind": "int8", "block": block,
+                                                               "scales": scales.tolist()}
 
 
 def topk_indices(values: np.ndarray, k: int) -> np.ndarray:
@@ -120,24 +146,26 @@ def encode_push(grads: dict[str, np.ndarray], method: str, topk: TopK | None = N
     for name, grad in grads.items():
         if method == "fp16":
             tensors[name], encoding[name] = encode_fp16(grad)
+        elif method == "int8":
+            tensors[name], encoding[name] = encode_int8(grad)
         elif method == "topk":
             parts, encoding[name] = topk.encode(name, grad)
             tensors.update(parts)
         else:
-            raise ValueError(f"unknown compression {method!r} (none, fp16, topk)")
+            raise ValueError(f"unknown compression {method!r} (none, fp16, int8, topk)")
     return tensors, encoding
 
 
 def parse(text: str) -> tuple[str, float]:
-    """'none' | 'fp16' | 'topk:FRACTION' -> (method, fraction)."""
-    if text in ("none", "fp16"):
+    """'none' | 'fp16' | 'int8' | 'topk:FRACTION' -> (method, fraction)."""
+    if text in ("none", "fp16", "int8"):
         return text, 1.0
     if text.startswith("topk:"):
         fraction = float(text.split(":", 1)[1])
         if not 0 < fraction <= 1:
             raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
         return "topk", fraction
-    raise ValueError(f"unknown compression {text!r}: none, fp16 or topk:FRACTION")
+    raise ValueError(f"unknown compression {text!r}: none, fp16, int8 or topk:FRACTION")
 
 
 # ---- state machine side --------------------------------------------------------------------
@@ -158,7 +186,7 @@ def decode_push(tensors: dict[str, np.ndarray], encoding: Any,
     for name in sorted(encoding):
         enc = encoding[name]
         if not isinstance(enc, dict) or not isinstance(enc.get("kind"), str) or enc["kind"] not in KINDS:
-            raise InvalidRequest(f"tensor {name!r}: encoding must be {{'kind': 'fp16'|'topk'|'rows', ...}}, "
+            raise InvalidRequest(f"tensor {name!r}: encoding must be {{'kind': 'fp16'|'int8'|'topk'|'rows', ...}}, "
                                  f"got {enc!r}")
         if name not in like:
             raise InvalidRequest(f"tensor {name!r}: encoded but not known to the store")
@@ -167,6 +195,9 @@ def decode_push(tensors: dict[str, np.ndarray], encoding: Any,
         target = like[name]
         if enc["kind"] == "fp16":
             out[name] = _decode_fp16(name, tensors[name], enc, target)
+            used.add(name)
+        elif enc["kind"] == "int8":
+            out[name] = _decode_int8(name, tensors[name], enc, target)
             used.add(name)
         elif enc["kind"] == "topk":
             out[name] = _decode_topk(name, tensors[name], tensors.get(name + INDICES_SUFFIX), target)
@@ -192,6 +223,28 @@ def _decode_fp16(name: str, x: np.ndarray, enc: dict, target: np.ndarray) -> np.
         raise InvalidRequest(f"tensor {name!r}: fp16 values of shape {x.shape}, the tensor is {target.shape}")
     t = target.dtype.type
     return x.astype(target.dtype) / t(scale)
+
+
+def _decode_int8(name: str, x: np.ndarray, enc: dict, target: np.ndarray) -> np.ndarray:
+    block, scales = enc.get("block"), enc.get("scales")
+    if type(block) is not int or not 1 <= block <= INT8_MAX_BLOCK:
+        raise InvalidRequest(f"tensor {name!r}: int8 block must be an int in [1, {INT8_MAX_BLOCK}], got {block!r}")
+    if not isinstance(x, np.ndarray) or x.dtype != np.int8:
+        raise InvalidRequest(f"tensor {name!r}: int8 encoding needs int8 values, got {getattr(x, 'dtype', type(x))}")
+    if x.shape != target.shape:
+        raise InvalidRequest(f"tensor {name!r}: int8 values of shape {x.shape}, the tensor is {target.shape}")
+    count = -(-x.size // block)
+    if not isinstance(scales, list) or len(scales) != count \
+            or not all(type(v) in (int, float) for v in scales):
+        length = len(scales) if isinstance(scales, (list, tuple, np.ndarray)) else None
+        raise InvalidRequest(f"tensor {name!r}: int8 scales must be a list of {count} numbers (one per block of "
+                             f"{block}), got {type(scales).__name__} of length {length}")
+    scales = np.asarray(scales, np.float64)
+    if count and not (bool(np.all(np.isfinite(scales))) and bool(np.all(scales > 0))):
+        raise InvalidRequest(f"tensor {name!r}: int8 scales must be finite and > 0")
+    t = target.dtype
+    per_element = np.repeat(scales.astype(t), block)[:x.size]
+    return (x.reshape(-1).astype(t) * per_element).reshape(target.shape)
 
 
 def _decode_topk(name: str, values: np.ndarray, idx: np.ndarray | None, target: np.ndarray) -> np.ndarray:

@@ -66,9 +66,25 @@ pseudo-gradient: ``python -m bench.diloco_state``), so 3x a round's traffic and 
 arrays more in the store, to save a few inner steps of moment warm-up.
 
 Compression: ``compress="fp16"`` sends pseudo-gradients as float16 with a power-of-two scale
-(raftps.compress), half the bytes: synchronous rounds' contributions are decoded by the leader
-before they join the round's sum (push_step's ``encoding``), asynchronous ones by the state
-machine (push's).
+(raftps.compress), half the bytes; ``compress="int8"`` as int8 codes with one scale per
+block of 256 elements (block-wise absmax, Dettmers et al. 2022, arXiv 2110.02861; a scale
+travels as a msgpack float64), 0.258x the bytes. Synchronous rounds' contributions are decoded
+by the leader before they join the round's sum (push_step's ``encoding``), asynchronous ones by
+the state machine (push's): the log and every replica see plain arrays.
+
+Overlap (``overlap=True``; Streaming DiLoCo's overlapped communication, Douillard et al. 2025,
+arXiv 2501.18512): at a round's end the rank sends the round (the same one push_step or push as
+without overlap, so the store's rounds and exactly-once are unchanged) on a background thread,
+snapshots the fragment's local values x_s and returns at once; it keeps taking inner steps.
+The first ``after_inner_step`` after the round's answer arrives returns the fragment's new values
+x_g + (x_local - x_s): the new global parameters plus the local progress made since the snapshot
+(the paper mixes instead, alpha x_local + (1 - alpha) x_g, which with its recommended alpha drops
+part of that progress; here it is kept whole, and it is counted in the next round's
+pseudo-gradient, x_g - x_local, since x_g is that round's anchor). A fragment's next round end
+waits for its previous round's answer first. ``ready()`` says whether an answer waits to be
+applied (a caller that copies parameters to the host only when it must asks it each step);
+``finish(params)`` waits for every round in flight and returns their values (the store's exactly,
+when no inner step was taken since the last round's end); ``close()`` stops the thread.
 
 Bad input (H < 1, F outside [1, number of tensors], an outer spec the store would refuse, a rank
 outside [0, K), a non-float parameter) raises before any I/O: the constructor sends nothing.
@@ -76,6 +92,7 @@ outside [0, K), a non-float parameter) raises before any I/O: the constructor se
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -84,7 +101,7 @@ import numpy as np
 from . import jobs, optim
 from .jobs import MAX_STEP_TIMEOUT
 from .client import Client
-from .compress import encode_fp16
+from .compress import encode_fp16, encode_int8
 from .errors import InvalidOptimizer
 from .job_steps import CREATOR_WAIT, create_chunked, wait_for_tensors
 from .schema import NAME_PATTERN
@@ -148,7 +165,7 @@ class DiLoCo:
     def __init__(self, client: Client, prefix: str, params: Mapping[str, np.ndarray], rank: int = 0,
                  world_size: int = 1, sync_every: int = 100, outer: dict | None = None, fragments: int = 1,
                  asynchronous: bool = False, step_timeout: float = 10.0, compress: str | None = None,
-                 warmup: int = 0):
+                 warmup: int = 0, overlap: bool = False):
         for what, value, low in (("sync_every (H)", sync_every, 1), ("world_size", world_size, 1),
                                  ("fragments", fragments, 1), ("warmup", warmup, 0)):
             if type(value) is not int or value < low:
@@ -158,8 +175,10 @@ class DiLoCo:
         if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) \
                 or not (math.isfinite(step_timeout) and 0 <= step_timeout <= MAX_STEP_TIMEOUT):
             raise ValueError(f"DiLoCo: step_timeout must be seconds in [0, {MAX_STEP_TIMEOUT:g}], got {step_timeout!r}")
-        if compress not in (None, "none", "fp16"):
-            raise ValueError(f"DiLoCo: compress must be None or 'fp16', got {compress!r}")
+        if compress not in (None, "none", "fp16", "int8"):
+            raise ValueError(f"DiLoCo: compress must be None, 'fp16' or 'int8', got {compress!r}")
+        if type(overlap) is not bool:
+            raise ValueError(f"DiLoCo: overlap must be True or False, got {overlap!r}")
         self.outer = outer_spec(outer, bool(asynchronous))
         self.init = _checked_params(prefix, params)
         names = list(self.init)
@@ -169,7 +188,8 @@ class DiLoCo:
         self.client, self.prefix, self.rank, self.world_size = client, prefix, rank, world_size
         self.sync_every, self.asynchronous, self.step_timeout = sync_every, bool(asynchronous), float(step_timeout)
         self.warmup = warmup
-        self.compress = compress if compress == "fp16" else None
+        self.compress = compress if compress in ("fp16", "int8") else None
+        self.overlap = overlap
         self.fragments = [[names[i] for i in part]
                           for part in split_fragments([self.init[n].nbytes for n in names], fragments)]
         self.jobs = [jobs.diloco_job(prefix, f, fragments) for f in range(fragments)]   # each fragment's round sequence
@@ -182,6 +202,11 @@ class DiLoCo:
         self.rounds: list[Round] = []               # what the last after_inner_step synced
         self.bytes_sent = 0
         self.version: Any = None                    # the newest store version this rank has seen
+        # overlap: fragment -> (its round's answer to come, the local values it was sent from, the
+        # step they were taken at); one sender thread, so the client is used by one thread at a time
+        self.in_flight: dict[int, tuple[Future, dict[str, np.ndarray], int]] = {}
+        self.last_step = -1
+        self._sender: ThreadPoolExecutor | None = None
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -242,22 +267,67 @@ class DiLoCo:
     def after_inner_step(self, step: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """Call after inner step ``step`` (0-based, as counted from ``resume``'s start). At a round's
         end, sync the fragment(s) due and return their new global values (writeable arrays by
-        name); otherwise None and no I/O."""
+        name); otherwise None and no I/O. With ``overlap``: the rounds whose answers have arrived
+        are applied (their fragments' values returned, see the module docstring) and the rounds
+        due are sent in the background."""
         due = self.due(step)
         self.rounds = []
-        if not due:
+        self.last_step = step
+        out = {f: None for f, (future, _, _) in self.in_flight.items() if future.done() or f in due}
+        if not due and not out:
             return None
         if not self.anchor:
             raise RuntimeError("DiLoCo: call resume() before the first inner step")
-        out: dict[str, np.ndarray] = {}
+        values: dict[str, np.ndarray] = {}
+        for f in sorted(out):
+            values.update(self._applied(f, {**params, **values}))
         for f in due:
-            out.update(self._sync_async(f, params) if self.asynchronous else self._sync(f, params))
-        return out
+            current = {**params, **values}
+            if self.overlap:
+                self._send_in_background(f, current, step)
+            else:
+                values.update(self._finish(f, self._round(f, *self._outgoing(f, current))))
+        return values or None
 
-    def _outgoing(self, f: int, params: Mapping[str, np.ndarray],
-                  scale: float = 1.0) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
-        """Fragment ``f``'s pseudo-gradients by store name, times ``scale``, as they are sent
-        (fp16 with ``compress``), and their encoding (empty when sent as they are)."""
+    def ready(self) -> bool:
+        """Overlap: whether a round's answer has arrived and waits for ``after_inner_step``."""
+        return any(future.done() for future, _, _ in self.in_flight.values())
+
+    def finish(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Wait for every round in flight (overlap) and return their fragments' values, applied to
+        ``params`` (the local values now); {} when none is in flight."""
+        self.rounds = []
+        values: dict[str, np.ndarray] = {}
+        for f in sorted(self.in_flight):
+            values.update(self._applied(f, {**params, **values}))
+        return values
+
+    def close(self) -> None:
+        """Stop the overlap's sender thread (a round it is sending is finished first)."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
+            self._sender = None
+
+    def _send_in_background(self, f: int, params: Mapping[str, np.ndarray], step: int) -> None:
+        snapshot = {n: np.array(params[n]) for n in self.fragments[f]}
+        outgoing = self._outgoing(f, snapshot)
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"diloco-{self.prefix}-{self.rank}")
+        self.in_flight[f] = (self._sender.submit(self._round, f, *outgoing), snapshot, step)
+
+    def _applied(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Fragment ``f``'s round in flight, waited for and applied: x_g + (x_local - x_snapshot)."""
+        future, snapshot, step = self.in_flight.pop(f)
+        new = self._finish(f, future.result())
+        if step == self.last_step:              # no inner step since the snapshot: the store's bits
+            return new
+        return {n: np.add(new[n], np.subtract(np.asarray(params[n]), snapshot[n])) for n in new}
+
+    def _outgoing(self, f: int, params: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+        """Fragment ``f``'s pseudo-gradients by store name (asynchronous: times the push scale), as
+        they are sent (compressed with ``compress``), and their encoding (empty when sent as
+        they are)."""
+        scale = self.push_scale if self.asynchronous else 1.0
         grads: dict[str, np.ndarray] = {}
         encoding: dict[str, dict] = {}
         for n in self.fragments[f]:
@@ -266,44 +336,43 @@ class DiLoCo:
                 np.multiply(g, g.dtype.type(scale), out=g)
             if self.compress == "fp16":
                 g, encoding[self.store_name(n)] = encode_fp16(g)
+            elif self.compress == "int8":
+                g, encoding[self.store_name(n)] = encode_int8(g)
             grads[self.store_name(n)] = g
         return grads, encoding
 
-    def _sync(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        names = self.fragments[f]
-        grads, encoding = self._outgoing(f, params)
-        sent = sum(g.nbytes for g in grads.values())
+    def _round(self, f: int, grads: dict[str, np.ndarray], encoding: dict[str, dict]) -> tuple:
+        """Fragment ``f``'s round on the wire (no state of this object changes here: it may run on
+        the sender thread): (new global tensors by store name, version, Round, next round)."""
+        sent = sum(g.nbytes for g in grads.values()) + sum(8 * len(e.get("scales", ())) for e in encoding.values())
         round_ = self.next_round[f]
+        if self.asynchronous:
+            count = np.zeros(len(self.fragments), np.float64)
+            count[f] = -1.0                                  # the counter's sgd lr 1 adds one
+            version = self.client.push({**grads, self.counter: count}, base_version=self.base[f],
+                                       encoding=encoding or None)
+            tensors, version = self.client.pull(list(grads), min_version=version)
+            return tensors, version, Round(f, round_, 1, False, sent), round_ + 1
         answer = self.client.push_step(grads, round_, self.world_size, job=self.jobs[f], rank=self.rank,
                                        timeout=self.step_timeout, pull=True, encoding=encoding or None)
         late = bool(answer.get("late"))
-        tensors = answer.get("tensors") or {}
-        self.version = answer["version"]
+        tensors, version, next_round = answer.get("tensors") or {}, answer["version"], round_ + 1
         if late:        # left out: rejoin at the store's next round, from the newest values
-            self.next_round[f] = self.client.sync_applied(self.jobs[f]) + 1
-            tensors, self.version = self.client.pull(list(grads))
-        else:
-            self.next_round[f] = round_ + 1
-            if not set(grads) <= set(tensors):           # a contribution sent again: read them
-                tensors, _ = self.client.pull(list(grads), min_version=answer["version"], linearizable=False)
-        self.rounds.append(Round(f, round_, int(answer.get("count", 0)), late, sent))
-        self.bytes_sent += sent
-        return self._install(names, tensors)
+            next_round = self.client.sync_applied(self.jobs[f]) + 1
+            tensors, version = self.client.pull(list(grads))
+        elif not set(grads) <= set(tensors):           # a contribution sent again: read them
+            tensors, _ = self.client.pull(list(grads), min_version=answer["version"], linearizable=False)
+        return tensors, version, Round(f, round_, int(answer.get("count", 0)), late, sent), next_round
 
-    def _sync_async(self, f: int, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        names = self.fragments[f]
-        grads, encoding = self._outgoing(f, params, self.push_scale)
-        sent = sum(g.nbytes for g in grads.values())
-        count = np.zeros(len(self.fragments), np.float64)
-        count[f] = -1.0                                  # the counter's sgd lr 1 adds one
-        version = self.client.push({**grads, self.counter: count}, base_version=self.base[f],
-                                   encoding=encoding or None)
-        tensors, self.base[f] = self.client.pull(list(grads), min_version=version)
-        self.version = self.base[f]
-        self.rounds.append(Round(f, self.next_round[f], 1, False, sent))
-        self.next_round[f] += 1
-        self.bytes_sent += sent
-        return self._install(names, tensors)
+    def _finish(self, f: int, result: tuple) -> dict[str, np.ndarray]:
+        tensors, version, round_, next_round = result
+        self.version = version
+        if self.asynchronous:
+            self.base[f] = version
+        self.next_round[f] = next_round
+        self.rounds.append(round_)
+        self.bytes_sent += round_.bytes
+        return self._install(self.fragments[f], tensors)
 
     def _install(self, names: list[str], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for n in names:

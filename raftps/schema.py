@@ -326,6 +326,8 @@ OPTIMIZER = Tagged("name", {name: _optimizer_variant(params) for name, params in
                    error=InvalidOptimizer)
 ENCODING = MapOf(NAME, Tagged("kind", {
     "fp16": Record({"kind": (Str(), True), "scale": (Number(("> 0", lambda x: x > 0)), True)}),
+    "int8": Record({"kind": (Str(), True), "block": (Int(1, compress.INT8_MAX_BLOCK), True),
+                    "scales": (ListOf(Number(("> 0", lambda x: x > 0))), True)}),    # their count: compress.py
     "topk": Record({"kind": (Str(), True)}),
     "rows": Record({"kind": (Str(), True)}),
 }), min_len=1, nullable=True)

@@ -89,12 +89,11 @@ def test_one_round_of_two_ranks_is_the_outer_formula_on_the_mean(cluster):
         assert versions(c0, "bits", init) == {"w": 2, "b": 2}
 
 
-def test_an_fp16_round_is_the_outer_formula_on_the_mean_of_the_decoded_pseudo_gradients(cluster):
-    from raftps.compress import encode_fp16
-    rng = np.random.default_rng(2)
-    init = {"w": rng.standard_normal((4, 3)).astype(F32), "b": rng.standard_normal(3).astype(F32)}
+def one_round_of_two_ranks(cluster, prefix, init, rng, **options):
+    """Two ranks' DiLoCo (H = 1) each send one round from ``init`` moved a little: (the ranks,
+    their local values, their answers)."""
     with cluster.client() as c0, cluster.client() as c1:
-        ranks = [DiLoCo(c, "bits16", init, rank=r, world_size=2, sync_every=1, compress="fp16", step_timeout=20.0)
+        ranks = [DiLoCo(c, prefix, init, rank=r, world_size=2, sync_every=1, step_timeout=20.0, **options)
                  for r, c in enumerate((c0, c1))]
         ranks[0].create()
         for d in ranks:
@@ -102,16 +101,24 @@ def test_an_fp16_round_is_the_outer_formula_on_the_mean_of_the_decoded_pseudo_gr
         local = [{k: v - rng.standard_normal(v.shape).astype(F32) * F32(0.01) for k, v in init.items()}
                  for _ in range(2)]
         got = in_threads(*(lambda d=d, p=p: d.after_inner_step(0, p) for d, p in zip(ranks, local)))
-        for k in init:
-            decoded = []
-            for p in local:
-                values, enc = encode_fp16(init[k] - p[k])
-                decoded.append(values.astype(F32) / F32(enc["scale"]))
-            want, _ = nesterov(init[k], np.zeros_like(init[k]), (decoded[0] + decoded[1]) / F32(2))
-            for answer in got:
-                assert answer[k].tobytes() == want.tobytes(), k
-        params = sum(a.size for a in init.values())
-        assert [d.bytes_sent for d in ranks] == [2 * params, 2 * params]      # float16: half of float32's
+    return ranks, local, got
+
+
+def test_an_fp16_round_is_the_outer_formula_on_the_mean_of_the_decoded_pseudo_gradients(cluster):
+    from raftps.compress import encode_fp16
+    rng = np.random.default_rng(2)
+    init = {"w": rng.standard_normal((4, 3)).astype(F32), "b": rng.standard_normal(3).astype(F32)}
+    ranks, local, got = one_round_of_two_ranks(cluster, "bits16", init, rng, compress="fp16")
+    for k in init:
+        decoded = []
+        for p in local:
+            values, enc = encode_fp16(init[k] - p[k])
+            decoded.append(values.astype(F32) / F32(enc["scale"]))
+        want, _ = nesterov(init[k], np.zeros_like(init[k]), (decoded[0] + decoded[1]) / F32(2))
+        for answer in got:
+            assert answer[k].tobytes() == want.tobytes(), k
+    params = sum(a.size for a in init.values())
+    assert [d.bytes_sent for d in ranks] == [2 * params, 2 * params]      # float16: half of float32's
 
 
 def read_log(path):
@@ -299,7 +306,8 @@ def test_warmup_rounds_are_one_step_then_rounds_of_h_at_their_offsets():
     ({"outer": {"name": "adam", "lr": -1.0}}, InvalidOptimizer, "lr must be > 0"),
     ({"outer": {"name": "elastic"}}, InvalidOptimizer, "cannot be 'elastic'"),
     ({"rank": 2, "world_size": 2}, ValueError, "rank"),
-    ({"compress": "topk:0.1"}, ValueError, "compress must be None or 'fp16'"),
+    ({"compress": "topk:0.1"}, ValueError, "compress must be None, 'fp16' or 'int8'"),
+    ({"overlap": 1}, ValueError, "overlap must be True or False"),
     ({"step_timeout": float("nan")}, ValueError, "step_timeout"),
     ({"warmup": -1}, ValueError, "warmup"),
     ({"params": {"w": np.zeros(3, np.int64), "b": np.zeros(1, F32)}}, ValueError, "float32 or float64"),

@@ -178,7 +178,7 @@ F = np.ones(8, np.float32)
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": {"a": 1}}}, InvalidRequest,
      "push: tensors['w']: expected an array, got a map"),
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "encoding": {"w": {"kind": F}}}, InvalidRequest,
-     "push: encoding['w'].kind: expected one of 'fp16', 'rows', 'topk', got an array (float32, shape (8,))"),
+     "push: encoding['w'].kind: expected one of 'fp16', 'int8', 'rows', 'topk', got an array (float32, shape (8,))"),
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "encoding": {"w": {"kind": "fp16"}}},
      InvalidRequest, "push: encoding['w'].scale: expected a finite number > 0, got nothing (the field is required)"),
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "base_version": -1}, InvalidRequest,
