@@ -43,8 +43,8 @@ class _Distributed:
         is called once, with grad enabled, before the step, and its loss is returned; without
         one, the store version the model now holds is returned.
 
-        Sync mode tells ``torch.amp.GradScaler`` that this step handles the scale itself
-        (``_step_supports_amp_scaling``): GradScaler then calls it on every rank, also on one whose
+        With K > 1 sync ranks, this step tells ``torch.amp.GradScaler`` that it handles the scale
+        itself (``_step_supports_amp_scaling``): GradScaler then calls it on every rank, also on one whose
         gradient holds an inf (``found_inf``), which contributes a skip, so the step is skipped
         on every rank and changes nothing in the store, as under DDP, and the ranks stay in step."""
         if closure is None:
@@ -56,8 +56,10 @@ class _Distributed:
         self._store_step()
         return loss
 
-    # GradScaler reads it: in sync mode it calls step() with found_inf and grad_scale set (see step)
-    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync")
+    # GradScaler reads it: with K > 1 sync ranks it calls step() with found_inf and grad_scale set
+    # (see step). One rank keeps torch's own skip (step() not called), which Accelerate and HF
+    # Trainer detect to hold the LR scheduler back, as with a plain optimizer.
+    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync" and self._raftps.world_size > 1)
 
     @torch.no_grad()
     def _store_step(self) -> int:

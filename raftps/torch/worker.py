@@ -113,7 +113,7 @@ class Worker:
             stored = [s.store_name for s in self.params + self.buffers]
             if mode != "sync":
                 self.counters = step_counters(self.client, prefix, self.rank, stored)
-            else:
+            elif self.world_size > 1:        # one rank keeps torch's own skip (optimizer.py)
                 groups = self.client.groups()
                 self.skip_flags = [jobs.skip_flag(prefix, g, groups) for g in sorted({self.client.group_of(n) for n in stored})]
             try:

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import raftps.torch as rpt  # noqa: E402
+from raftps.model_files import export_model, read_model  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
 from tests.pytorch.compare import max_diff, state_diff  # noqa: E402
@@ -107,7 +108,8 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(cluster):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_0d_parameter_and_buffer_train_as_plain_torch(cluster, mode):
+def test_a_0d_parameter_and_buffer_train_as_plain_torch(cluster, mode, tmp_path):
+    """...and `raftps export` writes them 0-d: the file loads into the model."""
     data = batches(5)
     want = Scalars()
     want_opt = torch.optim.Adam(want.parameters(), lr=1e-2)
@@ -128,4 +130,9 @@ def test_a_0d_parameter_and_buffer_train_as_plain_torch(cluster, mode):
                                     cluster=cluster.client(), mode=mode, prefix=f"scalar-{mode}")
     assert max_diff(again, want) < 1e-6
     opt2.close()
+    path = tmp_path / "model.safetensors"
+    export_model(opt.client, f"scalar-{mode}", "safetensors", str(path))
+    exported = Scalars()        # strict: names and shapes
+    exported.load_state_dict({n: torch.from_numpy(a.copy()) for n, a in read_model(str(path))[0].items()})
+    assert max_diff(exported, want) < 1e-6
     opt.close()
