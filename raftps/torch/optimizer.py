@@ -57,9 +57,12 @@ class _Distributed:
         return loss
 
     # GradScaler reads it: with K > 1 sync ranks it calls step() with found_inf and grad_scale set
-    # (see step). One rank keeps torch's own skip (step() not called), which Accelerate and HF
-    # Trainer detect to hold the LR scheduler back, as with a plain optimizer.
-    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync" and self._raftps.world_size > 1)
+    # (see step). Torch's own skip (step() not called on an inf) stays with one rank, and under
+    # Accelerate's optimizer (so HF Trainer's), which replaces step() on this instance around
+    # GradScaler.step and counts a step whose step() did not run as skipped (holding the LR
+    # scheduler back): a call would count as a step taken.
+    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync" and self._raftps.world_size > 1
+                                          and not getattr(self.__dict__.get("step"), "__module__", "").startswith("accelerate"))
 
     @torch.no_grad()
     def _store_step(self) -> int:
