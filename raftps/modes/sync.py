@@ -12,7 +12,7 @@ inf) applies no gradient, only the running statistics' drift; every rank's resul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class SyncSteps:
     """Job ``job``'s steps (None: the store-wide default job) for rank ``rank`` of ``world_size``."""
 
     def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float,
-                 skip_flags: list[str] = ()):
+                 skip_flags: Iterable[str] = ()):
         self.link, self.job = link, job
         self.world_size, self.rank, self.step_timeout = world_size, rank, step_timeout
         self.skip_flags = list(skip_flags)    # jobs.skip_flag per Raft group: every contribution carries them

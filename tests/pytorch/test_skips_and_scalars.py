@@ -16,6 +16,7 @@ from tests.pytorch.compare import max_diff, state_diff  # noqa: E402
 from tests.pytorch.ranks import run_ranks  # noqa: E402
 
 BASE_PORT = 26200
+GROUPED_PORT = 27300
 STEPS = 4
 SKIPPED = 1          # the step whose gradient holds an inf
 SCALE = 2.0 ** 8
@@ -24,6 +25,14 @@ SCALE = 2.0 ** 8
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cl = start_cluster(tmp_path_factory.mktemp("skips") / "run", BASE_PORT)
+    yield cl
+    cl.wipe()
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """Three Raft groups: the model's tensors, so each step's parts, spread over them."""
+    cl = start_cluster(tmp_path_factory.mktemp("skips-groups") / "run", GROUPED_PORT, groups=3)
     yield cl
     cl.wipe()
 
@@ -65,16 +74,19 @@ def amp_loop(model, opt, data, poison, after_step=None) -> tuple[float, float]:
     return scaler.get_scale(), sched.get_last_lr()[0]
 
 
-def test_a_step_one_rank_skips_is_skipped_by_every_rank(cluster):
+@pytest.mark.parametrize("where", ["cluster", "grouped"])
+def test_a_step_one_rank_skips_is_skipped_by_every_rank(where, request):
     """Rank 0's gradient holds an inf at step 1, rank 1's does not: as under DDP (where the
     all-reduced gradient holds the inf on every rank) the step changes nothing in the store, both
-    ranks stay in step, and the run equals one process on the full batch whose step 1 overflowed."""
+    ranks stay in step, and the run equals one process on the full batch whose step 1 overflowed
+    (with three Raft groups too: each group's part of the step is skipped)."""
+    cluster = request.getfixturevalue(where)
     data = batches(STEPS, 32)
     want = Scalars()
     want_opt = torch.optim.Adam(want.parameters(), lr=1e-2)
     want_scale, want_lr = amp_loop(want, want_opt, data, lambda i: i == SKIPPED)
 
-    prefix, models, opts, ends, versions = "skip2", {}, {}, {}, {}
+    prefix, models, opts, ends, versions = f"skip2-{where}", {}, {}, {}, {}
 
     def body(rank: int) -> None:
         model = Scalars()
@@ -91,6 +103,8 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(cluster):
         models[rank], opts[rank], versions[rank] = model, opt, seen
 
     run_ranks(2, body, timeout=120.0)
+    flags = [n for n in opts[0].client.export(prefix + "/")["tensor_versions"] if "/_raftps/skip" in n]
+    assert len(flags) == 1 if where == "cluster" else len(flags) >= 2      # one per Raft group the step spans
     for rank in (0, 1):
         assert [count for count, _, _ in versions[rank]] == list(range(1, STEPS + 1))   # in step
         assert [skipped for _, skipped, _ in versions[rank]] == [i == SKIPPED for i in range(STEPS)]
