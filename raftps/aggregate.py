@@ -239,7 +239,7 @@ class StepAggregator:
         scale, s.grad_norm = clip_scale(gradients, s.count, s.clip_norm)
         if scale < 1.0:
             for name, total in gradients.items():
-                s.sums[name] = total * total.dtype.type(scale)
+                s.sums[name] = np.asarray(total * total.dtype.type(scale))   # a 0-d product is a numpy scalar
 
     def _elastic(self, s: _Step) -> set[str]:
         """The step's tensors under the ``elastic`` rule: added, never a gradient."""

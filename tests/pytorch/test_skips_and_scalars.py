@@ -130,10 +130,12 @@ def test_a_0d_parameter_and_buffer_train_as_plain_torch(cluster, mode, tmp_path)
     model = Scalars()
     opt = rpt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model=model,
                                    cluster=cluster.client(), mode=mode, prefix=f"scalar-{mode}")
-    for m, o in ((want, want_opt), (model, opt)):
+    clips = (lambda: torch.nn.utils.clip_grad_norm_(want.parameters(), 0.5), lambda: opt.clip_grad_norm_(0.5))
+    for m, o, clip in ((want, want_opt, clips[0]), (model, opt, clips[1])):
         for x, y in data:
             o.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
+            clip()           # clipped (the norms are above 0.5): sync clips in the store
             o.step()
     opt.flush()
     assert model.gain.shape == () and model.masked_bias.shape == ()
