@@ -44,7 +44,7 @@ import numpy as np
 
 from . import compress, optim
 from .errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError, UnknownTensor
-from .jobs import MAX_STEP_TIMEOUT
+from .jobs import MAX_STEP_TIMEOUT, is_skip_flag
 from .tensor import check_fits
 from .raft import NotApplied
 
@@ -77,6 +77,7 @@ class _Step:
     failure: Exception | None = None
     grad_norm: float | None = None     # the mean gradient's norm, when the step clips
     proposed_at: float | None = None   # time.monotonic() when its proposer began
+    skipped: bool = False              # a contribution's skip flag (jobs.skip_flag) is set: no gradient applies
 
     def add(self, grads: dict[str, np.ndarray], rank: int | None, client: str = "", seq: int = 0) -> bool:
         """Hold a contribution for the sum (False: its rank had contributed, so it changes nothing)."""
@@ -84,6 +85,9 @@ class _Step:
             return False
         self.parts[(0, rank, "", 0) if rank is not None else (1, 0, client, seq)] = grads
         self.count += 1
+        # A rank that skips the step (its GradScaler found an inf) says so in its skip flag: then
+        # the step applies no gradient on any rank, as DDP's all-reduced inf skips it on all.
+        self.skipped = self.skipped or any(is_skip_flag(name) and bool(np.any(grad != 0)) for name, grad in grads.items())
         if rank is not None:
             self.ranks.add(rank)
         return True
@@ -195,9 +199,14 @@ class StepAggregator:
         s.sums, s.parts = s.total(), {}
         command = {"op": "step", "job": s.job, "step": s.step, "workers": s.workers, "count": s.count,
                    "contributors": s.contributors}
-        if s.hyper is not None:
+        if s.hyper is not None and not s.skipped:
             command["hyper"] = s.hyper
-        if s.clip_norm is not None and s.count:
+        if s.skipped:       # only the elastic tensors (running statistics' drift, the skip flags) apply
+            elastic = self._elastic(s)
+            s.sums, command["skipped"] = {name: total for name, total in s.sums.items() if name in elastic}, True
+        else:
+            s.sums = {name: total for name, total in s.sums.items() if not is_skip_flag(name)}
+        if s.clip_norm is not None and s.count and not s.skipped:
             self._clip(s)
         try:
             s.result = self.node.submit(command, s.sums, payload_name=f"step_{secrets.token_hex(8)}-{s.step}",
@@ -225,13 +234,17 @@ class StepAggregator:
         and added) are no gradients: never in the norm, never scaled. The leader scales the sums
         itself, so the entry carries the clipped sums as bits and every replica (of any version)
         applies them alike."""
-        elastic = self.node.read_locked(lambda machine: {name for name in s.names if name in machine.tensors
-                                                         and machine.tensors[name].optimizer["name"] == "elastic"})
+        elastic = self._elastic(s)
         gradients = {name: total for name, total in s.sums.items() if name not in elastic}
         scale, s.grad_norm = clip_scale(gradients, s.count, s.clip_norm)
         if scale < 1.0:
             for name, total in gradients.items():
-                s.sums[name] = total * total.dtype.type(scale)
+                s.sums[name] = np.asarray(total * total.dtype.type(scale))   # a 0-d product is a numpy scalar
+
+    def _elastic(self, s: _Step) -> set[str]:
+        """The step's tensors under the ``elastic`` rule: added, never a gradient."""
+        return self.node.read_locked(lambda machine: {name for name in s.names if name in machine.tensors
+                                                      and machine.tensors[name].optimizer["name"] == "elastic"})
 
     def _reader(self, names: list[str]) -> Any:
         """Called in the log's thread right after the step's entry applied: the step's tensors as

@@ -74,7 +74,8 @@ def encode(message: Any) -> list[memoryview | bytes]:
     def default(obj: Any) -> Any:
         nonlocal total
         if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj, dtype=np.dtype(DTYPES[dtype_name(obj.dtype)]))
+            # np.asarray, not ascontiguousarray: that makes a 0-d array (a scalar parameter) 1-D
+            arr = np.asarray(obj, dtype=np.dtype(DTYPES[dtype_name(obj.dtype)]), order="C")
             buffers.append(memoryview(arr.reshape(-1)).cast("B"))    # 1-D: a (0, n) array casts too
             total += arr.nbytes
             return msgpack.ExtType(ARRAY_EXT, msgpack.packb([dtype_name(arr.dtype), list(arr.shape)]))

@@ -34,6 +34,22 @@ def step_counter(prefix: str, rank: int, raft_group: int = 0, groups: int = 1) -
                 if group_of(name, groups) == raft_group)
 
 
+def skip_flag(prefix: str, raft_group: int = 0, groups: int = 1) -> str:
+    """The tensor a sync step's contributions carry in ``raft_group`` to say "this rank skips the
+    step" (1.0; else 0.0): a step any rank skips applies no gradient (aggregate.py). One per Raft
+    group, named so that it lives there, as ``step_counter``'s."""
+    if groups == 1:
+        return f"{prefix}/{INTERNAL}skip"
+    return next(name for name in (f"{prefix}/{INTERNAL}skip.g{raft_group}.{j}" for j in range(100_000))
+                if group_of(name, groups) == raft_group)
+
+
+def is_skip_flag(name: str) -> bool:
+    """Whether tensor ``name`` is a job's ``skip_flag``."""
+    last = name.rpartition("/" + INTERNAL)[2]
+    return "/" + INTERNAL in name and (last == "skip" or last.startswith("skip.g"))
+
+
 def job_name(prefix: str) -> str:
     """The name of the job's step sequence (its ``job``), also its SSP group's name. The stored
     name keeps the word it was given when "group" meant a job: running jobs' steps are under it."""

@@ -379,7 +379,8 @@ class TensorStore:
             specs = self._step_specs(hyper, {name: None for name in sums if name in self.tensors})
             self._apply_mean(job, step, sums, count, specs, scale)
         if moved is None:
-            done = {"version": index, "step": step, "applied": True, "count": count, **({"late": True} if late else {})}
+            done = {"version": index, "step": step, "applied": True, "count": count, **({"late": True} if late else {}),
+                    **({"skipped": True} if command.get("skipped") is True and not late else {})}   # aggregate.py
         each = []
         for client, seq, ack, counted in contributors:
             answer = dict(done) if late or counted or moved else dict(done, duplicate_rank=True)

@@ -106,7 +106,7 @@ def export_model(client: Client, prefix: str, fmt: str, path: str) -> dict:
     try:
         if fmt == "safetensors":
             save_file = _safetensors().numpy.save_file
-            save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, tmp, metadata=metadata)
+            save_file({n: np.asarray(a, order="C") for n, a in tensors.items()}, tmp, metadata=metadata)
         else:
             with open(tmp, "wb") as f:
                 np.savez(f, **tensors, **{NPZ_METADATA: np.array(json.dumps(metadata))})
@@ -224,7 +224,7 @@ def import_model(client: Client, path: str, prefix: str, optimizer: dict | None)
         if not NAME_RE.fullmatch(full):
             raise UsageError(f"{path}: tensor {name!r} would be {full!r}, not a valid tensor name "
                                  "(1-200 characters from [A-Za-z0-9_.:/-])")
-        arr = np.ascontiguousarray(arr, dtype=UPCAST.get(arr.dtype, arr.dtype))
+        arr = np.asarray(arr, dtype=UPCAST.get(arr.dtype, arr.dtype), order="C")   # 0-d stays 0-d
         try:
             check_finite(full, arr, "value")
         except RaftpsError as exc:

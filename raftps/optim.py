@@ -116,7 +116,22 @@ def init_state(spec: dict, param: np.ndarray) -> dict[str, Any]:
 def step(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict,
          ctx: Context = NO_CONTEXT) -> tuple[np.ndarray, dict]:
     """One update: returns (new param, new state). ``grad`` has param's shape and dtype."""
+    if np.ndim(param) == 0:      # a scalar parameter: see _step_0d
+        return _step_0d(spec, param, grad, state, ctx)
     return OPTIMIZERS[spec["name"]].step(spec, param, grad, state, ctx)
+
+
+def _step_0d(spec: dict, param: np.ndarray, grad: np.ndarray, state: dict, ctx: Context) -> tuple[np.ndarray, dict]:
+    """The step of a 0-d tensor (``nn.Parameter(torch.tensor(1.0))``), taken on 1-element views:
+    numpy arithmetic on 0-d arrays gives numpy scalars, which the store cannot freeze or keep.
+    The same operations on the same values: the same bits."""
+    def one(v: Any) -> Any:
+        return np.reshape(v, (1,)) if isinstance(v, (np.ndarray, np.generic)) and np.ndim(v) == 0 else v
+
+    def back(v: Any) -> Any:
+        return np.reshape(v, ()) if isinstance(v, np.ndarray) and v.shape == (1,) else v
+    new, new_state = OPTIMIZERS[spec["name"]].step(spec, one(param), one(grad), {k: one(v) for k, v in state.items()}, ctx)
+    return back(new), {k: back(v) for k, v in new_state.items()}
 
 
 def check_applicable(spec: dict, state: dict, ctx: Context) -> None:

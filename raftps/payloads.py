@@ -47,7 +47,7 @@ DEFAULT_SPARE_BYTES = 256 << 20          # spares kept in tmpfs (a durable node 
 
 def _ordered_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
     """(name, little-endian contiguous array) in sorted name order: the order of a put's blob."""
-    return [(name, np.ascontiguousarray(tensors[name], dtype=np.dtype(codec.DTYPES[codec.dtype_name(tensors[name].dtype)])))
+    return [(name, np.asarray(tensors[name], dtype=np.dtype(codec.DTYPES[codec.dtype_name(tensors[name].dtype)]), order="C"))
             for name in sorted(tensors)]
 
 

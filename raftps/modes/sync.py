@@ -5,12 +5,14 @@ would take). The leader sums a step's contributions and replicates the step once
 (``Client.push_step``); a step whose last rank has not arrived ``step_timeout`` seconds after its
 first (a dead worker) applies with those that did. A rank's second contribution to a step (a
 restarted worker) is ignored; a contribution that comes after its step applied (``late``)
-rejoins at the job's next step.
+rejoins at the job's next step. A step that any rank skips (``skip``: its GradScaler found an
+inf) applies no gradient, only the running statistics' drift; every rank's result says
+``skipped`` (aggregate.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -25,14 +27,17 @@ class StepResult:
     count: int                          # contributions in the applied step (< world size: some were late)
     grad_norm: float | None             # with clip_norm: the mean gradient's norm
     next_step: int                      # the step to contribute to next (past the job's, if this one was late)
+    skipped: bool = False               # a rank skipped the step: no gradient was applied
 
 
 class SyncSteps:
     """Job ``job``'s steps (None: the store-wide default job) for rank ``rank`` of ``world_size``."""
 
-    def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float):
+    def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float,
+                 skip_flags: Iterable[str] = ()):
         self.link, self.job = link, job
         self.world_size, self.rank, self.step_timeout = world_size, rank, step_timeout
+        self.skip_flags = list(skip_flags)    # jobs.skip_flag per Raft group: every contribution carries them
 
     def applied(self) -> int:
         """The job's last applied step (-1 if none), read linearizably."""
@@ -47,10 +52,12 @@ class SyncSteps:
         return tensors, first
 
     def step(self, grads: dict[str, np.ndarray], step: int, names: list[str], hyper: dict | None = None,
-             clip_norm: float | None = None) -> StepResult:
-        """Contribute ``grads`` to step ``step``; answered once the step is applied, with the step's
-        values of ``names`` (in the answer, or pulled from a node that has the step)."""
+             clip_norm: float | None = None, skip: bool = False) -> StepResult:
+        """Contribute ``grads`` to step ``step`` (``skip``: this rank skips it; its gradients are not
+        read); answered once the step is applied, with the step's values of ``names`` (in the
+        answer, or pulled from a node that has the step)."""
         client = self.link.client
+        grads = {**grads, **{flag: np.array([1.0 if skip else 0.0], np.float32) for flag in self.skip_flags}}
         with self.link.timing("push"):
             answer = client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
                                       timeout=self.step_timeout, pull=True, hyper=hyper or None, clip_norm=clip_norm)
@@ -62,4 +69,5 @@ class SyncSteps:
         if not set(names) <= set(tensors):       # e.g. the answer to a contribution sent again
             with self.link.timing("pull"):
                 tensors = self.link.pull(names)
-        return StepResult(tensors, self.link.version, int(answer.get("count", 0)), answer.get("grad_norm"), next_step)
+        return StepResult(tensors, self.link.version, int(answer.get("count", 0)), answer.get("grad_norm"), next_step,
+                          bool(answer.get("skipped")))

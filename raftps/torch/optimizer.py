@@ -41,7 +41,12 @@ class _Distributed:
         scheduler's lr among them) and bring the model up to date. As torch defines it, a
         ``closure`` (Lightning's automatic optimization passes one: forward, zero_grad, backward)
         is called once, with grad enabled, before the step, and its loss is returned; without
-        one, the store version the model now holds is returned."""
+        one, the store version the model now holds is returned.
+
+        With K > 1 sync ranks, this step tells ``torch.amp.GradScaler`` that it handles the scale
+        itself (``_step_supports_amp_scaling``): GradScaler then calls it on every rank, also on one whose
+        gradient holds an inf (``found_inf``), which contributes a skip, so the step is skipped
+        on every rank and changes nothing in the store, as under DDP, and the ranks stay in step."""
         if closure is None:
             return self._store_step()
         if not callable(closure):
@@ -50,6 +55,14 @@ class _Distributed:
             loss = closure()
         self._store_step()
         return loss
+
+    # GradScaler reads it: with K > 1 sync ranks it calls step() with found_inf and grad_scale set
+    # (see step). Torch's own skip (step() not called on an inf) stays with one rank, and under
+    # Accelerate's optimizer (so HF Trainer's), which replaces step() on this instance around
+    # GradScaler.step and counts a step whose step() did not run as skipped (holding the LR
+    # scheduler back): a call would count as a step taken.
+    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync" and self._raftps.world_size > 1
+                                          and not getattr(self.__dict__.get("step"), "__module__", "").startswith("accelerate"))
 
     @torch.no_grad()
     def _store_step(self) -> int:
@@ -65,7 +78,9 @@ class _Distributed:
                 if changed:
                     hyper[name] = changed
         clip, self._raftps_clip = self._raftps_clip, None
-        return self._raftps.step(hyper, lrs, clip)
+        found_inf = getattr(self, "found_inf", None)        # set by GradScaler (sync mode) for this call
+        return self._raftps.step(hyper, lrs, clip, skip=found_inf is not None and bool(found_inf.item()),
+                                 grad_scale=getattr(self, "grad_scale", None))
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_raftps", None) is None:       # torch's own __init__ adding the first groups
@@ -180,6 +195,8 @@ class _Distributed:
     prefix = property(lambda self: self._raftps.prefix)
     timings = property(lambda self: self._raftps.timings, doc="'push'/'pull' -> [calls, seconds]")
     last_grad_norm = property(lambda self: self._raftps.last_grad_norm)
+    last_step_skipped = property(lambda self: getattr(self._raftps, "last_step_skipped", False),
+                                 doc="sync: the last step was skipped (some rank's GradScaler found an inf)")
     params = property(lambda self: getattr(self._raftps, "params", []),
                       doc="the stored parameters' slots (diloco: none, its rounds hold the tensors)")
     counters = property(lambda self: getattr(self._raftps, "counters", {}),

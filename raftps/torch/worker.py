@@ -99,6 +99,7 @@ class Worker:
         self.specs = {s.store_name: specs[id(s.tensor)] for s in self.params}
         self.buffers = self._slots(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), "buffer")
         self.job = jobs.job_name(prefix)          # the job's step sequence, and its SSP group
+        self.skip_flags: list[str] = []            # sync: jobs.skip_flag per Raft group of the job's tensors
 
         self._stage = PinnedStage()
         self._dtypes = {s.store_name: s.dtype for s in self.params}
@@ -109,9 +110,12 @@ class Worker:
         self.link: StoreLink | None = None
         self.engine: SyncSteps | Downpour | Easgd | None = None
         try:
+            stored = [s.store_name for s in self.params + self.buffers]
             if mode != "sync":
-                self.counters = step_counters(self.client, prefix, self.rank,
-                                              [s.store_name for s in self.params + self.buffers])
+                self.counters = step_counters(self.client, prefix, self.rank, stored)
+            elif self.world_size > 1:        # one rank keeps torch's own skip (optimizer.py)
+                groups = self.client.groups()
+                self.skip_flags = [jobs.skip_flag(prefix, g, groups) for g in sorted({self.client.group_of(n) for n in stored})]
             try:
                 self._create()
             except PermissionDenied as refused:   # a `read` identity, or a prefix outside its grants
@@ -130,6 +134,8 @@ class Worker:
         self._lrs: dict[str, float] = {}           # this step's lr per tensor (Downpour's own steps)
         self._clip_norm: float | None = None       # sync: the store clips this step's mean gradient
         self.last_grad_norm: float | None = None   # sync with clipping: the mean gradient's norm
+        self.last_step_skipped = False             # sync: a rank skipped the last step (no gradient applied)
+        self._skip, self._grad_scale = False, None  # sync under a GradScaler: this step's (step())
 
     version = property(lambda self: self.link.version, doc="the store version the model holds")
     pushed = property(lambda self: self.link.pushed, doc="the newest version this worker's writes reached")
@@ -160,6 +166,7 @@ class Worker:
         shared = {s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC if self.mode == "easgd" else self.specs[s.store_name])
                   for s in self.params}
         shared.update({s.store_name: (_as_numpy(s.tensor, s.dtype), ELASTIC) for s in self.buffers})
+        shared.update({flag: (np.zeros(1, np.float32), ELASTIC) for flag in self.skip_flags})
         own = {counter: (np.zeros(1, np.float64), ELASTIC) for counter in self.counters.values()}
         create_chunked(self.client, {**shared, **own} if self.rank == 0 else own)
         if self.rank != 0:
@@ -193,7 +200,7 @@ class Worker:
 
     def _engine(self, compress: str | None) -> SyncSteps | Downpour | Easgd:
         if self.mode == "sync":
-            return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout)
+            return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout, self.skip_flags)
         if self.mode == "easgd":      # the spec's optimizer in numpy, unless torch's own runs locally
             return Easgd(self.link, self.easgd_alpha, self.n_push, self.specs if self.local_step is None else None)
         return Downpour(self.link, self.n_push, self.n_fetch, compress)
@@ -202,13 +209,16 @@ class Worker:
 
     @torch.no_grad()
     def step(self, hyper: dict[str, dict] | None = None, lrs: dict[str, float] | None = None,
-             clip_norm: float | None = None) -> int:
+             clip_norm: float | None = None, skip: bool = False, grad_scale: torch.Tensor | None = None) -> int:
         """Send this step's gradients (per the mode) and bring the replica up to date; returns
         the store version the replica now holds (or last pushed to, between pulls).
         ``hyper``: tensor -> this step's hyperparameters (those that differ from its stored spec);
         ``lrs``: tensor -> this step's lr (Downpour's own steps); ``clip_norm``: sync mode's
-        store-side clipping of the step's mean gradient."""
+        store-side clipping of the step's mean gradient. Sync mode, under a GradScaler (optimizer.py):
+        ``skip``: this rank's gradient holds an inf (the step is skipped on every rank);
+        ``grad_scale``: the scale the gradients still carry (they are unscaled before sending)."""
         self._hyper, self._lrs, self._clip_norm = hyper or {}, lrs or {}, clip_norm
+        self._skip, self._grad_scale = skip, grad_scale
         {"sync": self._step_sync, "easgd": self._step_easgd}.get(self.mode, self._step_async)()
         self.step_count += 1
         return self.version
@@ -247,11 +257,16 @@ class Worker:
     # ---- modes: the tensors in and out of the mode's engine ------------------------------------
 
     def _step_sync(self) -> None:
-        grads = self._stage.to_host({s.store_name: self._dense_grad(s) for s in self.params}, self._dtypes)
+        if self._skip:       # no gradient: the leader applies none (the step's shapes still match)
+            grads = {s.store_name: np.zeros(tuple(s.tensor.shape), s.dtype) for s in self.params}
+        else:                # unscaled as GradScaler.unscale_ does: times the scale's float32 reciprocal
+            inv = None if self._grad_scale is None else self._grad_scale.double().reciprocal().float()
+            grads = self._stage.to_host({s.store_name: self._dense_grad(s) if inv is None else
+                                         self._dense_grad(s) * inv.to(s.tensor.device) for s in self.params}, self._dtypes)
         grads.update(self._buffer_drift(1))
         result = self.engine.step(grads, self.step_count, self._pulled_names(), hyper=self._hyper,
-                                  clip_norm=self._clip_norm)
-        self.last_grad_norm = result.grad_norm
+                                  clip_norm=self._clip_norm, skip=self._skip)
+        self.last_grad_norm, self.last_step_skipped = result.grad_norm, result.skipped
         self.step_count = result.next_step - 1       # past the job's step if this one was late
         self._install(result.tensors)
 
