@@ -379,8 +379,8 @@ class TensorStore:
             specs = self._step_specs(hyper, {name: None for name in sums if name in self.tensors})
             self._apply_mean(job, step, sums, count, specs, scale)
         if moved is None:
-            done = {"version": index, "step": step, "applied": True, "count": count, **({"late": True} if late else {}),
-                    **({"skipped": True} if command.get("skipped") is True and not late else {})}   # aggregate.py
+            flag = {"late": True} if late else {"skipped": True} if command.get("skipped") is True else {}   # aggregate.py
+            done = {"version": index, "step": step, "applied": True, "count": count, **flag}
         each = []
         for client, seq, ack, counted in contributors:
             answer = dict(done) if late or counted or moved else dict(done, duplicate_rank=True)
@@ -492,8 +492,7 @@ class TensorStore:
 
 
 def _is_contributor(c: Any) -> bool:
-    return isinstance(c, list) and len(c) == 4 and isinstance(c[0], str) and type(c[1]) is int \
-        and type(c[2]) is int and type(c[3]) is bool
+    return isinstance(c, list) and [type(x) for x in c[1:]] == [int, int, bool] and isinstance(c[0], str)
 
 
 # "barrier" is a read's entry (read_mode log): it changes nothing but the version.
