@@ -11,7 +11,7 @@ from raftps.server import ClientServer
 from raftps.session import Session
 from raftps.transport import InProcessTransport
 
-BASE = 33700
+BASE = 5000
 SGD = {"name": "sgd", "lr": 1.0}
 
 

@@ -58,7 +58,7 @@ def test_the_marked_examples_are_found():
 
 @pytest.fixture(scope="module")
 def docs_cluster(tmp_path_factory):
-    cluster = start_cluster(tmp_path_factory.mktemp("docs") / "run", base_port=33700)
+    cluster = start_cluster(tmp_path_factory.mktemp("docs") / "run", base_port=4700)
     yield cluster
     cluster.wipe()
 

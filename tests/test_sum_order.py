@@ -69,7 +69,7 @@ def test_read_only_contributions_are_left_as_they_are() -> None:
 
 def test_on_a_cluster_two_arrival_orders_give_the_same_bits(tmp_path) -> None:
     grads = gradients()
-    cluster = start_cluster(tmp_path, 33800)
+    cluster = start_cluster(tmp_path, 5400)
     try:
         with cluster.client() as c:
             for job in ORDERS[:2]:
