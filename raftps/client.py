@@ -163,22 +163,24 @@ class Client:
     def push_result(self, grads: dict[str, np.ndarray], base_version: Any = None,
                     encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> dict:
         """As push, but the whole result: version, staleness (with a base), clock (with ssp)."""
+        grads = {k: np.asarray(v) for k, v in grads.items()}
+        many = self.groups() > 1
+
         def write(raft_group: int, part: dict) -> dict:
             fields: dict[str, Any] = {"tensors": part}
             if hyper:
-                fields["hyper"] = {k: v for k, v in hyper.items() if k in part} if self.groups() > 1 else hyper
+                fields["hyper"] = {k: v for k, v in hyper.items() if k in part} if many else hyper
             base = base_version.get(raft_group) if isinstance(base_version, dict) else base_version
             if base is not None:
                 fields["base_version"] = int(base)
             if encoding is not None:
                 chosen = {k: v for k, v in encoding.items() if k in part}
-                if chosen or self.groups() == 1:
-                    fields["encoding"] = chosen if self.groups() > 1 else encoding
+                if chosen or not many:
+                    fields["encoding"] = chosen if many else encoding
             if ssp is not None:
                 fields["ssp"] = ssp
             return self._router.write("push", raft_group, **fields)
-        grads = {k: np.asarray(v) for k, v in grads.items()}
-        if self.groups() == 1:
+        if not many:
             return write(0, grads)
         return self._router.each_group(write, self._router.split(grads))
 
