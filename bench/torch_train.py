@@ -174,11 +174,13 @@ def _adapter_overhead(example: str, cluster: Any, steps: int, torch: Any, rpt: A
         schedule = torch.optim.lr_scheduler.LambdaLR(wrapped, lambda k: 1.0 / (1 + k))
         retries = {"raw": 0, "adapter": 0}        # 'behind' replies: a node had not applied the push yet
         for who, client in (("raw", c), ("adapter", opt.client)):
-            def counted(address: str, message: dict, timeout: float, _call=client._call, _who=who) -> dict:
+            transport = client._router.transport       # the one every request of the client goes over
+
+            def counted(address: str, message: dict, timeout: float, _call=transport.call, _who=who) -> dict:
                 reply = _call(address, message, timeout)
                 retries[_who] += bool(reply.get("retry"))
                 return reply
-            client._call = counted
+            transport.call = counted
         try:
             v = 0
             for _ in range(OVERHEAD_ROUNDS * steps):     # interleaved step by step: load drift hits all three

@@ -3,20 +3,23 @@
 ``Client`` is the public API, composed of three parts that each own one job:
 
 - a transport (transport.py): one attempt at one node (TCP with TLS and the hello, or in
-  process for tests: ``in_process_client``);
+  process for tests: ``in_process_client``), made by the ``transport`` factory it is given;
 - a session (session.py): the client id and per-group sequence numbers that make a write
   retried after a lost reply or a leader change apply once;
 - a router (router.py): the layout, the placement of moved tensors, each group's leader and the
-  retries that find it, and the merging of a request's per-group parts.
+  retries that find it, and the merging of a request's per-group parts; it is given the
+  transport and the session, and sends every request and write;
 
 and of the jobs' steps across Raft groups (job_steps.py), push_async's lanes (pipeline.py) and a
-tensor's move (tensor_move.py), each in a file of its own.
+tensor's move (tensor_move.py), each in a file of its own. Control goes one way: the Client
+calls those parts, they call the router, the router calls the transport; nothing calls back up.
 
 A write is atomic and exactly-once within each Raft group; with several groups versions are
 ``{group: version}`` maps (an int with one group).
 """
 from __future__ import annotations
 
+import functools
 import math
 import ssl
 import threading
@@ -27,10 +30,10 @@ import numpy as np
 
 from . import auth, codec
 from .deprecated import renamed_keyword
-from .errors import ProtocolError, RaftpsError
+from .errors import ProtocolError
 from .job_steps import JobSteps
 from .pipeline import Pipeline
-from .router import Call, Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
+from .router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from .router import merge as _merge
 from .session import Session
 from .tensor_move import Mover
@@ -39,16 +42,22 @@ from .transport import InProcessTransport, TcpTransport, Transport
 if TYPE_CHECKING:
     from .server import ClientServer
 
+# Makes a transport: (token, tls, limits, connect_timeout) -> Transport (TcpTransport's arguments).
+TransportFactory = Callable[[Any, Any, codec.Limits, float], Transport]
+
 
 class Client:
     """``token``: the cluster's client token (default $RAFTPS_TOKEN, else the file named by
     $RAFTPS_TOKEN_FILE). ``tls``: a CA file to verify the nodes' certificates against (or True
-    for the system CAs; default $RAFTPS_TLS_CA), for nodes serving TLS."""
+    for the system CAs; default $RAFTPS_TLS_CA), for nodes serving TLS. ``transport``: what makes
+    a transport (one for the client's requests, one per push_async lane), called as
+    ``transport(token, tls, limits, connect_timeout)``: ``TcpTransport``, or for tests an
+    in-process one (``in_process_client``)."""
 
     def __init__(self, addresses: str | Iterable[str] | None = None, timeout: float = 30.0,
                  attempt_timeout: float = 4.0, limits: codec.Limits = codec.DEFAULT_LIMITS,
                  token: str | None = None, tls: str | bool | ssl.SSLContext | None = None,
-                 max_in_flight: int = 16):
+                 max_in_flight: int = 16, transport: TransportFactory = TcpTransport):
         addresses = parse_addresses(addresses)
         self.token = auth.client_token(token)
         self.tls = auth.client_tls_context(tls)
@@ -56,15 +65,12 @@ class Client:
         self.attempt_timeout = attempt_timeout
         self.limits = limits
         self._lock = threading.RLock()            # one request at a time on this client's connections
-        self._transport: Transport = self._new_transport()
+        new_transport = functools.partial(transport, self.token, self.tls, limits, min(2.0, attempt_timeout))
         self._session = Session()
-        self._router = Router(addresses, lambda *a: self._call(*a), timeout, attempt_timeout, self._lock)
-        # push_async: up to max_in_flight pushes on their way at once
-        self._pipeline = Pipeline(max_in_flight, lambda: self._new_transport())
-        self._steps = JobSteps(self._router, self._write, self._request, self._lock, self._pipeline.submit)
-
-    def _new_transport(self) -> Transport:
-        return TcpTransport(self.token, self.tls, self.limits, connect_timeout=min(2.0, self.attempt_timeout))
+        self._router = Router(addresses, new_transport(), self._session, timeout, attempt_timeout, self._lock)
+        # push_async: up to max_in_flight pushes on their way at once, each lane a transport of its own
+        self._pipeline = Pipeline(max_in_flight, new_transport)
+        self._steps = JobSteps(self._router, self._lock, self._pipeline.submit)
 
     @property
     def addresses(self) -> list[str]:
@@ -85,41 +91,6 @@ class Client:
         """Parts sent again because of a move: {"Moving": waited, "Moved": re-routed}."""
         return self._router.refusals
 
-    # ---- the parts: transport, router, session --------------------------------------------
-
-    def _call(self, address: str, message: dict, timeout: float) -> dict:
-        """One attempt at one node, over this client's transport."""
-        return self._transport.call(address, message, timeout)
-
-    def _request(self, message: dict, to_leader: bool = True, attempt_timeout: float | None = None,
-                 raft_group: int = 0, timeout: float | None = None) -> dict:
-        """Send to Raft group ``raft_group``'s members until a definite reply (router.py)."""
-        return self._router.request(message, to_leader, attempt_timeout, raft_group, timeout)
-
-    def _write(self, op: str, raft_group: int = 0, waits: float = 0.0, call: Call | None = None, **fields: Any) -> dict:
-        """One write; ``waits``: seconds the node may hold it before answering (push_step);
-        ``call``: a push_async lane's transport (connections of its own: no need of the lock)."""
-        if call is not None:
-            return self._send_write(op, raft_group, fields, waits, call=call)
-        with self._lock:
-            return self._send_write(op, raft_group, fields, waits)
-
-    def _send_write(self, op: str, raft_group: int, fields: dict, waits: float = 0.0,
-                    call: Callable[[str, dict, float], dict] | None = None) -> dict:
-        """One write with a new seq, sent (and retried with that seq) over this client's
-        connections, or over ``call``'s (a push_async lane's)."""
-        seq, ack = self._session.next_seq(raft_group)
-        refused = False
-        try:
-            return self._router.request({"op": op, "client": self.client_id, "seq": seq, "ack": ack, **fields},
-                                        raft_group=raft_group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
-                                        timeout=waits and 2 * waits + self.timeout, call=call)
-        except RaftpsError as exc:
-            refused = bool(getattr(exc, "refused", False))
-            raise
-        finally:
-            self._session.answered(raft_group, seq, refused)
-
     def push_async(self, grads: dict[str, np.ndarray], base_version: Any = None,
                    encoding: dict | None = None) -> "Future[dict]":
         """Send a push without waiting for the ones before it: up to ``max_in_flight`` (the
@@ -134,7 +105,7 @@ class Client:
             fields["base_version"] = int(base_version)
         if encoding is not None:
             fields["encoding"] = encoding
-        return self._pipeline.submit(lambda call: self._send_write("push", 0, fields, call=call))
+        return self._pipeline.submit(lambda call: self._router.write("push", 0, call=call, **fields))
 
     @property
     def max_in_flight(self) -> int:
@@ -161,15 +132,6 @@ class Client:
         placement if it was moved (``move``), else the hash of its name."""
         return self._router.group_of(name)
 
-    def _split(self, named: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        return self._router.split(named)
-
-    def _each_group(self, write: Any, parts: dict[int, Any]) -> dict:
-        return self._router.each_group(write, parts)
-
-    def _min_version(self, min_version: Any, raft_group: int) -> int:
-        return self._router.min_version(min_version, raft_group)
-
     # ---- the API --------------------------------------------------------------------------
 
     def create(self, name: str, array: np.ndarray, optimizer: dict) -> Any:
@@ -185,10 +147,10 @@ class Client:
         """As create_many, but the whole result: version and ``created`` (the names that did not exist)."""
         tensors = {k: np.asarray(v) for k, v in tensors.items()}
         if self.groups() == 1:
-            return self._write("create", tensors=tensors, optimizer=dict(optimizers))
-        return self._each_group(lambda g, part: self._write(
+            return self._router.write("create", tensors=tensors, optimizer=dict(optimizers))
+        return self._router.each_group(lambda g, part: self._router.write(
             "create", g, tensors=part, optimizer={k: v for k, v in optimizers.items() if k in part}),
-            self._split(tensors))
+            self._router.split(tensors))
 
     def push(self, grads: dict[str, np.ndarray], base_version: Any = None,
              encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> Any:
@@ -201,30 +163,33 @@ class Client:
     def push_result(self, grads: dict[str, np.ndarray], base_version: Any = None,
                     encoding: dict | None = None, ssp: dict | None = None, hyper: dict | None = None) -> dict:
         """As push, but the whole result: version, staleness (with a base), clock (with ssp)."""
+        grads = {k: np.asarray(v) for k, v in grads.items()}
+        many = self.groups() > 1
+
         def write(raft_group: int, part: dict) -> dict:
             fields: dict[str, Any] = {"tensors": part}
             if hyper:
-                fields["hyper"] = {k: v for k, v in hyper.items() if k in part} if self.groups() > 1 else hyper
+                fields["hyper"] = {k: v for k, v in hyper.items() if k in part} if many else hyper
             base = base_version.get(raft_group) if isinstance(base_version, dict) else base_version
             if base is not None:
                 fields["base_version"] = int(base)
             if encoding is not None:
                 chosen = {k: v for k, v in encoding.items() if k in part}
-                if chosen or self.groups() == 1:
-                    fields["encoding"] = chosen if self.groups() > 1 else encoding
+                if chosen or not many:
+                    fields["encoding"] = chosen if many else encoding
             if ssp is not None:
                 fields["ssp"] = ssp
-            return self._write("push", raft_group, **fields)
-        grads = {k: np.asarray(v) for k, v in grads.items()}
-        if self.groups() == 1:
+            return self._router.write("push", raft_group, **fields)
+        if not many:
             return write(0, grads)
-        return self._each_group(write, self._split(grads))
+        return self._router.each_group(write, self._router.split(grads))
 
     def assign(self, values: dict[str, np.ndarray]) -> Any:
         values = {k: np.asarray(v) for k, v in values.items()}
         if self.groups() == 1:
-            return self._write("assign", tensors=values)["version"]
-        return self._each_group(lambda g, part: self._write("assign", g, tensors=part), self._split(values))["version"]
+            return self._router.write("assign", tensors=values)["version"]
+        parts = self._router.split(values)
+        return self._router.each_group(lambda g, part: self._router.write("assign", g, tensors=part), parts)["version"]
 
     def assign_state(self, values: dict[str, np.ndarray], states: dict[str, dict[str, Any]]) -> Any:
         """Set tensors' values and their optimizers' state at once (atomically in each Raft
@@ -242,16 +207,16 @@ class Client:
                 records.append({"name": name, "scalars": scalars})
                 parts[str(i)] = np.asarray(values[name])
                 parts.update({f"{i}.{k}": v for k, v in states[name].items() if isinstance(v, np.ndarray)})
-            return self._write("assign_state", raft_group, records=records, tensors=parts)
+            return self._router.write("assign_state", raft_group, records=records, tensors=parts)
         if self.groups() == 1:
             return write(0, values)["version"]
-        return self._each_group(write, self._split(dict(values)))["version"]
+        return self._router.each_group(write, self._router.split(dict(values)))["version"]
 
     def delete(self, names: list[str]) -> Any:
         if self.groups() == 1:
-            return self._write("delete", names=list(names))["version"]
-        parts = self._split({n: None for n in names})
-        return self._each_group(lambda g, part: self._write("delete", g, names=list(part)), parts)["version"]
+            return self._router.write("delete", names=list(names))["version"]
+        parts = self._router.split({n: None for n in names})
+        return self._router.each_group(lambda g, part: self._router.write("delete", g, names=list(part)), parts)["version"]
 
     @renamed_keyword("group", "job")
     def push_sync(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
@@ -326,8 +291,8 @@ class Client:
 
     def _ssp_write(self, op: str, key: str, **fields: Any) -> Any:
         if self.groups() == 1:
-            return self._write(op, **fields)[key]
-        replies = [self._write(op, g, **fields)[key] for g in range(self.groups())]
+            return self._router.write(op, **fields)[key]
+        replies = [self._router.write(op, g, **fields)[key] for g in range(self.groups())]
         return max(replies) if key == "clock" else all(replies)
 
     @renamed_keyword("group", "ssp_group")
@@ -351,8 +316,8 @@ class Client:
         request = {"op": "ssp_wait", "ssp_group": ssp_group, "worker": worker, "timeout": float(timeout)}
         with self._lock:
             if self.groups() == 1:
-                return self._request(request, attempt_timeout=float(timeout) + 5.0)
-            replies = {g: self._request(request, attempt_timeout=float(timeout) + 5.0, raft_group=g)
+                return self._router.request(request, attempt_timeout=float(timeout) + 5.0)
+            replies = {g: self._router.request(request, attempt_timeout=float(timeout) + 5.0, raft_group=g)
                        for g in range(self.groups())}
         slowest = min(replies.values(), key=lambda r: r["min_clock"])
         return {"version": {g: r["version"] for g, r in replies.items()},
@@ -376,14 +341,14 @@ class Client:
         update count, read from the same state as the tensors)."""
         def read(raft_group: int, part: list[str] | None) -> dict:
             request = {"op": "pull", "names": part, "linearizable": linearizable,
-                       "min_version": self._min_version(min_version, raft_group)}
+                       "min_version": self._router.min_version(min_version, raft_group)}
             with self._lock:
-                return self._request(request, to_leader=linearizable, raft_group=raft_group)
+                return self._router.request(request, to_leader=linearizable, raft_group=raft_group)
         if self.groups() == 1:
             return read(0, list(names) if names is not None else None)
         parts = {g: None for g in range(self.groups())} if names is None else \
-            {g: list(part) for g, part in self._split({n: None for n in names}).items()}
-        return self._each_group(read, parts)
+            {g: list(part) for g, part in self._router.split({n: None for n in names}).items()}
+        return self._router.each_group(read, parts)
 
     def pull_rows(self, name: str, rows: Any, min_version: Any = None,
                   linearizable: bool = True) -> tuple[np.ndarray, Any]:
@@ -394,13 +359,13 @@ class Client:
             rows = rows.astype(np.int64)      # the store takes int32 or int64; others are refused there
         def read(raft_group: int, _: Any) -> dict:
             request = {"op": "pull_rows", "name": name, "rows": rows, "linearizable": linearizable,
-                       "min_version": self._min_version(min_version, raft_group)}
+                       "min_version": self._router.min_version(min_version, raft_group)}
             with self._lock:
-                return self._request(request, to_leader=linearizable, raft_group=raft_group)
+                return self._router.request(request, to_leader=linearizable, raft_group=raft_group)
         if self.groups() == 1:
             reply = read(0, None)
             return reply["rows"], reply["version"]
-        reply = self._each_group(read, {self.group_of(name): [name]})
+        reply = self._router.each_group(read, {self.group_of(name): [name]})
         return reply["rows"], reply["version"]
 
     def tensors(self, prefix: str | None = None) -> list[dict]:
@@ -412,9 +377,9 @@ class Client:
             request["prefix"] = prefix
         with self._lock:
             if self.groups() == 1:
-                return self._request(request)["tensors"]
+                return self._router.request(request)["tensors"]
             rows = [{**row, "group": g} for g in range(self.groups())
-                    for row in self._request(request, raft_group=g)["tensors"]]
+                    for row in self._router.request(request, raft_group=g)["tensors"]]
         return sorted(rows, key=lambda row: row["name"])
 
     def export(self, prefix: str, state: bool = False) -> dict:
@@ -425,8 +390,8 @@ class Client:
         request = {"op": "export", "prefix": prefix, **({"state": True} if state else {})}
         with self._lock:
             if self.groups() == 1:
-                return self._request(request)
-            return _merge({g: self._request(dict(request), raft_group=g) for g in range(self.groups())})
+                return self._router.request(request)
+            return _merge({g: self._router.request(dict(request), raft_group=g) for g in range(self.groups())})
 
     def snapshot(self) -> dict:
         """The whole store at one version: {version, digest, snapshot} (``TensorStore.snapshot()``
@@ -434,8 +399,9 @@ class Client:
         Client with larger ones (``raftps snapshot save`` makes one)."""
         with self._lock:
             if self.groups() > 1:             # each group at a version of its own
-                return {"groups": [self._request({"op": "snapshot"}, raft_group=g) for g in range(self.groups())]}
-            return self._request({"op": "snapshot"})
+                return {"groups": [self._router.request({"op": "snapshot"}, raft_group=g)
+                                   for g in range(self.groups())]}
+            return self._router.request({"op": "snapshot"})
 
     # ---- moving a tensor to another Raft group (moves.py has the state machine's side) ----------
 
@@ -446,20 +412,20 @@ class Client:
         its whole state there, install that state in ``raft_group``, record the placement in group 0,
         then leave a tombstone that sends every later request to ``raft_group``. Every step is idempotent:
         a move interrupted at any point completes when run again. Returns {tensor, from, to, names}."""
-        return Mover(self._router, self._request, self._write, self.limits, self._lock).move(name, raft_group)
+        return Mover(self._router, self.limits, self._lock).move(name, raft_group)
 
     def members(self, action: str = "list", node: str | None = None, old: str | None = None) -> dict:
         """Cluster membership (Raft addresses): ``list``, or ``add`` / ``remove`` ``node``, or
         ``replace`` ``old`` with ``node``. Returns members and, for changes, ``changed``."""
         with self._lock:
-            return self._request({"op": "member", "action": action, "node": node, "old": old},
+            return self._router.request({"op": "member", "action": action, "node": node, "old": old},
                                  attempt_timeout=max(self.attempt_timeout, 25.0))
 
     def stats(self) -> dict:
         with self._lock:
             if self.groups() == 1:
-                return self._request({"op": "stats"})
-            return _merge({g: self._request({"op": "stats"}, raft_group=g) for g in range(self.groups())})
+                return self._router.request({"op": "stats"})
+            return _merge({g: self._router.request({"op": "stats"}, raft_group=g) for g in range(self.groups())})
 
     def status(self, timeout: float = 2.0, digest: bool = True) -> list[dict]:
         """One dict per node (node, address, role, term, applied, digest, ...) and, with several
@@ -469,7 +435,7 @@ class Client:
         with self._lock:
             for number, address in enumerate(self.addresses, 1):
                 try:
-                    reply = self._call(address, {"op": "status", "digest": digest}, timeout)
+                    reply = self._router.call(address, {"op": "status", "digest": digest}, timeout)
                 except (OSError, ConnectionError, ProtocolError) as exc:
                     out.append({"node": number, "address": address, "role": "down", "term": None,
                                 "applied": None, "digest": None, "error": str(exc) or type(exc).__name__})
@@ -482,7 +448,7 @@ class Client:
     def close(self) -> None:
         self._pipeline.close()
         with self._lock:
-            self._transport.close()
+            self._router.transport.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -494,7 +460,6 @@ class Client:
 def in_process_client(servers: "dict[str, ClientServer]", **kwargs: Any) -> Client:
     """A Client of ClientServers in this process, by their client addresses, over no socket
     (transport.InProcessTransport): for tests. ``kwargs`` as Client's."""
-    client = Client(list(servers), **kwargs)
-    client._new_transport = lambda: InProcessTransport(servers, client.token, client.limits)  # type: ignore[method-assign]
-    client._transport = client._new_transport()
-    return client
+    def transport(token: str | None, tls: Any, limits: codec.Limits, connect_timeout: float) -> Transport:
+        return InProcessTransport(servers, token, limits)
+    return Client(list(servers), transport=transport, **kwargs)

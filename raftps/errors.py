@@ -159,7 +159,7 @@ def raise_for(result: dict) -> dict:
     exc = ERRORS.get(code, RaftpsError)(result.get("message", code))
     for name in getattr(exc, "fields", ()):
         setattr(exc, name, result.get(name))
-    # The node refused the request before proposing it: it is in no log (see Client._write).
+    # The node refused the request before proposing it: it is in no log (see Router.write).
     exc.refused = bool(result.get("refused"))
     raise exc
 

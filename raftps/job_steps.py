@@ -19,16 +19,15 @@ from .router import Router
 
 
 class JobSteps:
-    """``write(op, raft_group, waits=..., **fields)``: one exactly-once write (Client._write);
-    ``request(message, attempt_timeout=..., raft_group=...)``: one read until a definite reply
-    (Client._request), sent holding ``lock``; ``submit(send)``: runs ``send(call)`` on a thread
+    """Sends through ``router``: its ``write`` (one exactly-once write) and its ``request`` (one
+    read until a definite reply, sent holding ``lock``); ``submit(send)``: runs ``send(call)`` on a thread
     with connections of its own (Client's push_async lanes), so that a step's parts in several
     Raft groups are on their way at once: with the groups' leaders on different hosts, a step's
     contributions (and its answers) cross G leaders' links together instead of one after another."""
 
-    def __init__(self, router: Router, write: Callable[..., dict], request: Callable[..., dict],
-                 lock: threading.RLock, submit: Callable[[Callable[[Any], dict]], "Future[dict]"]):
-        self._router, self._write, self._request, self._lock = router, write, request, lock
+    def __init__(self, router: Router, lock: threading.RLock,
+                 submit: Callable[[Callable[[Any], dict]], "Future[dict]"]):
+        self._router, self._lock = router, lock
         self._submit = submit
         self._raft_groups: dict[str, set[int]] = {}     # job -> Raft groups this client contributed to
 
@@ -47,11 +46,11 @@ class JobSteps:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
         if self._router.groups() == 1:
-            return self._write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
+            return self._router.write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
 
         def write(g: int, part: dict, call: Any) -> dict:
             mine = {key: {k: v for k, v in by_name.items() if k in part} for key, by_name in per_tensor.items()}
-            return self._write(op, g, waits=waits, call=call, tensors=part, **fields,
+            return self._router.write(op, g, waits=waits, call=call, tensors=part, **fields,
                                **{k: v for k, v in mine.items() if v})
         parts = self._router.split(grads)
         sent = self._raft_groups.setdefault(job or "", set())
@@ -84,9 +83,9 @@ class JobSteps:
     def close(self, step: int, job: str | None) -> Any:
         fields: dict[str, Any] = {"step": int(step), **({"job": job} if job is not None else {})}
         if self._router.groups() == 1:
-            return self._write("close_step", 0, **fields)["version"]
+            return self._router.write("close_step", 0, **fields)["version"]
         parts = {g: None for g in self.raft_groups(job)}
-        return self._router.each_group(lambda g, _: self._write("close_step", g, **fields), parts)["version"]
+        return self._router.each_group(lambda g, _: self._router.write("close_step", g, **fields), parts)["version"]
 
     def wait(self, step: int, timeout: float, job: str | None) -> Any:
         deadline = time.monotonic() + timeout
@@ -99,7 +98,7 @@ class JobSteps:
                                            **({"job": job} if job is not None else {})}
                 try:
                     with self._lock:
-                        versions[g] = self._request(request, attempt_timeout=min(left, 5.0) + 5.0,
+                        versions[g] = self._router.request(request, attempt_timeout=min(left, 5.0) + 5.0,
                                                     raft_group=g)["version"]
                     break
                 except StepTimeout:
@@ -111,8 +110,8 @@ class JobSteps:
         request: dict[str, Any] = {"op": "sync_applied", **({"job": job} if job is not None else {})}
         with self._lock:
             if self._router.groups() == 1:
-                return self._request(request)["applied"]
-            applied = [self._request(request, raft_group=g)["applied"] for g in self.raft_groups(job)]
+                return self._router.request(request)["applied"]
+            applied = [self._router.request(request, raft_group=g)["applied"] for g in self.raft_groups(job)]
         started = [a for a in applied if a >= 0]
         return min(started) if started else -1
 

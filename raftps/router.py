@@ -1,6 +1,10 @@
 """Where a Client's requests go: the cluster's layout (Raft groups and their members), the
 placement of moved tensors, each group's leader as last seen, and the retries that find it.
 
+The router is given the client's transport (one attempt at one node) and session (a write's
+client id and seq) and calls them, never back into the Client: ``request`` sends one message
+until a definite reply, ``write`` numbers a write in the session and sends it so.
+
 A cluster of several Raft groups (``serve --groups G``, groups.py) is one store to the caller:
 the router learns the layout once, sends each tensor's part of a request to its group's leader,
 and merges the parts' replies into one (versions become ``{group: version}`` maps). A tensor
@@ -20,8 +24,9 @@ import numpy as np
 
 from . import groups as layout
 from .compress import INDICES_SUFFIX
-from .errors import AuthenticationFailed, Moved, Moving, Unavailable, raise_for
-from .transport import LATE_WAIT_BYTES, AnswerLate
+from .errors import AuthenticationFailed, Moved, Moving, RaftpsError, Unavailable, raise_for
+from .session import Session
+from .transport import LATE_WAIT_BYTES, AnswerLate, Transport
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
 # at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
@@ -57,10 +62,11 @@ def newest(a: Any, b: Any) -> Any:
 
 
 class Router:
-    def __init__(self, addresses: list[str], call: Call, timeout: float, attempt_timeout: float,
-                 lock: threading.RLock):
+    def __init__(self, addresses: list[str], transport: Transport, session: Session, timeout: float,
+                 attempt_timeout: float, lock: threading.RLock):
         self.addresses = addresses
-        self._call = call                         # the transport: one attempt at one node
+        self.transport = transport                # one attempt at one node, over the client's connections
+        self.session = session                    # the client id and per-group seqs of its writes
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self._lock = lock                         # the client's: one request at a time on its connections
@@ -75,6 +81,34 @@ class Router:
         self._rotation = (self._rotation + 1) % len(addresses)
         return addresses[self._rotation]
 
+    def call(self, address: str, message: dict, timeout: float) -> dict:
+        """One attempt at one node, over the client's transport."""
+        return self.transport.call(address, message, timeout)
+
+    def write(self, op: str, raft_group: int = 0, waits: float = 0.0, call: Call | None = None,
+              **fields: Any) -> dict:
+        """One write with a new seq of the session, sent (and retried with that seq) to Raft group
+        ``raft_group``'s leader. ``waits``: seconds the node may hold it before answering
+        (push_step); ``call``: a push_async lane's transport (connections of its own: the
+        client's lock is not needed, and not taken)."""
+        if call is None:
+            with self._lock:
+                return self._send_write(op, raft_group, fields, waits, self.call)
+        return self._send_write(op, raft_group, fields, waits, call)
+
+    def _send_write(self, op: str, raft_group: int, fields: dict, waits: float, call: Call) -> dict:
+        seq, ack = self.session.next_seq(raft_group)
+        refused = False
+        try:
+            return self.request({"op": op, "client": self.session.client_id, "seq": seq, "ack": ack, **fields},
+                                raft_group=raft_group, attempt_timeout=waits and waits + self.attempt_timeout + 5.0,
+                                timeout=waits and 2 * waits + self.timeout, call=call)
+        except RaftpsError as exc:
+            refused = bool(getattr(exc, "refused", False))
+            raise
+        finally:
+            self.session.answered(raft_group, seq, refused)
+
     def _forget_leader(self, group: int, target: str) -> None:
         if self._leaders.get(group) == target:
             self._leaders.pop(group, None)
@@ -87,7 +121,7 @@ class Router:
         transport's (a push_async lane's connections). ``first``: a read goes first to member
         ``first`` mod the members (spreads reads over the members' links), then as any read."""
         group = raft_group
-        call = call or self._call
+        call = call or self.call
         timeout = timeout or self.timeout
         deadline = time.monotonic() + timeout
         attempt_timeout = attempt_timeout or self.attempt_timeout

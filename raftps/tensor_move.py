@@ -5,7 +5,7 @@ idempotent write, so a move interrupted at any point completes when run again.""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from . import codec
 from .compress import INDICES_SUFFIX
@@ -27,12 +27,11 @@ def check_move_request(name: Any, raft_group: Any, count: int) -> None:
 
 
 class Mover:
-    """Drives a move's steps through a client's router (``send``: a request to a group's leader;
-    ``send_write``: a write in the client's session)."""
+    """Drives a move's steps through a client's router (its ``request``: a request to a group's
+    leader; its ``write``: a write in the client's session)."""
 
-    def __init__(self, router: Router, send: Callable[..., dict], send_write: Callable[..., dict],
-                 limits: codec.Limits, lock: threading.RLock):
-        self._router, self._send, self._send_write = router, send, send_write
+    def __init__(self, router: Router, limits: codec.Limits, lock: threading.RLock):
+        self._router = router
         self.limits, self._lock = limits, lock
 
     def move(self, name: str, target: int) -> dict:
@@ -46,7 +45,8 @@ class Mover:
         check_move_request(name, target, count)
         with self._lock:
             for _ in range(3):          # at most: finish an interrupted move elsewhere, then this one
-                states = {g: self._send({"op": "move_state", "name": name}, raft_group=g) for g in range(count)}
+                states = {g: self._router.request({"op": "move_state", "name": name}, raft_group=g)
+                          for g in range(count)}
                 pending = [g for g, st in states.items() if st["moving"]]
                 if pending:             # a move that was interrupted: finish it first
                     source, frozen = pending[0], states[pending[0]]["moving"]
@@ -61,7 +61,7 @@ class Mover:
                 if source == target:
                     raise InvalidRequest(f"move: tensor {name!r} is already in Raft group {target}")
                 self._check_fits(name, states[source]["bytes"], states[target].get("max_frame_bytes"))
-                frozen = self._send_write("move_freeze", source, name=name, to=target)
+                frozen = self._router.write("move_freeze", source, name=name, to=target)
                 names = self._finish(name, source, target, frozen["move"])
                 return {"tensor": name, "from": source, "to": target, "names": names}
         raise InvalidRequest(f"move: tensor {name!r} kept being moved by someone else meanwhile; run it again")
@@ -77,17 +77,17 @@ class Mover:
 
     def _finish(self, name: str, source: int, target: int, move: str) -> list[str]:
         """Steps 2-4 of a move whose freeze (move id ``move`` in ``source``) is applied."""
-        state = self._send({"op": "move_state", "name": name, "full": True}, raft_group=source)
+        state = self._router.request({"op": "move_state", "name": name, "full": True}, raft_group=source)
         records, arrays = [], {}
         for i, record in enumerate(state["records"]):
             arrays[str(i)] = record["data"]
             arrays.update({f"{i}.{key}": arr for key, arr in record["arrays"].items()})
             records.append({k: record[k] for k in ("name", "version", "optimizer", "scalars")})
         # the move's id names its source and its freeze's version there: unique in the cluster
-        self._send_write("move_install", target, name=name, move=f"g{source}.{move}", records=records,
+        self._router.write("move_install", target, name=name, move=f"g{source}.{move}", records=records,
                     tensors=arrays, **{"from": source})
-        self._send_write("place", 0, name=name, to=target)
-        self._send_write("move_done", source, name=name, to=target, move=move)
+        self._router.write("place", 0, name=name, to=target)
+        self._router.write("move_done", source, name=name, to=target, move=move)
         self._router.placement[name] = target
         return [r["name"] for r in records]
 

@@ -30,7 +30,7 @@ def served(tmp_path):
 def test_a_client_over_the_in_process_transport(served) -> None:
     address, server = served
     with in_process_client({address: server}, timeout=10.0) as c:
-        assert isinstance(c._transport, InProcessTransport)
+        assert isinstance(c._router.transport, InProcessTransport)
         c.create("w", np.zeros(4, np.float32), SGD)
         version = c.push({"w": np.ones(4, np.float32)})
         tensors, seen = c.pull(["w"])
@@ -41,7 +41,7 @@ def test_a_client_over_the_in_process_transport(served) -> None:
         # a write sent again with its (client, seq) is answered from the session, not applied twice
         seq = c._session.next_seq(0)[0]
         request = {"op": "push", "client": c.client_id, "seq": seq, "ack": seq, "tensors": {"w": np.ones(4, np.float32)}}
-        first, again = c._request(dict(request)), c._request(dict(request))
+        first, again = c._router.request(dict(request)), c._router.request(dict(request))
         c._session.answered(0, seq, refused=False)
         assert again["version"] == first["version"] and c.stats()["duplicates"] == 1
         assert c.pull(["w"])[0]["w"][0] == -2.0
@@ -62,7 +62,7 @@ def test_the_in_process_transport_checks_the_token_and_unknown_nodes(tmp_path) -
         with in_process_client({address: server}, token="s3cret-token-of-16+", timeout=3.0) as c:
             assert c.stats()["version"] == 0
         with in_process_client({"127.0.0.1:1": server}, timeout=1.0) as c:
-            c._transport = InProcessTransport({}, None, c.limits)       # nobody at that address
+            c._router.transport = InProcessTransport({}, None, c.limits)       # nobody at that address
             with pytest.raises(Unavailable, match="no in-process node"):
                 c.stats()
     finally:

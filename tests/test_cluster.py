@@ -59,8 +59,8 @@ def test_injected_duplicate_is_applied_once(client):
     client.create("api.dup", np.zeros(4), optimizer={"name": "sgd", "lr": 1.0})
     request = {"op": "push", "client": client.client_id, "seq": 10_000, "ack": 10_000,
                "tensors": {"api.dup": -np.ones(4)}}
-    first = client._request(dict(request))
-    second = client._request(dict(request))          # the same (client_id, seq) again
+    first = client._router.request(dict(request))
+    second = client._router.request(dict(request))          # the same (client_id, seq) again
     assert second["duplicate"] and second["version"] == first["version"]
     tensors, _ = client.pull(["api.dup"])
     assert tensors["api.dup"].tolist() == [1.0] * 4

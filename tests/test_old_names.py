@@ -147,16 +147,16 @@ def test_a_client_of_before_is_served_and_two_values_under_two_names_are_refused
     def write(op, **fields):
         seq = client._session.next_seq(0)[0]
         try:
-            return client._request({"op": op, "client": client.client_id, "seq": seq, "ack": seq, **fields})
+            return client._router.request({"op": op, "client": client.client_id, "seq": seq, "ack": seq, **fields})
         finally:
             client._session.answered(0, seq, refused=False)
     one = np.ones(4, F32)
     assert write("push_sync", tensors={"w": one}, step=0, workers=1, group="jobA")["applied"]
-    assert client._request({"op": "sync_applied", "group": "jobA"})["applied"] == 0 == client.sync_applied(job="jobA")
-    assert client._request({"op": "wait_step", "step": 0, "timeout": 1.0, "group": "jobA"})["version"] > 0
+    assert client._router.request({"op": "sync_applied", "group": "jobA"})["applied"] == 0 == client.sync_applied(job="jobA")
+    assert client._router.request({"op": "wait_step", "step": 0, "timeout": 1.0, "group": "jobA"})["version"] > 0
     assert write("ssp_join", group="sspA", worker="a", staleness=None)["clock"] == 0
     assert write("push", tensors={"w": one}, ssp={"group": "sspA", "worker": "a"})["clock"] == 1
-    assert client._request({"op": "ssp_wait", "group": "sspA", "worker": "a", "timeout": 0.0})["clock"] == 1
+    assert client._router.request({"op": "ssp_wait", "group": "sspA", "worker": "a", "timeout": 0.0})["clock"] == 1
     with pytest.raises(InvalidRequest, match="push_sync: 'group' is the old name of 'job', and this push_sync "
                                              "carries both, with different values"):
         write("push_sync", tensors={"w": one}, step=1, workers=1, group="jobA", job="jobB")

@@ -92,7 +92,7 @@ def test_a_contribution_sent_again_finds_its_answer_and_a_restarted_rank_counts_
 
     def send(key: str, message: dict) -> None:
         with Client(address, timeout=20.0) as c:
-            answers[key] = c._request(message, attempt_timeout=20.0)
+            answers[key] = c._router.request(message, attempt_timeout=20.0)
     first = threading.Thread(target=send, args=("first", request))
     first.start()
     # rank 0 again from a restarted worker (a new client id): it joins the step, uncounted
@@ -109,7 +109,7 @@ def test_a_contribution_sent_again_finds_its_answer_and_a_restarted_rank_counts_
     assert answers["restarted"].get("duplicate_rank"), answers["restarted"]
     # the first request sent again after its step applied: its session's answer, no second count
     with Client(address, timeout=20.0) as c:
-        resent = c._request(request)
+        resent = c._router.request(request)
         assert resent.get("duplicate") and resent["version"] == answers["first"]["version"]
         np.testing.assert_array_equal(c.pull(["w"])[0]["w"], np.full(2, -2.0, np.float32))
     assert node.stats()["pushes"] == 1
@@ -133,7 +133,7 @@ def test_bad_contributions_are_refused_and_change_nothing(store) -> None:
         with pytest.raises(ValueError, match="timeout"):
             c.push_step({"w": np.ones(4, np.float32)}, 0, 2, timeout=float("nan"))
         with pytest.raises(raftps.InvalidRequest, match="timeout"):     # the node checks it too
-            c._request({"op": "push_step", "client": "x", "seq": 1, "step": 0, "workers": 2, "timeout": float("nan"),
+            c._router.request({"op": "push_step", "client": "x", "seq": 1, "step": 0, "workers": 2, "timeout": float("nan"),
                         "tensors": {"w": np.ones(4, np.float32)}})
         assert node.version == version and c.status()[0]["open_steps"] == 0
 

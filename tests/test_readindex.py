@@ -139,7 +139,7 @@ def test_partitioned_old_leader_never_serves_a_stale_read(tmp_path, mode: str, p
             old_row = one.status(digest=False)[0]
             assert old_row["role"] == "leader", f"n{old} stepped down already: {old_row['role']}"
             assert any(r["role"] == "leader" and r["term"] > old_row["term"] for r in rows)
-            reply = one._call(addr[old], {"op": "pull", "names": ["ri.p"]}, 10.0)
+            reply = one._router.call(addr[old], {"op": "pull", "names": ["ri.p"]}, 10.0)
         if mode.startswith("unsafe"):
             # the state from before the partition: 1.0, where every acknowledged write says 6.0
             assert np.asarray(reply["tensors"]["ri.p"]).tolist() == [1.0], f"expected a stale read: {reply}"

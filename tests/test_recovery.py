@@ -35,7 +35,7 @@ def test_retry_after_the_leader_dies_with_the_reply_unsent_is_applied_once(make_
             codec.send_frame(raw, request)
             time.sleep(0.05)       # long enough to commit on loopback, too short to matter otherwise
             cl.kill(leader)        # the reply, if any, dies with the leader
-        result = c._request(dict(request))            # the client's retry: same client id and seq
+        result = c._router.request(dict(request))            # the client's retry: same client id and seq
         tensors, _ = c.pull(["ctr"])
         assert tensors["ctr"][7] == 1.0 and tensors["ctr"].sum() == 1.0, result
         cl.start()

@@ -54,7 +54,7 @@ def test_sparse_push_and_pull_rows_through_the_cluster(make_cluster):
                                  "min_version": "a"}, "pull_rows: min_version: expected an int >= 0, got a string 'a'")]:
             with pytest.raises(raftps.InvalidRequest) as info:
                 with c._lock:
-                    c._request({"op": "pull_rows", "linearizable": True, **request})
+                    c._router.request({"op": "pull_rows", "linearizable": True, **request})
             assert words in str(info.value)
         assert c.pull_rows("emb", [1])[0].shape == (1, 16)
         wait_converged(c, 3)

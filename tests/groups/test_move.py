@@ -218,12 +218,12 @@ def assert_replicas_identical(cl: LocalCluster) -> None:
 
 
 def group_state(c: Client, group: int, name: str) -> dict:
-    return c._request({"op": "move_state", "name": name}, raft_group=group)
+    return c._router.request({"op": "move_state", "name": name}, raft_group=group)
 
 
 def tensor_state(c: Client, group: int, name: str) -> tuple:
     """(data, version, state) of ``name`` in ``group``, from that group's snapshot."""
-    snap = c._request({"op": "snapshot"}, raft_group=group)["snapshot"]
+    snap = c._router.request({"op": "snapshot"}, raft_group=group)["snapshot"]
     for n, data, version, _spec, state in snap["tensors"]:
         if n == name:
             return data, version, dict(state)
@@ -334,7 +334,7 @@ def test_move_under_load_applies_every_acked_push_once(cluster) -> None:
             st = group_state(c, source, name)
             assert (st["present"], st["moving"], st["moved"]) == (False, None, target)
             with pytest.raises(Moved) as info:
-                c._request({"op": "pull", "names": [name]}, raft_group=source)
+                c._router.request({"op": "pull", "names": [name]}, raft_group=source)
             assert info.value.group == target
             assert c.refresh_placement()[name] == target
         assert {r["name"]: r["group"] for r in c.tensors(prefix="load/")}[hot] == hot_to
@@ -358,15 +358,15 @@ def start_mover(cl: LocalCluster, name: str, target: int, stop_after: str) -> su
     op), so that the test can SIGKILL it there."""
     code = (
         "import sys, time\n"
-        "from raftps.client import Client\n"
-        "write = Client._write\n"
+        "from raftps.router import Router\n"
+        "write = Router.write\n"
         "def hang_after(self, op, raft_group=0, **fields):\n"
         "    out = write(self, op, raft_group, **fields)\n"
         f"    if op == {stop_after!r}:\n"
         "        print('stopped after', op, flush=True)\n"
         "        time.sleep(300)\n"
         "    return out\n"
-        "Client._write = hang_after\n"
+        "Router.write = hang_after\n"
         "from raftps.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     env = {**os.environ, **cl.client_env, "PYTHONPATH": WORKTREE}
@@ -550,9 +550,9 @@ def test_bad_moves_are_refused_and_change_nothing(cluster) -> None:
         assert after == before                                  # nothing was written anywhere
         # the nodes refuse what a client would not send, before it reaches a log
         with pytest.raises(InvalidRequest, match="cannot move to the group it is in"):
-            c._write("move_freeze", here, name="bad/x", to=here)
+            c._router.write("move_freeze", here, name="bad/x", to=here)
         with pytest.raises(InvalidRequest, match="placement table lives in Raft group 0"):
-            c._write("place", 1, name="bad/x", to=2)
+            c._router.write("place", 1, name="bad/x", to=2)
         with pytest.raises(InvalidRequest, match="adarevision"):
             c.move("bad/ada", (c.group_of("bad/ada") + 1) % 3)
         c.create("bad/_raftps/steps.rank0", np.zeros(1), SGD)
@@ -582,7 +582,7 @@ def test_one_group_refuses_moves(tmp_path) -> None:
             with pytest.raises(InvalidRequest, match="one Raft group"):
                 c.move("solo", 1)
             with pytest.raises(InvalidRequest, match="one Raft group"):
-                c._write("move_freeze", 0, name="solo", to=1)
+                c._router.write("move_freeze", 0, name="solo", to=1)
             p = run_cli(cl, "move", "solo", "--to", "0")
             assert p.returncode == 2 and "one Raft group" in p.stderr, p.stderr
             assert {r["node"]: r["digest"] for r in cl.status()} == digest

@@ -35,7 +35,7 @@ def test_tls_client_is_served(tls_cluster):
         c.create("tls.w", np.zeros(1 << 16, np.float32), optimizer={"name": "sgd", "lr": 1.0})
         c.push({"tls.w": np.ones(1 << 16, np.float32)})        # 256 KiB: goes through the data plane
         assert np.array_equal(c.pull(["tls.w"])[0]["tls.w"], -np.ones(1 << 16, np.float32))
-        assert c._transport._conns and all(type(s).__name__ == "SSLSocket" for s in c._transport._conns.values())
+        assert c._router.transport._conns and all(type(s).__name__ == "SSLSocket" for s in c._router.transport._conns.values())
 
 
 def test_plain_connection_to_a_tls_node_is_refused_with_its_message(tls_cluster):
