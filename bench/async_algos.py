@@ -166,7 +166,7 @@ def measure(run_dir: str, base_port: int, mode: str, out: str, seeds: int | None
             workers: list[int] | None = None, settings: list[str] | None = None) -> list[dict]:
     """Start a cluster, run the settings, write the report files; returns the rows."""
     import subprocess
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     m = dict(MODES[mode])
     m["seeds"] = seeds or m["seeds"]
     m["workers"] = workers or m["workers"]

@@ -44,7 +44,7 @@ def _last_error(log_file: str) -> str | None:
 
 
 def _one(cl: Any, client: Any, size: int, case: str, timeout: float) -> dict[str, Any]:
-    from raftps.node import default_payload_dir
+    from raftps.server.node import default_payload_dir
     name = f"m{size}"
     follower = next(r["node"] for r in client.status() if r["role"] == "follower")
     applied_before = _row(client, follower)["applied"]
@@ -91,7 +91,7 @@ def _one(cl: Any, client: Any, size: int, case: str, timeout: float) -> dict[str
 def measure(run_dir: str, sizes: list[int], base_port: int, cases: tuple[str, ...] = ("behind", "wiped"),
             timeout: float = TIMEOUT) -> list[dict[str, Any]]:
     """One fresh cluster per model size; one record per (size, case)."""
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     out: list[dict[str, Any]] = []
     for i, size in enumerate(sizes):
         cl = LocalCluster(os.path.join(run_dir, f"catchup{i}"), nodes=3, base_port=base_port, extra_args=COMPACTION)

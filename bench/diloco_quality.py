@@ -10,7 +10,7 @@ every batch), the reference DiLoCo must match within 5% at the same tokens. Inne
 torch.optim.Adam at the examples' lr (2e-3), the optimizer sync runs in the store. Outer steps:
 "nesterov" (the paper's: momentum SGD, lr 0.7, momentum 0.9, Nesterov) and "average" (SGD lr 1.0:
 the global parameters become the mean of the ranks'). Also reports the bytes sent to the store per
-token. ``--compress``: the pseudo-gradients' encoding (raftps/diloco.py); ``--overlap on``: each
+token. ``--compress``: the pseudo-gradients' encoding (raftps/client/diloco.py); ``--overlap on``: each
 round sent in the background while inner steps go on. Writes NAME.md/.json; progress on stderr.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
     import subprocess
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     budgets = sorted(int(b) for b in a.batches.split(","))
     load0 = os.getloadavg()[0]
     rows = []

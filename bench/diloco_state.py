@@ -1,5 +1,5 @@
 """``python -m bench.diloco_state``: the bytes a DiLoCo rank would add to every round if its inner
-optimizer's state were kept in the store (the alternative raftps.diloco did not choose: a
+optimizer's state were kept in the store (the alternative raftps.client.diloco did not choose: a
 restarted rank's inner optimizer starts fresh), against the round's pseudo-gradient.
 
 Measured on examples/char_gpt.py's model (torch AdamW, its state after one step, as

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strace", action="store_true")
     p.add_argument("--base-port", type=int, default=36100)
     args = p.parse_args(argv)
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     with tempfile.TemporaryDirectory(prefix="durability-profile-", dir=os.getcwd()) as root:
         cluster = LocalCluster(root, nodes=3, base_port=args.base_port, durability=args.durability)
         os.environ.update(cluster.client_env)

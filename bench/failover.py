@@ -142,8 +142,8 @@ def _rounds(system: str, kills: int, writer: Writer, leader: Callable[[], int | 
 
 def raftps(run_dir: str, base_port: int, kills: int) -> list[dict[str, Any]]:
     """``kills`` leader SIGKILLs on a 3-node raftps cluster (default settings)."""
-    from raftps.localcluster import LocalCluster
-    from raftps.node import NodeConfig
+    from raftps.tools.localcluster import LocalCluster
+    from raftps.server.node import NodeConfig
     from .push import _wait_converged
     cl = LocalCluster(run_dir, nodes=3, base_port=base_port)
     try:

@@ -4,12 +4,12 @@
                                  [--step-ms 200] [--compress none] [--out bench/results] [--name fleet_diloco]
 
 3 store hosts and ``--workers`` worker hosts (raftps.chaos.fleet), every host's link shaped both
-ways at ``--link``. Each worker runs raftps/diloco.py's synchronous rounds on a float32 model of
+ways at ``--link``. Each worker runs raftps/client/diloco.py's synchronous rounds on a float32 model of
 ``--mb`` MB (raftps.chaos.fleet_worker's), H = ``--h``, ``--rounds`` rounds, outer step plain
 averaging; an inner step is ``--step-ms`` of compute that leaves the CPU free (a sleep, as a GPU's
 kernels would) and a subtraction. Run twice in one fleet, on one cluster, one after the other:
 ``overlap=False`` (the worker waits for each round) and ``overlap=True`` (the round goes in the
-background, raftps/diloco.py). Reported per configuration: the job's inner steps per second (H x
+background, raftps/client/diloco.py). Reported per configuration: the job's inner steps per second (H x
 rounds over the slowest rank's time from its first inner step to its last round applied, ``finish``
 included) and each rank's seconds spent waiting in ``after_inner_step``/``finish``. Writes
 NAME.md and NAME.json in --out.
@@ -34,7 +34,7 @@ def worker(argv: list[str]) -> dict:
     import numpy as np
     from raftps import Client
     from raftps.chaos.fleet_worker import model
-    from raftps.diloco import DiLoCo
+    from raftps.client.diloco import DiLoCo
     addresses, prefix, rank, world, nbytes, h, rounds, step_s, overlap, compress, timeout = argv
     rank, world, h, rounds, step_s = int(rank), int(world), int(h), int(rounds), float(step_s)
     with Client(addresses, timeout=float(timeout)) as client:

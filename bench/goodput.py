@@ -305,7 +305,7 @@ class _AnyDone:
 def run_raftps(s: Setup, name: str) -> dict[str, Any]:
     """(d)-(f) a fresh 3-node LocalCluster; one supervised process per rank; rank 3 SIGKILLed at 30%,
     the leader at 60%."""
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     out = os.path.join(s.run_dir, name)
     os.makedirs(out)
     cluster = LocalCluster(os.path.join(s.run_dir, name + "-cluster"), nodes=3, base_port=s.base_port + 700 + 10 * s.runs)

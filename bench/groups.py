@@ -54,7 +54,7 @@ PREFIX, SUBNET = "rpsb", "10.77.20"
 ELEMENTS = 1 << 20                      # float32: 4 MiB per push
 REQUEST_TIMEOUT = 30.0
 IDLE_SECONDS = 2.0
-# A node can die while 9 start at once: raftps.node.sweep_abandoned_payload_dirs in one node can
+# A node can die while 9 start at once: raftps.server.node.sweep_abandoned_payload_dirs in one node can
 # read another's payload-dir OWNER file in the instant PayloadStore has created it empty and not
 # yet written it, take "" for a missing data dir and delete the live payload dir (FileNotFoundError
 # in PayloadStore.__init__'s listdir). Seen in 1 of 6 starts of 9 nodes. Such a config is run
@@ -257,7 +257,7 @@ def measure_config(run_dir: str, nodes: int, groups: int, seconds: float, warmup
     """One fresh cluster of ``nodes`` nodes and ``groups`` groups in namespaces; ``leaders_mode``
     "elected": leaders where the cluster puts them; "spread": moved first (spread_leaders)."""
     from raftps.chaos.netns import Net, available
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     why = available()
     if why:
         raise RuntimeError(f"bench.groups needs network namespaces: {why}")

@@ -79,7 +79,7 @@ def _under_load(size: int, clients: int, seconds: float, base_port: int,
     """A fresh 3-node cluster under ``clients`` pushes of ``size`` bytes for ``seconds``, while the
     processes ``record(cluster, leader)`` started ([(role, process, output path)]) record its
     nodes: (pushes/s, [(role, output path)])."""
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     run_dir = tempfile.mkdtemp(prefix="raftps-prof-")
     cl = LocalCluster(run_dir, nodes=3, base_port=base_port, durability=durability)
     os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token

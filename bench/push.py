@@ -115,7 +115,7 @@ def measure(run_dir: str, nodes: int, sizes: list[int], clients: list[int], dura
             pipelined: list[int] | None = None) -> list[dict[str, Any]]:
     """One fresh raftps cluster of ``nodes``; returns one record per (op, size, clients).
     ``pipelined``: also one client keeping that many 1 KiB pushes in flight (push_async)."""
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     system = system or f"raftps-{nodes}" + ("-durable" if durability == "fsync" else "")
     cl = LocalCluster(run_dir, nodes=nodes, base_port=base_port, durability=durability, extra_args=node_args)
     os.environ.update(cl.client_env)   # this process's clients and the workers it starts find the token

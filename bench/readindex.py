@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 
 NAME = "bench.ri"
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from raftps import codec
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 
 from .common import MiB, log
 

@@ -52,7 +52,7 @@ def _pushes(rows: int, dim: int, k: int, variants: int = 4) -> list[tuple[dict, 
 
 def apply_costs(rows: int, dim: int, k: int, spec: dict) -> dict[str, float]:
     """Milliseconds per apply in the state machine alone (no Raft, no network)."""
-    from raftps.machine import TensorStore
+    from raftps.store.machine import TensorStore
     store, index = TensorStore(), 0
 
     def apply(op: str, **fields: Any) -> dict:
@@ -77,7 +77,7 @@ def apply_costs(rows: int, dim: int, k: int, spec: dict) -> dict[str, float]:
 
 def measure(run_dir: str, base_port: int, rows: int = 1_000_000, dim: int = 64, fraction: float = 0.01,
             optimizer: str = "sgd", seconds: float = 10.0, dense_pushes: int = 5) -> dict[str, Any]:
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     k = max(1, int(rows * fraction))
     spec = {"name": optimizer, "lr": 0.01}
     out: dict[str, Any] = {"rows": rows, "dim": dim, "table_mb": rows * dim * 4 / MiB, "rows_per_push": k,

@@ -31,7 +31,7 @@ MODES = [("push_sync", "every contribution replicated (push_sync + wait_step)"),
 def _worker(addresses: str, env: dict, mode: str, rank: int, workers: int, size: int, steps: int,
             results: Any) -> None:
     os.environ.update(env)
-    from raftps.client import Client
+    from raftps.client.client import Client
     grad = {"w": np.full(size // 4, float(rank + 1), np.float32)}
     stamps = []
     with Client(addresses, timeout=60.0) as c:
@@ -51,7 +51,7 @@ def _applied(client: Any) -> int:
 
 
 def measure(run_dir: str, base_port: int, workers: int, size: int, steps: int) -> list[dict]:
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port)
     records = []
     try:

@@ -173,7 +173,7 @@ def write_report(rows: list[dict[str, Any]], prepare: dict[str, Any] | None, met
 
 def measure(base_port: int, out: str, steps: int, rates: bool = True,
             command: str = "python -m bench.torch_frameworks") -> str:
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     t0, load = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="raftps-frameworks-bench-") as run_dir:
         cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port + 760)

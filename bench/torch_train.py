@@ -317,7 +317,7 @@ def write_report(runs: list[dict[str, Any]], overhead: list[dict[str, Any]], met
 
 def measure(run_dir: str, base_port: int, mode: str, out: str, examples: list[str] | None = None,
             settings: list[str] | None = None, command: str = "python -m bench --parts torch") -> list[dict[str, Any]]:
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port + 460)
     runs: list[dict[str, Any]] = []

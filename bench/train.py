@@ -142,7 +142,7 @@ def _row(setting: str, exchange: str, runs: list[dict[str, Any]]) -> dict[str, A
 def measure(run_dir: str, base_port: int, settings: list[str], seeds: int, epochs: int,
             torch_workers: list[int], torch_port: int) -> list[dict[str, Any]]:
     """raftps settings on one 3-node cluster (and its raw 4 MB push rate), then the torch runs."""
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     from .trainer_bench import raw_push_rates, run_setting
     out: list[dict[str, Any]] = []
     cluster = LocalCluster(os.path.join(run_dir, "cluster"), nodes=3, base_port=base_port)

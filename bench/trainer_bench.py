@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="SETTING",
                     help=f"any of: {', '.join(SETTINGS)} (the first is the ratios' base)")
     args = ap.parse_args(argv)
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     cluster = LocalCluster(os.path.join(args.out, "cluster"), nodes=3, base_port=args.base_port)
     os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token
     rows = []

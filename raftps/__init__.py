@@ -1,6 +1,6 @@
 """raftps: a Raft-consistent parameter store for training machine-learning models."""
-from .client import Client
-from .errors import (AuthenticationFailed, DtypeMismatch, Internal, InvalidGradient, InvalidOptimizer, InvalidRequest,
+from raftps.client.client import Client
+from raftps.errors import (AuthenticationFailed, DtypeMismatch, Internal, InvalidGradient, InvalidOptimizer, InvalidRequest,
                      LimitExceeded, NotInGroup, PermissionDenied, ProtocolError, StaleBase, StalenessBound, TLSRequired,
                      RaftpsError, SessionExpired, ShapeMismatch, StepTimeout, TensorExists, Unavailable,
                      UnknownTensor)

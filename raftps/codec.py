@@ -27,7 +27,7 @@ import blake3
 import msgpack
 import numpy as np
 
-from .errors import LimitExceeded, ProtocolError
+from raftps.errors import LimitExceeded, ProtocolError
 
 MAGIC = b"RPS1"
 PREFIX = struct.Struct("!4sIQ")

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidGradient, InvalidRequest
+from raftps.errors import InvalidGradient, InvalidRequest
 
 INDICES_SUFFIX = ":indices"
 FP16_TARGET = 2.0 ** 14

@@ -2,10 +2,10 @@
 the job's prefix, so a role on ``PREFIX/`` (rbac.py) covers everything the job writes."""
 from __future__ import annotations
 
-from .deprecated import renamed_function
-from .errors import UsageError
-from .groups import group_of
-from .tensor import NAME_RE
+from raftps.deprecated import renamed_function
+from raftps.errors import UsageError
+from raftps.groups import group_of
+from raftps.tensor import NAME_RE
 
 INTERNAL = "_raftps/"          # under PREFIX/: the job's own bookkeeping (step counters, DiLoCo's), not its model
 MAX_STEP_TIMEOUT = 600.0       # seconds a sync step (a DiLoCo round) may wait for its last contribution

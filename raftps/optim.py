@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidOptimizer
-from .optimizers import NO_CONTEXT, OPTIMIZERS, Context
-from .optimizers.adarevision import gradient_sum_at
+from raftps.errors import InvalidOptimizer
+from raftps.optimizers import NO_CONTEXT, OPTIMIZERS, Context
+from raftps.optimizers.adarevision import gradient_sum_at
 
 __all__ = ["SPECS", "STEP_HYPERPARAMETERS", "Context", "NO_CONTEXT", "normalize", "with_hyperparameters",
            "init_state", "step", "check_applicable", "gradient_sum_at", "adarevision_step"]

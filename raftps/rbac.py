@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from . import ops, schema
-from .errors import PermissionDenied
+from raftps import ops, schema
+from raftps.errors import PermissionDenied
 
 log = logging.getLogger("raftps.rbac")
 ROLES = ("read", "write", "admin")

@@ -23,9 +23,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import compress, optim
-from .errors import InvalidOptimizer, InvalidRequest, RaftpsError
-from .tensor import NAME_RE as NAME_PATTERN     # one rule for names, the store's
+from raftps import compress, optim
+from raftps.errors import InvalidOptimizer, InvalidRequest, RaftpsError
+from raftps.tensor import NAME_RE as NAME_PATTERN     # one rule for names, the store's
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 CLIENT_PATTERN = re.compile(r"[A-Za-z0-9_\-]{1,64}")

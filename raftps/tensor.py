@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DtypeMismatch, InvalidGradient, InvalidRequest, ShapeMismatch, UnknownTensor
+from raftps.errors import DtypeMismatch, InvalidGradient, InvalidRequest, ShapeMismatch, UnknownTensor
 
 TENSOR_DTYPES = ("float32", "float64")
 NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")

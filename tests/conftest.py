@@ -4,7 +4,7 @@ import time
 import pytest
 
 from raftps import Client
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 
 
 def start_cluster(run_dir, base_port: int, nodes: int = 3, **kwargs) -> LocalCluster:

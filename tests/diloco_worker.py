@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raftps import Client                # noqa: E402
-from raftps.diloco import DiLoCo          # noqa: E402
+from raftps.client.diloco import DiLoCo          # noqa: E402
 
 INIT = {"w": np.zeros(6, np.float32), "b": np.zeros(2, np.float32)}
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from raftps import codec, compress, optim
-from raftps.machine import TensorStore
+from raftps.store.machine import TensorStore
 
 from test_machine import Log, make
 

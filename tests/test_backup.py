@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from raftps import codec
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 from tests.conftest import start_cluster, wait_converged
 
 BASE = 24030

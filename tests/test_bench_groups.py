@@ -47,7 +47,7 @@ def test_tiny_three_groups_run_accounts_every_node_and_cleans_up(tmp_path):
     from raftps.chaos.netns import Net, available
     if available():
         pytest.skip(available())
-    from raftps.localcluster import NodeExited
+    from raftps.tools.localcluster import NodeExited
     prefix, subnet = "rpsbt", "10.77.21"
     for attempt in range(2):      # a node can die at start (the payload-dir sweep race: gb.START_RETRIES)
         try:

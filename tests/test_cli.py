@@ -179,7 +179,7 @@ def test_a_failed_cluster_start_leaves_no_node_running(tmp_path):
     """Node 2 cannot bind its client port: start raises NodeExited naming it, and the nodes
     that start launched are stopped, by PID, before it returns."""
     import socket
-    from raftps.localcluster import LocalCluster, NodeExited
+    from raftps.tools.localcluster import LocalCluster, NodeExited
     cl = LocalCluster(str(tmp_path / "run"), nodes=3, base_port=BASE + 60)
     host, port = cl.addresses.split(",")[1].split(":")
     taken = socket.socket()

@@ -3,13 +3,13 @@ exactly-once writes through them, against a real one-member store over the in-me
 import numpy as np
 import pytest
 
-from raftps.client import in_process_client
+from raftps.client.client import in_process_client
 from raftps.errors import AuthenticationFailed, Unavailable
-from raftps.node import NodeConfig, RaftNode
+from raftps.server.node import NodeConfig, RaftNode
 from raftps.raft.memory import MemoryLog
-from raftps.server import ClientServer
-from raftps.session import Session
-from raftps.transport import InProcessTransport
+from raftps.server.server import ClientServer
+from raftps.client.session import Session
+from raftps.client.transport import InProcessTransport
 
 BASE = 5000
 SGD = {"name": "sgd", "lr": 1.0}

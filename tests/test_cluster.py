@@ -7,7 +7,7 @@ import pytest
 
 import raftps
 from raftps import codec
-from raftps.dataplane import PeerLink
+from raftps.server.dataplane import PeerLink
 from tests.conftest import start_cluster, wait_converged
 
 BASE = 6000

@@ -1,4 +1,4 @@
-"""DiLoCo with its outer step in the store (raftps/diloco.py), on one real 3-node cluster: a round
+"""DiLoCo with its outer step in the store (raftps/client/diloco.py), on one real 3-node cluster: a round
 bit for bit against the outer formula, a rank SIGKILLed mid-round (a real worker process), the
 store's leader SIGKILLed while it holds a round, asynchronous rounds, fragments, bad input, and
 the trainer's --mode diloco. Each test uses its own prefix, so their round sequences are apart."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from raftps import Client, InvalidOptimizer, jobs
-from raftps.diloco import DiLoCo, split_fragments
+from raftps.client.diloco import DiLoCo, split_fragments
 from tests.conftest import start_cluster, wait_converged
 
 BASE_PORT = 22600          # raft 22601-22603, clients 22701-22703, data plane 22801-22803

@@ -1,4 +1,4 @@
-"""DiLoCo's int8 pseudo-gradients and its round overlapped with compute (raftps/diloco.py), on one
+"""DiLoCo's int8 pseudo-gradients and its round overlapped with compute (raftps/client/diloco.py), on one
 real 3-node cluster: an int8 round bit for bit against the outer formula on the mean of the
 pseudo-gradients as decoded by an independent (torch) quantiser, at about 1/4 of float32's bytes;
 bad int8 contributions refused by name, changing nothing; with ``overlap=True`` a rank takes
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from raftps import InvalidRequest, jobs
-from raftps.diloco import DiLoCo
+from raftps.client.diloco import DiLoCo
 from tests.conftest import start_cluster
 from tests.test_diloco import F32, nesterov, one_round_of_two_ranks, versions
 

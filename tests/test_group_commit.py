@@ -1,4 +1,4 @@
-"""Group commit (raftps/group_commit.py): concurrent writes share log entries, each keeps its own
+"""Group commit (raftps/server/group_commit.py): concurrent writes share log entries, each keeps its own
 result and version, and nothing is lost or applied twice. Unit tests over the in-memory log and a
 real 3-node cluster under concurrent pushes."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import msgpack
 import numpy as np
 
-from raftps.group_commit import GroupCommit, pack_batch
-from raftps.localcluster import LocalCluster
+from raftps.server.group_commit import GroupCommit, pack_batch
+from raftps.tools.localcluster import LocalCluster
 from raftps.raft import NotApplied, RaftSettings, SnapshotMeta
 from raftps.raft.memory import MemoryLog
 

@@ -1,4 +1,4 @@
-"""``python -m raftps.launch``: one process per rank, each supervised on its own (raftps.launch),
+"""``python -m raftps.tools.launch``: one process per rank, each supervised on its own (raftps.tools.launch),
 on real processes: RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them, a rank killed by a
 signal started again alone, a failed rank's exit code returned, and the old import path."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.exit(int(sys.argv[3]) if rank == "0" else 0)
 def launch(tmp_path, *flags: str, kill_rank: int = 1, rank0_exit: int = 0) -> subprocess.CompletedProcess:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    return subprocess.run([sys.executable, "-m", "raftps.launch", *flags, str(script), str(tmp_path),
+    return subprocess.run([sys.executable, "-m", "raftps.tools.launch", *flags, str(script), str(tmp_path),
                            str(kill_rank), str(rank0_exit)], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
 
@@ -57,5 +57,5 @@ def test_no_restart_left_or_a_failed_rank_ends_the_launch_with_its_code(tmp_path
 
 def test_the_old_import_path_still_works():
     from raftps.chaos.torchrun import PerRankJob as old
-    from raftps.launch import PerRankJob
+    from raftps.tools.launch import PerRankJob
     assert old is PerRankJob

@@ -5,7 +5,7 @@ import pytest
 
 from raftps import codec
 from raftps.errors import InvalidGradient
-from raftps.machine import SessionLimits, TensorStore
+from raftps.store.machine import SessionLimits, TensorStore
 from raftps.tensor import check_finite
 
 F32 = np.float32

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from raftps import Client, InvalidRequest, Unavailable
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 from tests.conftest import start_cluster
 
 BASE = 24100

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from raftps import jobs
-from raftps.client import Client
+from raftps.client.client import Client
 from raftps.modes import DROPPED, REFUSED, SENT, Downpour, Easgd, StoreLink, SyncSteps, step_counters
 from raftps.modes.downpour import own_step
-from raftps.node import NodeConfig, RaftNode
+from raftps.server.node import NodeConfig, RaftNode
 from raftps.raft.memory import MemoryLog
-from raftps.server import ClientServer
-from raftps.ssp import SspMember
+from raftps.server.server import ClientServer
+from raftps.client.ssp import SspMember
 
 F32 = np.float32
 BASE = 28600            # one member: client port BASE + its offset

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from raftps import codec
-from raftps.machine import TensorStore
+from raftps.store.machine import TensorStore
 
 F32 = np.float32
 SNAPSHOT = pathlib.Path(__file__).parent / "data" / "old_names_snapshot.bin"

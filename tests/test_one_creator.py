@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from raftps.client import Client
-from raftps.diloco import DiLoCo
+from raftps.client.client import Client
+from raftps.client.diloco import DiLoCo
 from tests.test_push_step import store  # noqa: F401 (the fixture)
 
 INIT = {"w": np.arange(8, dtype=np.float32), "b": np.ones(2, np.float32)}
@@ -19,7 +19,7 @@ INIT = {"w": np.arange(8, dtype=np.float32), "b": np.ones(2, np.float32)}
 
 def test_rank_1_waits_for_rank_0s_tensors_and_sends_none(store, monkeypatch) -> None:  # noqa: F811
     node, address = store
-    monkeypatch.setattr("raftps.diloco.CREATOR_WAIT", 10.0)
+    monkeypatch.setattr("raftps.client.diloco.CREATOR_WAIT", 10.0)
     with Client(address, timeout=10.0) as c0, Client(address, timeout=10.0) as c1:
         waiting: dict = {}
 
@@ -39,7 +39,7 @@ def test_rank_1_waits_for_rank_0s_tensors_and_sends_none(store, monkeypatch) -> 
 
 def test_rank_1_without_a_creator_names_the_job_it_waited_for(store, monkeypatch) -> None:  # noqa: F811
     _, address = store
-    monkeypatch.setattr("raftps.diloco.CREATOR_WAIT", 0.6)
+    monkeypatch.setattr("raftps.client.diloco.CREATOR_WAIT", 0.6)
     with Client(address, timeout=10.0) as c:
         with pytest.raises(TimeoutError, match=r"job 'lonely'.*rank 0 creates them"):
             DiLoCo(c, "lonely", INIT, rank=1, world_size=2).create()

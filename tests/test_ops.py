@@ -4,10 +4,10 @@ machine's handlers."""
 import inspect
 
 from raftps import ops, rbac, schema
-from raftps.machine import TensorStore
-from raftps.moves import MOVE_OPS
-from raftps.handlers import Handlers
-from raftps.server import WRITES
+from raftps.store.machine import TensorStore
+from raftps.store.moves import MOVE_OPS
+from raftps.server.handlers import Handlers
+from raftps.server.server import WRITES
 
 
 def test_every_op_has_one_complete_record() -> None:

@@ -176,7 +176,7 @@ def test_lion_row_sparse_push_steps_the_pushed_rows_only():
     """The store's row rule reads the optimizer's own ``rows``: a rows push of a lion tensor runs
     in the state machine and moves the pushed rows (and their momentum) alone."""
     from raftps.compress import encode_rows
-    from raftps.machine import ROW_OPTIMIZERS
+    from raftps.store.machine import ROW_OPTIMIZERS
     from tests.test_machine import Log
     assert "lion" in ROW_OPTIMIZERS
     log = Log()

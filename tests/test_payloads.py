@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from raftps.chaos.simdisk import SimulatedDisk
-from raftps.payloads import SPARE_SUFFIX, PayloadStore, payload_id
+from raftps.server.payloads import SPARE_SUFFIX, PayloadStore, payload_id
 from raftps.raft.storage import OSStorage
 
 
@@ -70,7 +70,7 @@ def test_drop_spares_frees_them(tmp_path) -> None:
 
 def test_sweep_keeps_a_dir_whose_owner_file_is_being_written(tmp_path) -> None:
     """A node starting while another sweeps: an OWNER still empty must not read as abandoned."""
-    from raftps.node import sweep_abandoned_payload_dirs
+    from raftps.server.node import sweep_abandoned_payload_dirs
     young = tmp_path / "raftps-payloads-young"
     young.mkdir()
     (young / "OWNER").write_text("")
@@ -84,7 +84,7 @@ def test_sweep_keeps_a_dir_whose_owner_file_is_being_written(tmp_path) -> None:
 def test_a_payload_id_is_checked_with_the_digest_its_frame_mac_took() -> None:
     """One SHA-256 pass per node: the put frame's blob digest (what the MAC signs) checks the id."""
     from raftps import codec
-    from raftps.payloads import digest_of, verify, verify_digest
+    from raftps.server.payloads import digest_of, verify, verify_digest
     tensors = {"b": np.arange(6, dtype=np.float64).reshape(2, 3), "a": np.ones(5, np.float32)}
     ordered, digest, content = digest_of(tensors)
     pid = payload_id("c", 7, tensors)

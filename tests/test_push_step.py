@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import raftps
-from raftps.client import Client
-from raftps.node import NodeConfig, RaftNode
+from raftps.client.client import Client
+from raftps.server.node import NodeConfig, RaftNode
 from raftps.raft.memory import MemoryLog
-from raftps.server import ClientServer
+from raftps.server.server import ClientServer
 from tests.conftest import wait_converged
 
 BASE = 31000

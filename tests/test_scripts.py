@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = 24000

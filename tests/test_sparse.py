@@ -7,7 +7,7 @@ import pytest
 from raftps import codec
 from raftps.compress import encode_rows
 from raftps.errors import InvalidRequest
-from raftps.machine import TensorStore
+from raftps.store.machine import TensorStore
 from tests.test_machine import Log
 
 F32 = np.float32

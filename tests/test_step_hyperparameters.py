@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from raftps import optim
-from raftps.aggregate import clip_scale
+from raftps.server.aggregate import clip_scale
 from tests.test_machine import F32, Log, make
 
 

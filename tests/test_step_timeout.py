@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from raftps.client import Client
+from raftps.client.client import Client
 from tests.test_push_step import store  # noqa: F401 (the fixture)
 
 

@@ -10,7 +10,7 @@ from functools import reduce
 
 import numpy as np
 
-from raftps.aggregate import _Step
+from raftps.server.aggregate import _Step
 from tests.conftest import start_cluster
 
 ORDERS = [(0, 1, 2, 3), (3, 1, 2, 0), (2, 0, 3, 1)]

@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
 def demo(args: argparse.Namespace) -> int:
     import os
 
-    from raftps.localcluster import LocalCluster
+    from raftps.tools.localcluster import LocalCluster
     run_dir = os.path.join(args.out, "cluster")
     cluster = LocalCluster(run_dir, nodes=3, base_port=args.base_port)
     os.environ.update(cluster.client_env)   # this process's clients and the workers it starts find the token

@@ -44,7 +44,7 @@ class Config:
     diloco_async: bool = False          # diloco: apply each worker's pseudo-gradient on arrival
     outer_lr: float | None = None       # diloco: the store's outer step (Nesterov momentum SGD) ...
     outer_momentum: float | None = None # ... 0: plain SGD (with outer_lr 1.0: averaging); None: the
-                                        # library's default for the mode (raftps/diloco.py)
+                                        # library's default for the mode (raftps/client/diloco.py)
     client_timeout: float = 30.0
     max_restarts: int = 3               # per worker
     max_time: float = 1800.0            # the whole run, in seconds
@@ -61,15 +61,15 @@ class Config:
         if self.mode == "easgd" and not self.local:
             return {"name": "elastic"}
         if self.mode == "diloco" and not self.local:
-            from raftps.diloco import outer_spec
+            from raftps.client.diloco import outer_spec
             return outer_spec(self.outer_spec(), self.diloco_async)     # as the workers' DiLoCo creates them
         return self.local_spec()
 
     def outer_spec(self) -> dict:
         """DiLoCo's outer optimizer, applied by the store to the pseudo-gradients: what is not given
-        is raftps.diloco's default for the mode (synchronous: the paper's Nesterov momentum, lr 0.7,
+        is raftps.client.diloco's default for the mode (synchronous: the paper's Nesterov momentum, lr 0.7,
         momentum 0.9; asynchronous: plain averaging, lr 1.0, as Nesterov diverges there)."""
-        from raftps.diloco import ASYNC_DEFAULT_OUTER, DEFAULT_OUTER
+        from raftps.client.diloco import ASYNC_DEFAULT_OUTER, DEFAULT_OUTER
         default = ASYNC_DEFAULT_OUTER if self.diloco_async else DEFAULT_OUTER
         lr = default["lr"] if self.outer_lr is None else self.outer_lr
         momentum = default.get("momentum", 0.0) if self.outer_momentum is None else self.outer_momentum

@@ -186,7 +186,7 @@ class Coordinator:
         cfg = self.cfg
         if cfg.kill_leader_at is None or self.leader is None or self.progress() < cfg.kill_leader_at * self.total:
             return
-        from raftps.localcluster import LocalCluster
+        from raftps.tools.localcluster import LocalCluster
         LocalCluster(cfg.run_dir, nodes=self.n_nodes).kill(self.leader)     # SIGKILL, pid from the pid file
         self.killed.add(self.leader)
         self.rec.event(f"kill node {self.leader} (leader)", self.progress())

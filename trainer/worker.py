@@ -1,5 +1,5 @@
 """A worker process: its own raftps Client, its own data shard, and its mode's engine (sync,
-async and ssp, easgd: raftps/modes/; diloco: raftps/diloco.py), the one raftps.torch drives too:
+async and ssp, easgd: raftps/modes/; diloco: raftps/client/diloco.py), the one raftps.torch drives too:
 this module only moves the numpy network's arrays in and out of it.
 
 Workers talk to the coordinator only through a one-way pipe of small tuples (each one write
@@ -87,7 +87,7 @@ def async_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
     --fresh-pull: pulls read through the leader; --warmup: rank 0 trains alone first."""
     from raftps.modes import DROPPED, REFUSED, SENT, Downpour, StoreLink
     from raftps.modes.downpour import own_step, wait_for_updates
-    from raftps.ssp import SspMember
+    from raftps.client.ssp import SspMember
     names = store_names(cfg, model)
     stored = list(names.values())
     shard = async_shard(len(data.x_train), rank, cfg.workers)
@@ -147,12 +147,12 @@ def easgd_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client
 
 
 def diloco_loop(cfg: Config, rank: int, conn: Connection, start_step: int, client, data, model: MLP) -> None:
-    """DiLoCo (raftps/diloco.py): the worker's own optimizer (--optimizer, --lr) on its shard for
+    """DiLoCo (raftps/client/diloco.py): the worker's own optimizer (--optimizer, --lr) on its shard for
     --sync-every steps, then its pseudo-gradient to the store, whose outer step (Nesterov momentum
     SGD, --outer-lr, --outer-momentum) is applied to the round's mean, or to each on arrival with
     --diloco-async; --fragments F syncs F parts of the model at staggered steps. A restarted
     worker resumes at the store's round (``start_step`` is not used) with a fresh inner optimizer."""
-    from raftps.diloco import DiLoCo
+    from raftps.client.diloco import DiLoCo
     from raftps.modes import LocalOptimizer
     shard = async_shard(len(data.x_train), rank, cfg.workers)
     total = cfg.worker_steps(len(data.x_train))

@@ -12,9 +12,9 @@ import sys
 import tempfile
 import time
 
-from . import netns
-from .harness import Harness
-from .nemesis import apply, schedule
+from raftps.chaos import netns
+from raftps.chaos.harness import Harness
+from raftps.chaos.nemesis import apply, schedule
 
 
 def main(argv: list[str] | None = None) -> int:

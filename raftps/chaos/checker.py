@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .history import FAILED, OK, PULL, PUSH, UNKNOWN, History, Op
+from raftps.chaos.history import FAILED, OK, PULL, PUSH, UNKNOWN, History, Op
 
 MAX_PROBLEMS = 20
 

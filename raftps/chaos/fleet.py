@@ -22,8 +22,8 @@ import signal
 import subprocess
 from typing import IO, Sequence
 
-from ..localcluster import LocalCluster
-from . import netns
+from raftps.tools.localcluster import LocalCluster
+from raftps.chaos import netns
 
 RATE = re.compile(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)")
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}

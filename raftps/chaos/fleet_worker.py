@@ -29,9 +29,9 @@ import numpy as np
 
 from raftps import Client
 from raftps.compress import encode_fp16
-from raftps.diloco import DiLoCo
+from raftps.client.diloco import DiLoCo
 from raftps.groups import group_of
-from raftps.job_steps import wait_for_tensors
+from raftps.client.job_steps import wait_for_tensors
 from raftps.jobs import tensor
 
 SGD = {"name": "sgd", "lr": 0.5}

@@ -18,13 +18,13 @@ import time
 from typing import Any, Sequence
 
 from raftps.groups import group_of
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 
-from .checker import Result, check
-from .history import first_ack_after
-from .netns import Net
-from .simdisk import SIMDISK_ENV, power_cut
-from .workload import Workload, settle
+from raftps.chaos.checker import Result, check
+from raftps.chaos.history import first_ack_after
+from raftps.chaos.netns import Net
+from raftps.chaos.simdisk import SIMDISK_ENV, power_cut
+from raftps.chaos.workload import Workload, settle
 
 
 def children(pid: int) -> list[int]:

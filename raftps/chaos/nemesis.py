@@ -6,7 +6,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from .harness import Harness
+from raftps.chaos.harness import Harness
 
 PROCESS_FAULTS = ["kill-leader", "kill-follower", "pause-leader", "pause-follower"]
 NET_FAULTS = ["isolate-leader", "isolate-follower", "asymmetric-leader", "loss-follower", "flap-leader"]

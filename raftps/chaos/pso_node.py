@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.dir, exist_ok=True)
     node = Counter(args.self, args.partners.split(","), args.dir)
     if args.fix:
-        from ..raft.pysyncobj_fixes import install
+        from raftps.raft.pysyncobj_fixes import install
         install(node)
     end = time.monotonic() + args.seconds
 

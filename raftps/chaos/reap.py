@@ -11,7 +11,7 @@ import signal
 import subprocess
 from typing import Iterable
 
-from .harness import children
+from raftps.chaos.harness import children
 
 
 def descendants(pid: int) -> list[int]:

@@ -9,10 +9,10 @@ imports the simulator. ``Harness(power_cuts=True)`` starts its nodes this way.
 import os
 import sys
 
-from raftps.cli import main
+from raftps.tools.cli import main
 from raftps.raft.storage import use_storage
 
-from .simdisk import SIMDISK_ENV, storage_from_env
+from raftps.chaos.simdisk import SIMDISK_ENV, storage_from_env
 
 if __name__ == "__main__":
     if not os.environ.get(SIMDISK_ENV):

@@ -5,7 +5,7 @@ torchrun (``python -m torch.distributed.run``) runs in a session of its own; its
 direct children. A killed worker makes torchrun stop the others and start the worker group again
 (``--max-restarts``); every new worker resumes from the store (``DistributedOptimizer.start_step``).
 Every process started here is stopped by PID on exit. ``PerRankJob`` (one process per rank,
-each restarted alone) is how users launch such a job: it lives in raftps/launch.py and is
+each restarted alone) is how users launch such a job: it lives in raftps/tools/launch.py and is
 imported here under its old name too.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from raftps import Client, UnknownTensor, jobs
-from raftps.launch import PerRankJob, wait_for_exit
-from raftps.localcluster import LocalCluster
+from raftps.tools.launch import PerRankJob, wait_for_exit
+from raftps.tools.localcluster import LocalCluster
 
-from .harness import children
-from .reap import kill_tree
+from raftps.chaos.harness import children
+from raftps.chaos.reap import kill_tree
 
 __all__ = ["PerRankJob", "TorchrunJob", "KillRun", "steps_done", "train_through_kills"]
 

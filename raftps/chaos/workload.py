@@ -16,7 +16,7 @@ import numpy as np
 
 from raftps import Client, RaftpsError, Unavailable
 
-from .history import FAILED, OK, PULL, PUSH, UNKNOWN, History, push_gradient
+from raftps.chaos.history import FAILED, OK, PULL, PUSH, UNKNOWN, History, push_gradient
 
 NAME = "chaos"
 

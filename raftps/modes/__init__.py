@@ -9,14 +9,14 @@ in and out, no framework. The workers only move tensors in and out of them (afte
 - ``downpour.py``: ``Downpour``, the async modes: DownpourSGD, and SSP (n = 1 and the gate).
 - ``easgd.py``: ``Easgd``, asynchronous elastic averaging with the store's centre variables.
 - ``local.py``: ``LocalOptimizer``, a worker's own optimizer in numpy (EASGD's, DiLoCo's inner one).
-- DiLoCo's rounds are ``raftps/diloco.py`` (its own module: a documented import path).
+- DiLoCo's rounds are ``raftps/client/diloco.py`` (its own module: a documented import path).
 """
 from __future__ import annotations
 
-from .downpour import Downpour
-from .easgd import Easgd
-from .link import DROPPED, REFUSED, SENT, StoreLink, step_counters
-from .local import LocalOptimizer
-from .sync import StepResult, SyncSteps
+from raftps.modes.downpour import Downpour
+from raftps.modes.easgd import Easgd
+from raftps.modes.link import DROPPED, REFUSED, SENT, StoreLink, step_counters
+from raftps.modes.local import LocalOptimizer
+from raftps.modes.sync import StepResult, SyncSteps
 
 __all__ = ["Downpour", "Easgd", "LocalOptimizer", "StoreLink", "SyncSteps", "StepResult", "SENT", "DROPPED", "REFUSED", "step_counters"]

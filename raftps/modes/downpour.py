@@ -2,7 +2,7 @@
 summed over ``n_push`` steps with the version pulled, pull every ``n_fetch`` steps (from any node
 that has applied this worker's last push); in between the replica takes its own SGD steps
 (``own_step``), so its next gradients are computed where its own steps led. ``ssp``: the same
-with n = 1 and the SSP gate before every pull (Ho et al. 2013; raftps/ssp.py): the next step
+with n = 1 and the SSP gate before every pull (Ho et al. 2013; raftps/client/ssp.py): the next step
 waits until this worker is at most s clocks ahead of the slowest. A push is compressed as
 ``compress`` says (raftps.compress; top-k keeps a residual).
 
@@ -18,9 +18,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import compress as codecs
-from ..client import Client, newest
-from .link import REFUSED, StoreLink
+from raftps import compress as codecs
+from raftps.client.client import Client, newest
+from raftps.modes.link import REFUSED, StoreLink
 
 
 class Downpour:

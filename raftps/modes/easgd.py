@@ -9,8 +9,8 @@ from typing import Mapping
 
 import numpy as np
 
-from .link import StoreLink
-from .local import LocalOptimizer
+from raftps.modes.link import StoreLink
+from raftps.modes.local import LocalOptimizer
 
 
 class Easgd:

@@ -15,10 +15,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from .. import jobs
-from ..client import Client
-from ..errors import NotInGroup, StaleBase, StalenessBound
-from ..ssp import SspMember
+from raftps import jobs
+from raftps.client.client import Client
+from raftps.errors import NotInGroup, StaleBase, StalenessBound
+from raftps.client.ssp import SspMember
 
 SENT = "sent"            # the store applied the push (or every Raft group had applied it before)
 DROPPED = "dropped"      # StaleBase: the store no longer holds the push's base (AdaRevision): re-pull

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import optim
+from raftps import optim
 
 
 class LocalOptimizer:

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .link import StoreLink
+from raftps.modes.link import StoreLink
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import NO_CONTEXT, Context, Optimizer
+from raftps.optimizers.base import NO_CONTEXT, Context, Optimizer
 
 __all__ = ["OPTIMIZERS", "Optimizer", "Context", "NO_CONTEXT"]
 

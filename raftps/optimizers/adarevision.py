@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StaleBase
-from .base import COUNT, POSITIVE, Context, Optimizer
+from raftps.errors import StaleBase
+from raftps.optimizers.base import COUNT, POSITIVE, Context, Optimizer
 
 
 class AdaRevision(Optimizer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Context, Optimizer
+from raftps.optimizers.base import Context, Optimizer
 
 
 class Elastic(Optimizer):

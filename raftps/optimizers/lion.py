@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, UNIT, Context, Optimizer, new_like, prepare
+from raftps.optimizers.base import MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, UNIT, Context, Optimizer, new_like, prepare
 
 
 class Lion(Optimizer):

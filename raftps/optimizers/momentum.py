@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, UNIT, Context, Optimizer, new_like, prepare,
+from raftps.optimizers.base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, UNIT, Context, Optimizer, new_like, prepare,
                    torch_common)
-from .sgd import SGD_OPTIONS
+from raftps.optimizers.sgd import SGD_OPTIONS
 
 
 class Momentum(Optimizer):

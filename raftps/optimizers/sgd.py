@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, Context, Optimizer, new_like, prepare,
+from raftps.optimizers.base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, Context, Optimizer, new_like, prepare,
                    torch_common)
 
 # The options of a torch.optim.SGD param group besides the spec's names (momentum.py reads them).

@@ -1,6 +1,6 @@
 """The seam between raftps and its Raft library.
 
-A replica (raftps/node.py) and the Raft library meet here, in the spirit of hashicorp/raft's FSM
+A replica (raftps/server/node.py) and the Raft library meet here, in the spirit of hashicorp/raft's FSM
 and etcd's raftexample: the replica proposes opaque entries to a ``ReplicatedLog`` and hands it an
 ``Applier``, which the log calls back to apply committed entries in order and to save and load
 snapshots. Neither side imports the other's module. Implementations:
@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from .durability import Durability
+from raftps.raft.durability import Durability
 
 
 class NotReady(Exception):

@@ -34,10 +34,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from .storage import OSStorage, Storage, process_storage
+from raftps.raft.storage import OSStorage, Storage, process_storage
 
 if TYPE_CHECKING:                                # the journal imports pysyncobj: only when opened
-    from .journal import DurableJournal
+    from raftps.raft.journal import DurableJournal
 
 log = logging.getLogger("raftps.raft.durability")
 
@@ -120,7 +120,7 @@ class Durability:
         """The durable journal (None: pysyncobj's own file journal). A data dir keeps its mode: one
         that ran durable refuses to start without it (its log is not in pysyncobj's file); one that
         did not is carried over into the durable journal, term and vote included."""
-        from .journal import DurableJournal, import_file_journal
+        from raftps.raft.journal import DurableJournal, import_file_journal
         plain, durable_dir = os.path.join(data_dir, PLAIN_JOURNAL), os.path.join(data_dir, JOURNAL_DIR)
         if not self.durable:
             if os.path.isdir(durable_dir):

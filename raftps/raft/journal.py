@@ -36,9 +36,9 @@ from typing import Any
 
 from pysyncobj.journal import FileJournal, Journal
 
-from .journal_format import (RECORD, JournalCorrupt, encode_record,  # noqa: F401 (RECORD re-exported)
+from raftps.raft.journal_format import (RECORD, JournalCorrupt, encode_record,  # noqa: F401 (RECORD re-exported)
                              pack_small, scan_segment, segment_firsts, segment_name, unpack_small)
-from .storage import OSStorage, Storage, StorageFile, write_atomic
+from raftps.raft.storage import OSStorage, Storage, StorageFile, write_atomic
 
 log = logging.getLogger("raftps.raft.journal")
 

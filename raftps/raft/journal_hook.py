@@ -99,8 +99,8 @@ from typing import Any
 from pysyncobj import SyncObj
 from pysyncobj.journal import MemoryJournal
 
-from .journal import DurableJournal
-from .storage import Storage, StorageFile
+from raftps.raft.journal import DurableJournal
+from raftps.raft.storage import Storage, StorageFile
 
 log = logging.getLogger("raftps.raft.journal_hook")
 

@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from . import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
+from raftps.raft import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
                saved_hook)
 
 TICK = 0.05

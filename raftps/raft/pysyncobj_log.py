@@ -23,13 +23,13 @@ from typing import Any, Callable
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 
-from . import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
+from raftps.raft import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
                saved_hook, stored_zlib)
-from .journal_hook import install_durable_journal, install_durable_snapshots
-from .peer_mac import PeerMac
-from .pysyncobj_fixes import install as install_fixes
-from .pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections
-from .read_index import ReadIndex
+from raftps.raft.journal_hook import install_durable_journal, install_durable_snapshots
+from raftps.raft.peer_mac import PeerMac
+from raftps.raft.pysyncobj_fixes import install as install_fixes
+from raftps.raft.pysyncobj_fixes import install_read_probes, limit_peer_reads, limit_unknown_connections
+from raftps.raft.read_index import ReadIndex
 
 log = logging.getLogger("raftps.raft")
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}

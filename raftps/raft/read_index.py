@@ -35,8 +35,8 @@ import queue
 import threading
 from typing import Any, Callable
 
-from . import NotApplied, RaftSettings
-from .pysyncobj_fixes import LeasePromise, lease_clock, send_read_probe
+from raftps.raft import NotApplied, RaftSettings
+from raftps.raft.pysyncobj_fixes import LeasePromise, lease_clock, send_read_probe
 
 log = logging.getLogger("raftps.raft")
 # A lease lasts this fraction of the shortest promise it rests on: the clocks of the leader and of

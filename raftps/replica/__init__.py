@@ -1,4 +1,4 @@
-"""One Raft group's replica on a node, split by job; ``raftps.node.RaftNode`` composes them.
+"""One Raft group's replica on a node, split by job; ``raftps.server.node.RaftNode`` composes them.
 
 - ``config``: NodeConfig, addresses, where payload files live.
 - ``applier``: the Applier the log drives (state machine, apply lock, snapshots) and the doors

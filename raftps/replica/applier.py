@@ -19,17 +19,19 @@ from typing import Any, Callable, TypeVar
 
 import msgpack
 
-from .. import codec, snapshot_file
-from ..errors import StepTimeout
-from ..group_commit import BATCH
-from ..machine import TensorStore
-from ..ssp_clocks import ahead as ssp_ahead
-from ..instruments import Instruments
-from ..payloads import PayloadStore
-from ..raft import NotReady, SnapshotMeta
-from ..raft.storage import Storage
+from raftps import codec
 
-log = logging.getLogger("raftps.node")
+from raftps.server import snapshot_file
+from raftps.errors import StepTimeout
+from raftps.server.group_commit import BATCH
+from raftps.store.machine import TensorStore
+from raftps.store.ssp_clocks import ahead as ssp_ahead
+from raftps.instruments import Instruments
+from raftps.server.payloads import PayloadStore
+from raftps.raft import NotReady, SnapshotMeta
+from raftps.raft.storage import Storage
+
+log = logging.getLogger("raftps.server.node")
 T = TypeVar("T")
 
 

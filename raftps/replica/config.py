@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import codec
+from raftps import codec
 
 READ_MODES = ("readindex", "lease", "log")     # NodeConfig.read_mode
 

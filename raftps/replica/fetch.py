@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 
-from ..dataplane import Peers
-from ..instruments import Instruments
-from ..raft import ReplicatedLog, SnapshotMeta
-from .applier import Replica
+from raftps.server.dataplane import Peers
+from raftps.instruments import Instruments
+from raftps.raft import ReplicatedLog, SnapshotMeta
+from raftps.replica.applier import Replica
 
-log = logging.getLogger("raftps.node")
+log = logging.getLogger("raftps.server.node")
 # How long an applier waits for a payload the leader is still sending before asking a peer.
 PUT_GRACE = 0.2
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..dataplane import Peers
-from ..errors import InvalidRequest
-from ..raft import NotApplied, ReplicatedLog
-from .config import NodeConfig, offset_address
+from raftps.server.dataplane import Peers
+from raftps.errors import InvalidRequest
+from raftps.raft import NotApplied, ReplicatedLog
+from raftps.replica.config import NodeConfig, offset_address
 
-log = logging.getLogger("raftps.node")
+log = logging.getLogger("raftps.server.node")
 
 
 class Membership:

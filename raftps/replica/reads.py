@@ -4,14 +4,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..errors import Internal, RaftpsError
-from ..machine import TensorStore
-from ..raft import ReplicatedLog
-from .applier import Replica
-from .config import NodeConfig
-from .writes import WritePath
+from raftps.errors import Internal, RaftpsError
+from raftps.store.machine import TensorStore
+from raftps.raft import ReplicatedLog
+from raftps.replica.applier import Replica
+from raftps.replica.config import NodeConfig
+from raftps.replica.writes import WritePath
 
-log = logging.getLogger("raftps.node")
+log = logging.getLogger("raftps.server.node")
 
 
 class Reads:

@@ -8,13 +8,13 @@ import queue
 import threading
 import time
 
-from ..payloads import PayloadStore
-from ..raft import ReplicatedLog
-from .applier import Replica
-from .config import NodeConfig
-from .fetch import PayloadFetcher
+from raftps.server.payloads import PayloadStore
+from raftps.raft import ReplicatedLog
+from raftps.replica.applier import Replica
+from raftps.replica.config import NodeConfig
+from raftps.replica.fetch import PayloadFetcher
 
-log = logging.getLogger("raftps.node")
+log = logging.getLogger("raftps.server.node")
 
 
 class Upkeep:

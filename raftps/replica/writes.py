@@ -13,13 +13,13 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from .. import codec
-from ..group_commit import GroupCommit
-from ..instruments import Instruments
-from ..payloads import PayloadStore, digest_of
-from ..raft import NotApplied
-from .config import NodeConfig
-from .membership import Membership
+from raftps import codec
+from raftps.server.group_commit import GroupCommit
+from raftps.instruments import Instruments
+from raftps.server.payloads import PayloadStore, digest_of
+from raftps.raft import NotApplied
+from raftps.replica.config import NodeConfig
+from raftps.replica.membership import Membership
 
 
 class WritePath:

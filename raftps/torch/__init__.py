@@ -16,7 +16,7 @@ from the store. ``state_dict()`` / ``load_state_dict()`` move the optimizer's st
 store and plain torch. Which torch optimizers and options run in the store: optimizers.py. The
 worker's side of each mode (sync, async, ssp, easgd): worker.py, moving tensors in and out of
 the mode's engine (raftps/modes/, shared with the numpy trainer); DiLoCo (``mode="diloco"``, any
-torch optimizer as the inner one, the outer step in the store): diloco.py, over raftps/diloco.py. The shorthand
+torch optimizer as the inner one, the outer step in the store): diloco.py, over raftps/client/diloco.py. The shorthand
 ``DistributedOptimizer(model, optimizer={"name": "adam", "lr": 1e-3})`` names a store optimizer
 instead of a torch one.
 """
@@ -26,8 +26,8 @@ except ImportError:
     raise ImportError("raftps.torch needs PyTorch: `bash cluster/setup.sh --torch` installs torch's CPU build "
                       "(a plain `pip install torch` may fetch the CUDA build), then `pip install 'raftps[torch]'`") from None
 
-from .optimizer import MODES, DistributedOptimizer
-from .optimizers import SUPPORTED
-from .worker import Worker
+from raftps.torch.optimizer import MODES, DistributedOptimizer
+from raftps.torch.optimizers import SUPPORTED
+from raftps.torch.worker import Worker
 
 __all__ = ["DistributedOptimizer", "MODES", "SUPPORTED", "Worker"]

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import optim
-from ..client import Client
-from ..errors import UsageError
-from ..jobs import INTERNAL, prefix_root
-from ..optimizers import OPTIMIZERS
-from . import optimizers
+from raftps import optim
+from raftps.client.client import Client
+from raftps.errors import UsageError
+from raftps.jobs import INTERNAL, prefix_root
+from raftps.optimizers import OPTIMIZERS
+from raftps.torch import optimizers
 
 # store optimizer -> the torch.optim class that runs it (raftps/optimizers/: each says)
 CLASSES = {name: o.torch_class for name, o in OPTIMIZERS.items() if o.torch_class}

@@ -1,13 +1,13 @@
 """The worker of ``mode="diloco"`` and ``"diloco-async"``: the wrapped torch optimizer, whatever
 its class, is the inner optimizer and steps on this worker's replica; every ``sync_every`` steps
 the round's pseudo-gradient goes to the store, which applies the outer optimizer once
-(raftps/diloco.py has the rounds, fragments and restarts), and the model continues from the new
+(raftps/client/diloco.py has the rounds, fragments and restarts), and the model continues from the new
 global parameters. The inner optimizer's state stays here across rounds; a restarted worker
-starts it fresh (raftps/diloco.py says why).
+starts it fresh (raftps/client/diloco.py says why).
 
 ``overlap=True``: the round is sent in the background and the worker keeps taking inner steps;
 its answer is applied (new global values plus the progress since the round's end) at the first
-step after it arrives, copying the parameters to the host only then (raftps/diloco.py, Overlap).
+step after it arrives, copying the parameters to the host only then (raftps/client/diloco.py, Overlap).
 ``flush()`` (and ``close()``) wait for the rounds in flight and apply them.
 
 Buffers (BatchNorm's running statistics) stay local to each worker, as in torchft's DiLoCo.
@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..client import Client
-from ..diloco import DiLoCo
-from .host import STORED_AS, PinnedStage, as_numpy, env_int
+from raftps.client.client import Client
+from raftps.client.diloco import DiLoCo
+from raftps.torch.host import STORED_AS, PinnedStage, as_numpy, env_int
 
 
 class DilocoWorker:

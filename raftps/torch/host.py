@@ -1,6 +1,6 @@
 """Tensors between torch and the store's numpy arrays: the dtypes the store keeps, host copies,
 and pinned staging for tensors on a GPU. Both torch workers (worker.py, diloco.py) move their
-tensors through here; what the store does with them is the engines' (raftps/modes/, raftps/diloco.py)."""
+tensors through here; what the store does with them is the engines' (raftps/modes/, raftps/client/diloco.py)."""
 from __future__ import annotations
 
 import os

@@ -13,12 +13,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from .. import optim
-from ..client import Client
-from . import optimizers
-from .diloco import DilocoWorker
-from .state_marks import exported_mark, mark_unchanged
-from .worker import MODES as STORE_MODES, STORED_AS, Worker
+from raftps import optim
+from raftps.client.client import Client
+from raftps.torch import optimizers
+from raftps.torch.diloco import DilocoWorker
+from raftps.torch.state_marks import exported_mark, mark_unchanged
+from raftps.torch.worker import MODES as STORE_MODES, STORED_AS, Worker
 
 DEFAULT_SPEC = {"name": "sgd", "lr": 0.01}
 DILOCO_MODES = ("diloco", "diloco-async")
@@ -204,7 +204,7 @@ class _Distributed:
     bytes_sent = property(lambda self: getattr(self._raftps, "bytes_sent", None),
                           doc="diloco: the pseudo-gradient bytes this worker sent")
     synced = property(lambda self: list(getattr(self._raftps, "synced", ())),
-                      doc="diloco: the rounds the last step() synced (raftps.diloco.Round: fragment, round, "
+                      doc="diloco: the rounds the last step() synced (raftps.client.diloco.Round: fragment, round, "
                           "count, late, bytes); empty when it synced none")
 
     def _group_names(self) -> list[list[str]]:
@@ -236,7 +236,7 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     ``mode``: "sync", "async", "ssp", "easgd" (the store runs the optimizer, or holds EASGD's
     centre), or "diloco" / "diloco-async" (the torch optimizer, any class, is DiLoCo's inner one;
     options ``sync_every`` (H), ``outer`` (a store spec; default Nesterov momentum, lr 0.7,
-    momentum 0.9), ``fragments``, ``warmup``, ``compress``, ``step_timeout``: raftps/diloco.py).
+    momentum 0.9), ``fragments``, ``warmup``, ``compress``, ``step_timeout``: raftps/client/diloco.py).
     The shorthand ``DistributedOptimizer(model, optimizer={...store spec...})`` gives a
     ``torch.optim.Optimizer`` with one param group holding the spec's hyperparameters.
     ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import optim
-from ..optimizers import OPTIMIZERS
+from raftps import optim
+from raftps.optimizers import OPTIMIZERS
 
 SUPPORTED = ("SGD", "Adam", "AdamW", "Adagrad")
 # Group options that change nothing the store computes (how torch would have run the step).

@@ -34,15 +34,15 @@ import numpy as np
 
 import torch
 
-from .. import compress as codecs
-from .. import jobs
-from ..client import Client
-from ..errors import PermissionDenied, UnknownTensor
-from ..job_steps import CREATOR_WAIT, create_chunked, wait_for_tensors
-from ..modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps, step_counters
-from ..ssp import SspMember
-from .host import STORED_AS, PinnedStage, env_int, from_numpy, load
-from .host import as_numpy as _as_numpy      # the name _create reads
+from raftps import compress as codecs
+from raftps import jobs
+from raftps.client.client import Client
+from raftps.errors import PermissionDenied, UnknownTensor
+from raftps.client.job_steps import CREATOR_WAIT, create_chunked, wait_for_tensors
+from raftps.modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps, step_counters
+from raftps.client.ssp import SspMember
+from raftps.torch.host import STORED_AS, PinnedStage, env_int, from_numpy, load
+from raftps.torch.host import as_numpy as _as_numpy      # the name _create reads
 
 MODES = ("sync", "async", "ssp", "easgd")
 ELASTIC = {"name": "elastic"}

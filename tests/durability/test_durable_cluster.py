@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from raftps.localcluster import LocalCluster, NodeExited
+from raftps.tools.localcluster import LocalCluster, NodeExited
 
 SGD = {"name": "sgd", "lr": 1.0}
 BASE = 30600

@@ -351,8 +351,8 @@ def test_seeded_snapshot_survives_a_power_cut(disk, tmp_path):
     whole, when seed returns (it was renamed into place unsynced before)."""
     import numpy as np
 
-    from raftps import snapshot_file
-    from raftps.machine import TensorStore
+    from raftps.server import snapshot_file
+    from raftps.store.machine import TensorStore
 
     data = str(tmp_path / "data")
     store = TensorStore()
@@ -382,7 +382,7 @@ def test_the_product_never_imports_the_disk_simulator():
                 if any("chaos" in m or "simdisk" in m for m in modules):
                     importers.append(os.path.relpath(path, ROOT))
     assert importers == []
-    code = ("import sys, raftps.cli, raftps.node, raftps.server, raftps.raft.pysyncobj_log; "
+    code = ("import sys, raftps.tools.cli, raftps.server.node, raftps.server.server, raftps.raft.pysyncobj_log; "
             "print(sorted(m for m in sys.modules if 'chaos' in m or 'simdisk' in m))")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
                          text=True, timeout=60)

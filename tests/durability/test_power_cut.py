@@ -30,7 +30,7 @@ from typing import Sequence
 
 import pytest
 
-from raftps import snapshot_file
+from raftps.server import snapshot_file
 from raftps.chaos.checker import Result
 from raftps.chaos.harness import Harness, assert_clean
 from raftps.chaos.history import OK, PUSH

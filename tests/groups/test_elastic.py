@@ -15,9 +15,9 @@ import time
 import numpy as np
 
 from raftps import Client, Unavailable, codec
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 from raftps.raft.durability import default_payload_dir
-from raftps.transport import TcpTransport
+from raftps.client.transport import TcpTransport
 
 BASE = 19000       # nodes: Raft 19001..19005 (+ 400 per group; clients + 100, data + 200, metrics + 300)
 GROUP = 1

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from raftps.client import Client
+from raftps.client.client import Client
 from raftps.errors import RaftpsError
 from raftps.groups import group_of
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 
 SGD = {"name": "sgd", "lr": 1.0}
 NAMES = [f"t{i}" for i in range(12)]
@@ -177,7 +177,7 @@ def test_leaders_spread_one_group_per_node(cluster) -> None:
 
 
 def test_export_and_import_across_groups(cluster, tmp_path) -> None:
-    from raftps.model_files import export_model, import_model
+    from raftps.tools.model_files import export_model, import_model
     names = [f"m/layer{i}" for i in range(8)]
     with cluster.client(timeout=30.0) as c:
         c.create_many({n: np.full(3, float(i), np.float32) for i, n in enumerate(names)}, {n: SGD for n in names})
@@ -245,7 +245,7 @@ def test_metrics_export_every_groups_write_commit_and_apply_histograms(cluster) 
 def test_backup_of_three_groups_restores_every_group(cluster, tmp_path) -> None:
     """raftps snapshot save of a 3-group cluster (each group at a version of its own), restore
     into a new cluster's empty data dirs, and every group comes up with the same digest."""
-    from raftps import backup
+    from raftps.tools import backup
     with cluster.client(timeout=30.0) as c:
         c.create_many({f"b{i}": np.full(5, float(i)) for i in range(9)}, {f"b{i}": SGD for i in range(9)})
         saved = backup.save(c, str(tmp_path / "store.backup"))

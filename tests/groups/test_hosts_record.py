@@ -1,11 +1,11 @@
-"""The hosts record (raftps/hosts.py): pure changes, and its life in group 0's state machine
+"""The hosts record (raftps/store/hosts.py): pure changes, and its life in group 0's state machine
 (apply, snapshot, restore). Expected placements are written out by hand."""
 import pytest
 
 from raftps.errors import InvalidRequest
 from raftps.groups import Layout
-from raftps.hosts import Hosts, HostsState
-from raftps.machine import TensorStore
+from raftps.store.hosts import Hosts, HostsState
+from raftps.store.machine import TensorStore
 
 NODES = tuple(f"127.0.0.1:{9000 + i}" for i in range(1, 5))
 # 4 nodes, 3 groups: group g on nodes g+1..g+3 (mod 4), written out

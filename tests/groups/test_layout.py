@@ -6,7 +6,7 @@ import collections
 import pytest
 
 from raftps.groups import STRIDE, Layout, data_dir, group_of, group_config
-from raftps.node import NodeConfig
+from raftps.server.node import NodeConfig
 
 
 def test_one_group_is_every_node() -> None:

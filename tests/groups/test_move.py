@@ -1,4 +1,4 @@
-"""Moving a tensor to another Raft group online (``raftps move``, raftps/moves.py).
+"""Moving a tensor to another Raft group online (``raftps move``, raftps/store/moves.py).
 
 The state machine alone first (idempotent steps, typed errors, snapshots old and new), then real
 node processes on 127.0.0.1: a move under push load (every acknowledged push applied exactly
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from raftps import optim
-from raftps.client import Client
+from raftps.client.client import Client
 from raftps.codec import Limits
 from raftps.errors import InvalidRequest, LimitExceeded, Moved, RaftpsError, Unavailable, UnknownTensor
 from tests.conftest import wait_converged
-from raftps.localcluster import LocalCluster, NodeExited
-from raftps.machine import TensorStore
+from raftps.tools.localcluster import LocalCluster, NodeExited
+from raftps.store.machine import TensorStore
 
 SGD = {"name": "sgd", "lr": 1.0}
 ADAM = {"name": "adam", "lr": 0.01}
@@ -358,7 +358,7 @@ def start_mover(cl: LocalCluster, name: str, target: int, stop_after: str) -> su
     op), so that the test can SIGKILL it there."""
     code = (
         "import sys, time\n"
-        "from raftps.router import Router\n"
+        "from raftps.client.router import Router\n"
         "write = Router.write\n"
         "def hang_after(self, op, raft_group=0, **fields):\n"
         "    out = write(self, op, raft_group, **fields)\n"
@@ -367,7 +367,7 @@ def start_mover(cl: LocalCluster, name: str, target: int, stop_after: str) -> su
         "        time.sleep(300)\n"
         "    return out\n"
         "Router.write = hang_after\n"
-        "from raftps.cli import main\n"
+        "from raftps.tools.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     env = {**os.environ, **cl.client_env, "PYTHONPATH": WORKTREE}
     return subprocess.Popen([sys.executable, "-c", code, "move", name, "--to", str(target)], env=env, cwd=WORKTREE,

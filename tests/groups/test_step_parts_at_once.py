@@ -13,8 +13,8 @@ import pytest
 
 from raftps.codec import DEFAULT_LIMITS
 from raftps.groups import group_of
-from raftps.localcluster import LocalCluster
-from raftps.transport import TcpTransport
+from raftps.tools.localcluster import LocalCluster
+from raftps.client.transport import TcpTransport
 
 from tests.conftest import start_cluster
 from tests.groups.test_groups_cluster import wait_identical

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("rich")
 
-from raftps.top import rows, table  # noqa: E402
+from raftps.tools.top import rows, table  # noqa: E402
 
 
 def sample(applied: dict[tuple[int, int], int]) -> list[dict]:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import raftps.torch as rpt  # noqa: E402
 from raftps import jobs  # noqa: E402
-from raftps.localcluster import LocalCluster  # noqa: E402
+from raftps.tools.localcluster import LocalCluster  # noqa: E402
 
 BASE_PORT = 29700
 

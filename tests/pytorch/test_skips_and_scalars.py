@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import raftps.torch as rpt  # noqa: E402
-from raftps.model_files import export_model, read_model  # noqa: E402
+from raftps.tools.model_files import export_model, read_model  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
 from tests.pytorch.compare import max_diff, state_diff  # noqa: E402

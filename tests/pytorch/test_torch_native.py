@@ -382,7 +382,7 @@ def test_export_format_torch_loads_in_plain_torch_and_imports_back(cluster, tmp_
     import os
     import subprocess
     import sys
-    from raftps.model_files import import_model
+    from raftps.tools.model_files import import_model
 
     model = Net()
     with rpt.DistributedOptimizer(OPTIMIZERS["adamw"](model), model=model, cluster=cluster.client(), mode="sync",

@@ -101,7 +101,7 @@ def test_per_rank_launch_restarts_a_dead_diloco_worker_alone(make_cluster, tmp_p
     a SIGKILLed worker is started again alone and resumes at the store's DiLoCo round, while the
     other keeps its process; every round the store applied counts once in its tensors."""
     from raftps import jobs
-    from raftps.launch import PerRankJob
+    from raftps.tools.launch import PerRankJob
     cluster = make_cluster(23600)
     out = tmp_path / "out"
     out.mkdir()

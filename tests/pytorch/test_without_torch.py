@@ -11,7 +11,7 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_raftps_cli_and_trainer_import_without_torch():
-    p = run("import raftps, raftps.cli, raftps.client, raftps.chaos.harness, trainer.cli, trainer.worker; "
+    p = run("import raftps, raftps.tools.cli, raftps.client.client, raftps.chaos.harness, trainer.cli, trainer.worker; "
             "print('ok')")
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
 

@@ -9,11 +9,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from raftps.client import Client
-from raftps.node import NodeConfig, RaftNode
+from raftps.client.client import Client
+from raftps.server.node import NodeConfig, RaftNode
 from raftps.raft import NotApplied, NotReady, RaftSettings, SnapshotMeta
 from raftps.raft.memory import MemoryLog
-from raftps.server import ClientServer
+from raftps.server.server import ClientServer
 
 BASE = 28400
 

@@ -3,7 +3,7 @@ import socket
 import time
 
 from raftps import codec
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 from tests.conftest import start_cluster as start     # noqa: F401 (the security tests' cluster maker)
 
 

@@ -14,8 +14,10 @@ import time
 import msgpack
 import numpy as np
 
-from raftps import auth, codec, dataplane
-from raftps.dataplane import PeerLink
+from raftps import auth, codec
+
+from raftps.server import dataplane
+from raftps.server.dataplane import PeerLink
 from security_helpers import hello_connection, rss_kib, state
 
 BASE = 10060
@@ -284,5 +286,5 @@ def test_fuzz_20000_cases_change_nothing_and_crash_nothing(module_cluster):
 
 
 def _payload_dir(cluster, node: int) -> str:
-    from raftps.node import default_payload_dir
+    from raftps.server.node import default_payload_dir
     return default_payload_dir(cluster.data_dir(node))

@@ -223,7 +223,7 @@ def test_schema_names_the_field_and_what_was_expected(request_, error, message):
 
 
 def test_every_served_op_has_a_schema():
-    from raftps.server import WRITES
+    from raftps.server.server import WRITES
     served = {"status", "stats", "pull", "pull_rows", "wait_step", "sync_applied", "ssp_wait", "tensors", *WRITES}
     assert served <= set(ops.REQUESTS)
 
@@ -242,7 +242,7 @@ def test_valid_requests_pass_the_schema():
 def test_state_machine_refuses_hostile_commands_without_the_schema():
     """The same mutated requests applied straight to two TensorStores (no schema, no server): no
     Internal, and both replicas end with the same digest."""
-    from raftps.machine import TensorStore
+    from raftps.store.machine import TensorStore
     stores = [TensorStore(), TensorStore()]
     setup = [{"op": "create", "client": "s", "seq": 1, "tensors": {
                  TENSOR: np.zeros(8, np.float32), TABLE: np.zeros((16, 4), np.float32), ELASTIC: np.zeros(3)},
@@ -268,7 +268,7 @@ def test_the_poison_pill_that_stopped_the_cluster_is_refused():
     """Before the schema, this push passed the client port, and sorting its encoding's keys (bytes
     and str) raised TypeError inside apply on every replica: no node applied anything after it and
     the cluster answered every later write with Retry (found by the hostile fuzz on the old code)."""
-    from raftps.machine import TensorStore
+    from raftps.store.machine import TensorStore
     push = {"op": "push", "client": "c", "seq": 2, "ack": 2,
             "tensors": {TENSOR: np.ones(8, np.float16)},
             "encoding": {b"op": {"kind": "fp16", "scale": 1024.0}, TENSOR: {"kind": "fp16", "scale": 1.0}}}
@@ -281,7 +281,7 @@ def test_the_poison_pill_that_stopped_the_cluster_is_refused():
 
 
 def test_an_unforeseen_exception_in_apply_is_an_answer_not_a_crash(monkeypatch):
-    from raftps.machine import TensorStore
+    from raftps.store.machine import TensorStore
 
     def broken(self, index, command):
         raise KeyError("a bug")

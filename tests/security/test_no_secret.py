@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from pysyncobj.encryptor import HAS_CRYPTO, getEncryptor
 
-from raftps import codec, dataplane
-from raftps.localcluster import LocalCluster
+from raftps import codec
+
+from raftps.server import dataplane
+from raftps.tools.localcluster import LocalCluster
 from raftps.raft.peer_mac import PeerMac
-from raftps.node import default_payload_dir
-from raftps.payloads import payload_id
+from raftps.server.node import default_payload_dir
+from raftps.server.payloads import payload_id
 from security_helpers import assert_nothing_applied, raft_state, rss_kib, state
 from tests.conftest import wait_converged
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from raftps import auth, codec
-from raftps.dataplane import PeerLink
-from raftps.node import default_payload_dir
-from raftps.payloads import payload_id
+from raftps.server.dataplane import PeerLink
+from raftps.server.node import default_payload_dir
+from raftps.server.payloads import payload_id
 
 BASE = 10010
 LONE = 10020          # single-node starts of `serve`

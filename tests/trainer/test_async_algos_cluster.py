@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from raftps import NotInGroup
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 from trainer_helpers import metric_rows, run_trainer, start_trainer, wait_for
 
 BASE_PORT = 11000       # raft 11001-11003, clients 11101-11103, data plane 11201-11203

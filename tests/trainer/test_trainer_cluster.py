@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from raftps.localcluster import LocalCluster
+from raftps.tools.localcluster import LocalCluster
 from trainer_helpers import finish, metric_rows, run_trainer, start_trainer, wait_for
 
 BASE_PORT = 7300        # raft 7301-7303, clients 7401-7403, data plane 7501-7503

@@ -70,10 +70,10 @@ def test_cli_rejects_bad_sync_batch(tmp_path):
 
 
 def test_diloco_async_defaults_to_averaging_as_the_library_does():
-    """--diloco-async without --outer-lr/--outer-momentum takes raftps.diloco's asynchronous default
+    """--diloco-async without --outer-lr/--outer-momentum takes raftps.client.diloco's asynchronous default
     (plain averaging, staleness-aware): the paper's Nesterov step diverges when pseudo-gradients
     apply on arrival (docs/pytorch.md). Synchronous DiLoCo keeps Nesterov; explicit values win."""
-    from raftps.diloco import outer_spec
+    from raftps.client.diloco import outer_spec
     from trainer.cli import config, parser
 
     def store_spec(*flags: str) -> dict:

@@ -1,0 +1,182 @@
+"""The operator's side of elastic hosts (``raftps hosts``; docs/design/elastic.md): add a host to
+the hosts record, move one Raft group's replica from one node to another, online, or roll a
+move back (``abort``: its target leaves the group, then the record forgets the move).
+
+A move is five steps, each idempotent, so running the command again after any crash goes on
+where it stopped (the record says which stage the group's move is at):
+
+1. ``move_start`` in group 0: the intent (one move per group at a time);
+2. Raft add: the group's log makes the target a member (4 voters; the 3 old ones still make
+   every majority, so the group keeps committing while the target is empty). A source whose
+   node does not answer is removed first: 2 live voters of 2, then 3 with the target;
+3. ``move_stage`` catch_up in group 0: the target's node starts its replica (hosting.py), which
+   catches up from the group's leader (its snapshot, then the log; payloads from its peers);
+4. when the target has applied what the group had committed: Raft remove of the source (a
+   leader hands leadership over first, and the request is sent again to the new leader);
+5. ``move_done`` in group 0: the source's node stops its replica.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from raftps import auth, codec
+from raftps.errors import InvalidRequest, Unavailable
+from raftps.store.hosts import Hosts
+from raftps.client.router import Router, parse_addresses
+from raftps.client.session import Session
+from raftps.replica.config import NodeConfig, offset_address
+from raftps.client.transport import TcpTransport
+
+CLIENT_OFFSET = NodeConfig.client_offset      # a node's client port: its Raft port + this
+
+
+class HostsAdmin:
+    """Requests to one cluster's Raft groups, by group: a router and a session of its own."""
+
+    def __init__(self, addresses: str | list[str] | None, token: str | None = None, tls: Any = None,
+                 timeout: float = 60.0, attempt_timeout: float = 30.0):
+        self._transport = TcpTransport(auth.client_token(token), auth.client_tls_context(tls), codec.DEFAULT_LIMITS,
+                                       connect_timeout=2.0)
+        self._lock = threading.RLock()
+        self._router = Router(parse_addresses(addresses), self._transport.call, timeout, attempt_timeout, self._lock)
+        self._session = Session()
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> "HostsAdmin":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- reads and writes ------------------------------------------------------------------
+
+    def hosts(self) -> Hosts:
+        """Group 0's hosts record (as its leader has applied it), or the formula when there is none."""
+        if self._router.groups() == 1:
+            raise InvalidRequest("this cluster runs one Raft group: its members change with raftps member "
+                                 "(hosts are placed per group only with serve --groups G, G > 1)")
+        record = self._router.request({"op": "hosts"}, raft_group=0)["hosts"]
+        if record is not None:
+            return Hosts.from_record(record)
+        layout = self._router.request({"op": "layout"}, to_leader=False)
+        nodes = [_raft_of_client(a) for a in layout["nodes"]]
+        return Hosts(tuple(nodes), tuple(tuple(m) for m in layout["members"]))
+
+    def change(self, action: str, **fields: Any) -> Hosts:
+        """One hosts_change entry through group 0's log: the record after it."""
+        self._router.groups()                     # the layout first: group 0's members
+        seq, ack = self._session.next_seq(0)
+        refused = False
+        try:
+            reply = self._router.request({"op": "hosts_change", "client": self._session.client_id, "seq": seq,
+                                          "ack": ack, "action": action, **fields}, raft_group=0)
+        except InvalidRequest as exc:
+            refused = bool(getattr(exc, "refused", False))
+            raise
+        finally:
+            self._session.answered(0, seq, refused)
+        return Hosts.from_record(reply["hosts"])
+
+    def member(self, group: int, action: str, address: str) -> dict:
+        """A Raft membership change of ``group`` (on its leader; retried through a leader hand-over)."""
+        return self._router.request({"op": "member", "action": action, "node": address}, raft_group=group)
+
+    def group_rows(self, hosts: Hosts, group: int) -> list[dict]:
+        """The status rows for ``group`` of every node in ``hosts`` (nodes that do not answer are left out)."""
+        rows = []
+        for address in [offset_address(a, CLIENT_OFFSET) for a in hosts.nodes]:
+            try:
+                reply = self._transport.call(address, {"op": "status", "digest": False}, 5.0)
+            except (OSError, ConnectionError):
+                continue
+            rows += [r for r in reply.get("groups", [reply]) if r.get("group", 0) == group]
+        return rows
+
+    # ---- the operations --------------------------------------------------------------------
+
+    def add_host(self, address: str) -> Hosts:
+        """Put a new node in the record (node id N+1); it serves nothing until a move targets it.
+        Start it with ``serve --join``."""
+        return self.change("add_host", address=address)
+
+    def move(self, group: int, source: str, target: str, catch_up_timeout: float = 120.0) -> tuple[Hosts, bool]:
+        """Move ``group``'s replica from node ``source`` to node ``target`` (node Raft addresses,
+        as in --peers); see the module docstring. Returns the record after the move, and False
+        if the move had been made before."""
+        hosts = self.hosts()
+        if not 0 <= group < hosts.groups:
+            raise InvalidRequest(f"Raft group {group} is out of range: this cluster has groups 0..{hosts.groups - 1}")
+        if group == 0:
+            raise InvalidRequest("moving a replica of Raft group 0 (the hosts record's own group) is not built yet: "
+                                 "its files share the node's data dir")
+        src, tgt = hosts.node_of(source), hosts.node_of(target)
+        if tgt in hosts.placed[group] and src not in hosts.placed[group] and hosts.move_of(group) is None:
+            return hosts, False                       # done already (a finished move run again)
+        move = hosts.move_of(group)
+        if move is None or (move.source, move.target) != (src, tgt):
+            hosts = self.change("move_start", move_group=group, source=src, target=tgt)
+            move = hosts.move_of(group)
+        if move.stage == "add":
+            if not any(r.get("node") == src for r in self.group_rows(hosts, group)):
+                # a dead source goes first (as member replace does for one group): with it still
+                # a voter, the target's add would need the empty target to commit
+                self.member(group, "remove", hosts.raft_address(src, group))
+            self.member(group, "add", hosts.raft_address(tgt, group))
+            hosts = self.change("move_stage", move_group=group)
+        self._wait_caught_up(hosts, group, tgt, catch_up_timeout)
+        self.member(group, "remove", hosts.raft_address(src, group))
+        return self.change("move_done", move_group=group), True
+
+    def drain(self, address: str, catch_up_timeout: float = 120.0) -> tuple[Hosts, int]:
+        """Move every replica off node ``address`` (hosts.drain_plan chooses where), one group
+        at a time; its node then exits. Refused, with nothing changed, when a group would fall
+        short of replicas or the node serves group 0. Returns the record and the moves made."""
+        hosts = self.hosts()
+        plan = hosts.drain_plan(hosts.node_of(address))
+        if any(group == 0 for group, _ in plan):
+            raise InvalidRequest(f"{address} serves Raft group 0, whose replica cannot be moved yet: "
+                                 "draining it is not built")
+        moved = 0
+        for group, target in plan:
+            hosts, made = self.move(group, address, hosts.nodes[target - 1], catch_up_timeout)
+            moved += made
+        return hosts, moved
+
+    def abort(self, group: int) -> Hosts:
+        """Roll back ``group``'s move in flight: its target leaves the group's Raft membership (if
+        it joined), then the record forgets the move. Nothing to abort: InvalidRequest."""
+        hosts = self.hosts()
+        move = hosts.move_of(group) if 0 <= group < hosts.groups else None
+        if move is None:
+            raise InvalidRequest(f"Raft group {group} has no move in flight: nothing to abort")
+        self.member(group, "remove", hosts.raft_address(move.target, group))
+        return self.change("move_abort", move_group=group)
+
+    def _wait_caught_up(self, hosts: Hosts, group: int, target: int, timeout: float) -> None:
+        """Until the target's replica has applied what the group's leader had committed when we
+        started waiting (bounded)."""
+        deadline = time.monotonic() + timeout
+        goal = None
+        last: Any = "no answer yet"
+        while time.monotonic() < deadline:
+            rows = self.group_rows(hosts, group)
+            leader = next((r for r in rows if r.get("role") == "leader"), None)
+            if goal is None and leader is not None:
+                goal = leader["commit"]
+            mine = next((r for r in rows if r.get("node") == target), None)
+            last = mine and mine.get("applied")
+            if goal is not None and mine is not None and mine["applied"] >= goal:
+                return
+            time.sleep(0.2)
+        raise Unavailable(f"Raft group {group}'s new replica on node {target} did not catch up within {timeout:.0f} s "
+                          f"(applied {last}, goal {goal}): is its node running (serve --join)? Run the command "
+                          "again to go on")
+
+
+def _raft_of_client(client_address: str) -> str:
+    return offset_address(client_address, -CLIENT_OFFSET)

@@ -1,0 +1,208 @@
+"""A node's replicas kept in step with the hosts record (hosts.py; docs/design/elastic.md).
+
+A node of a cluster of several Raft groups runs one replica per group the record gives it. At
+start that is its data dir's copy of the newest record it saw (``hosts.json``), else the formula
+(groups.py): a cluster that never changed starts as it always did. A node started with
+``--join`` has no copy and hosts nothing until the record names it. Then a thread asks group 0's
+members for the record every ``poll`` seconds (any replica's copy: records are numbered by their
+epoch, and a node only ever moves to a newer one) and, for a newer record, starts the replicas
+of the groups that now name this node and stops the ones that no longer do (their data dir is
+set aside, ``group<g>.left-e<epoch>``). The node's layout op and the member op's checks read the
+record through this object, so clients route by it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import threading
+from typing import Any, Callable
+
+from raftps import codec
+from raftps.groups import Layout, data_dir, group_config
+from raftps.store.hosts import Hosts
+from raftps.server.placement_loop import PlacementLoop
+from raftps.raft.durability import Durability
+from raftps.replica.config import NodeConfig, offset_address
+from raftps.client.transport import TcpTransport
+
+log = logging.getLogger("raftps.server.hosting")
+RECORD_FILE = "hosts.json"
+
+
+class Hosting:
+    def __init__(self, config: NodeConfig, layout: Layout, make_replica: Callable[[NodeConfig], Any],
+                 join: bool = False, poll: float = 1.0, dead_host_timeout: float = 0.0):
+        self.config = config
+        self.node = config.node_id
+        self.replicas: dict[int, Any] = {}        # Raft group -> this node's replica (RaftNode); shared
+        self._make_replica = make_replica
+        self._file = os.path.join(config.data_dir, RECORD_FILE)
+        self.current: Hosts | None = self._load() or (None if join else Hosts.from_layout(layout))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poll = poll
+        self._loop = PlacementLoop(config.client_token, dead_host_timeout, lambda: self.current, self._leads_group_0) \
+            if dead_host_timeout > 0 and config.client_token is not None and not config.tls_cert else None
+        self.drained = threading.Event()          # set when a record leaves this node nothing to host
+        self._seeds = [offset_address(a, config.client_offset) for a in layout.nodes]
+        # the formula, the base of the record's first change; a joining node's --peers are not
+        # the ones the cluster started with, so it offers none (it is never group 0's first leader)
+        self._base = {} if join else layout.base_fields()
+
+    # ---- what the handlers read (the layout op, member checks), as of groups.Layout -----------
+
+    @property
+    def groups(self) -> int:
+        return self.current.groups if self.current else 1
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.current.nodes if self.current else ()
+
+    def members(self, group: int) -> list[int]:
+        return self.current.members(group)
+
+    def base_fields(self) -> dict:
+        return self._base
+
+    def member_change_refusal(self, group: int, action: str, address: str) -> str | None:
+        """Why a Raft membership change of ``group`` must not run now, or None: with several
+        groups only the move the record has in flight may add its target or remove its source
+        (or, aborting, its target). The node may not have polled the record since the move
+        started: it reads it once more before it refuses."""
+        if self._allows(group, action, address):
+            return None
+        self.refresh()
+        if self._allows(group, action, address):
+            return None
+        return (f"Raft group {group} has no move in flight that {action}s {address}: with several Raft groups, "
+                "membership changes go through raftps hosts move (the hosts record)")
+
+    def _allows(self, group: int, action: str, address: str) -> bool:
+        hosts = self.current
+        move = hosts.move_of(group) if hosts else None
+        return move is not None and (action, address) in (("add", hosts.raft_address(move.target, group)),
+                                                          ("remove", hosts.raft_address(move.source, group)),
+                                                          ("remove", hosts.raft_address(move.target, group)))
+
+    # ---- start, follow, stop ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the replicas the record gives this node (none for a joining node yet), then the
+        thread that follows the record."""
+        if self.current is not None:
+            for group in self.current.hosted_by(self.node):
+                self.replicas[group] = self._make_replica(group_config(self.config, self.current, group))
+        threading.Thread(target=self._run, name="hosting", daemon=True).start()
+        if self._loop is not None:
+            self._loop.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._loop is not None:
+            self._loop.stop()
+
+    def _leads_group_0(self) -> bool:
+        replica = self.replicas.get(0)
+        return replica is not None and replica.is_leader()
+
+    def _run(self) -> None:
+        if self.config.client_token is None or self.config.tls_cert:
+            # it reads the record over the client port with the cluster's token, without TLS
+            # (docs/design/elastic.md, "What is next")
+            log.warning("this node does not follow the hosts record: it needs --token-file and no --tls-cert")
+            return
+        transport = self._transport()             # its connections kept from one poll to the next
+        try:
+            while not self._stop.wait(self._poll):
+                self.refresh(transport)
+        finally:
+            transport.close()
+
+    def _transport(self) -> TcpTransport:
+        return TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
+
+    def refresh(self, transport: TcpTransport | None = None) -> None:
+        """Ask group 0's members for the record once, and follow the newest they answer."""
+        own = transport or self._transport()
+        try:
+            newest = self._fetch(own)
+            if newest is not None:
+                self.follow(newest)
+        except Exception:                         # a replica that would not start: try again next poll
+            log.exception("following the hosts record failed")
+        finally:
+            if transport is None:
+                own.close()
+
+    def _fetch(self, transport: TcpTransport) -> Hosts | None:
+        """The newest record group 0's members answer (each its own copy), or None."""
+        if self.current is not None:
+            asked = [offset_address(self.current.raft_address(m, 0), self.config.client_offset)
+                     for m in self.current.members(0)]
+        else:
+            asked = self._seeds
+        newest = None
+        for address in asked:
+            try:
+                reply = transport.call(address, {"op": "hosts"}, 2.0)
+                if reply.get("hosts") is not None:
+                    record = Hosts.from_record(reply["hosts"])
+                    newest = record if newest is None or record.epoch > newest.epoch else newest
+            except (OSError, ConnectionError, ValueError) as exc:
+                log.debug("hosts from %s: %s", address, exc)
+            except Exception as exc:              # AuthenticationFailed: no token this cluster takes
+                log.warning("cannot read the hosts record from %s: %s", address, exc)
+        return newest
+
+    def follow(self, newest: Hosts) -> None:
+        """Take up ``newest`` if it is newer than what this node follows."""
+        with self._lock:
+            if self.current is not None and newest.epoch <= self.current.epoch:
+                return
+            self._save(newest)
+            self.current = newest
+            wanted = set(newest.hosted_by(self.node))
+            for group in sorted(wanted - set(self.replicas)):
+                log.warning("hosts epoch %d: starting this node's replica of Raft group %d", newest.epoch, group)
+                config = dataclasses.replace(group_config(self.config, newest, group), metrics_port=0)
+                self.replicas[group] = self._make_replica(config)
+            for group in sorted(set(self.replicas) - wanted):
+                log.warning("hosts epoch %d: stopping this node's replica of Raft group %d", newest.epoch, group)
+                self.replicas.pop(group).stop(snapshot_timeout=0.0)
+                self._set_aside(group, newest.epoch)
+            if not self.replicas:
+                self.drained.set()
+
+    def _set_aside(self, group: int, epoch: int) -> None:
+        """A left replica's files, kept but out of the way: a later replica of the group starts
+        empty. Its payloads in tmpfs (raft/durability.py) are deleted: they are named after the
+        data dir's path, so a later replica of the group would find them as its own; its peers
+        hold every payload it had."""
+        if group and not self.config.payload_dir:
+            durability = Durability.for_mode(self.config.durability)
+            if not durability.durable:
+                shutil.rmtree(durability.payload_dir(data_dir(self.config.data_dir, group)), ignore_errors=True)
+        for base in {self.config.data_dir, self.config.payload_dir} - {None}:
+            path = data_dir(base, group)
+            if group and os.path.isdir(path):
+                os.rename(path, f"{path}.left-e{epoch}")
+
+    def _load(self) -> Hosts | None:
+        try:
+            with open(self._file) as f:
+                return Hosts.from_record(json.load(f))
+        except FileNotFoundError:
+            return None
+
+    def _save(self, hosts: Hosts) -> None:
+        os.makedirs(self.config.data_dir, exist_ok=True)
+        tmp = self._file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(hosts.record(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._file)
