@@ -21,9 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))          # raftps from this checkout when run as a script
 
 from raftps.chaos.torchrun import TorchrunJob, train_through_kills  # noqa: E402
-from raftps.tools.cli import OneLineParser  # noqa: E402
-from raftps.tools.launch import PerRankJob  # noqa: E402
-from raftps.tools.localcluster import LocalCluster  # noqa: E402
+from raftps.cli import OneLineParser  # noqa: E402
+from raftps.launch import PerRankJob  # noqa: E402
+from raftps.localcluster import LocalCluster  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""``python -m raftps.tools.launch``: one process per rank, each supervised on its own (raftps.tools.launch),
+"""``python -m raftps.launch``: one process per rank, each supervised on its own (raftps.tools.launch),
 on real processes: RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them, a rank killed by a
 signal started again alone, a failed rank's exit code returned, and the old import path."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.exit(int(sys.argv[3]) if rank == "0" else 0)
 def launch(tmp_path, *flags: str, kill_rank: int = 1, rank0_exit: int = 0) -> subprocess.CompletedProcess:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    return subprocess.run([sys.executable, "-m", "raftps.tools.launch", *flags, str(script), str(tmp_path),
+    return subprocess.run([sys.executable, "-m", "raftps.launch", *flags, str(script), str(tmp_path),
                            str(kill_rank), str(rank0_exit)], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
 

@@ -186,3 +186,20 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+
+def test_the_documented_module_paths_still_import_the_same_objects():
+    """Issue 38 moved the modules into rooms (store/, server/, client/, tools/); the paths the
+    README, docs and examples name stay valid and hand out the very same objects."""
+    import raftps
+    import raftps.tools.cli
+    import raftps.tools.launch
+    import raftps.tools.localcluster
+    from raftps.cli import OneLineParser, main
+    from raftps.client import Client
+    from raftps.launch import PerRankJob
+    from raftps.localcluster import LocalCluster
+    assert (OneLineParser, main) == (raftps.tools.cli.OneLineParser, raftps.tools.cli.main)
+    assert PerRankJob is raftps.tools.launch.PerRankJob
+    assert LocalCluster is raftps.tools.localcluster.LocalCluster
+    assert Client is raftps.Client

@@ -1,6 +1,6 @@
 """Launch a training job's workers as one process per rank, each supervised on its own:
 
-    python -m raftps.tools.launch --nproc-per-node K [--nnodes N --node-rank I] [--max-restarts R]
+    python -m raftps.launch --nproc-per-node K [--nnodes N --node-rank I] [--max-restarts R]
                             [--log-dir DIR] script.py [script args ...]
 
 Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun
@@ -69,7 +69,7 @@ class PerRankJob:
             if proc.poll() is not None and proc.returncode < 0 and self.restarts > 0:
                 self.restarts -= 1
                 self.restarted.append((time.time(), rank))
-                print(f"raftps.tools.launch: rank {self.first_rank + rank} died (signal {-proc.returncode}); starting it "
+                print(f"raftps.launch: rank {self.first_rank + rank} died (signal {-proc.returncode}); starting it "
                       f"again ({self.restarts} restarts left)", file=sys.stderr, flush=True)
                 self._start(rank)
         codes = [p.poll() for _, p in sorted(self.procs.items())]
@@ -103,7 +103,7 @@ def wait_for_exit(job: Job, timeout: float) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m raftps.tools.launch", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m raftps.launch", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc-per-node", type=int, required=True, help="ranks on this node")
     ap.add_argument("--nnodes", type=int, default=1, help="nodes, each running this launcher")
