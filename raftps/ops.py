@@ -19,8 +19,8 @@ from raftps import schema
 from raftps.errors import InvalidRequest
 from raftps.store.hosts import ACTIONS as HOSTS_ACTIONS
 from raftps.schema import (ENCODING, HYPER, JOB, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
-                     RAFT_GROUP, SSP, SSP_GROUP, STALE_READ, STATE_PART, STATE_RECORD, TENSORS, VERSION,
-                     WORKER, WRITE, Array, Bool, Enum, Int, ListOf, MapOf, Number, Seconds, Str, request_record)
+                           RAFT_GROUP, SSP, SSP_GROUP, STALE_READ, STATE_PART, STATE_RECORD, TENSORS, VERSION,
+                           WORKER, WRITE, Array, Bool, Enum, Int, ListOf, MapOf, Number, Seconds, Str, request_record)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import numpy as np
 
 from raftps.optimizers.base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, Context, Optimizer, new_like, prepare,
-                   torch_common)
+                                    torch_common)
 
 
 class Adagrad(Optimizer):

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from raftps.optimizers.base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, UNIT, Context, Optimizer, new_like, prepare,
-                   torch_common)
+                                    torch_common)
 from raftps.optimizers.sgd import SGD_OPTIONS
 
 

@@ -6,7 +6,7 @@ from typing import Any, Callable
 import numpy as np
 
 from raftps.optimizers.base import (MAXIMIZE, NON_NEGATIVE, POSITIVE, STALENESS_AWARE, Context, Optimizer, new_like, prepare,
-                   torch_common)
+                                    torch_common)
 
 # The options of a torch.optim.SGD param group besides the spec's names (momentum.py reads them).
 SGD_OPTIONS = frozenset({"momentum", "dampening", "nesterov"})

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from raftps.raft import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
-               saved_hook)
+                         saved_hook)
 
 TICK = 0.05
 NO_OP = b"\x01"          # the boundary entries' bytes in a snapshot this log writes

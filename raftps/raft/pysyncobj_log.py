@@ -24,7 +24,7 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 
 from raftps.raft import (Applier, NotApplied, NotReady, RaftSettings, RaftStatus, ReplicatedLog, SnapshotMeta,
-               saved_hook, stored_zlib)
+                         saved_hook, stored_zlib)
 from raftps.raft.journal_hook import install_durable_journal, install_durable_snapshots
 from raftps.raft.peer_mac import PeerMac
 from raftps.raft.pysyncobj_fixes import install as install_fixes

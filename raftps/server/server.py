@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from raftps import auth, codec, ops, rbac
 from raftps.errors import (AuthenticationFailed, InvalidRequest, LimitExceeded, ProtocolError, RaftpsError,
-                     TLSRequired, error_result, exception_result)
+                           TLSRequired, error_result, exception_result)
 from raftps.groups import Layout
 from raftps.server.handlers import Handlers, retry
 from raftps.instruments import ServerInstruments

@@ -33,7 +33,7 @@ import numpy as np
 from raftps import codec, compress, ops, optim
 from raftps.store import store_snapshot
 from raftps.errors import (DtypeMismatch, Internal, InvalidRequest, RaftpsError, TensorExists, UnknownTensor,
-                     error_result, exception_result)
+                           error_result, exception_result)
 from raftps.store.hosts import HostsState
 from raftps.store.moves import Moves
 from raftps.store.assign_state import plan
