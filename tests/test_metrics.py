@@ -3,6 +3,7 @@ import json
 import os
 import re
 import socket
+import time
 import urllib.request
 
 import numpy as np
@@ -39,6 +40,11 @@ def test_every_node_serves_metrics_that_match_status(make_cluster):
         with pytest.raises(UnknownTensor):
             c.push({"nope": np.ones(3)})
         rows = wait_converged(c, 3)
+        deadline = time.monotonic() + 15      # a loaded machine may still be reconnecting two followers
+        while time.monotonic() < deadline and any(
+                sum(v for (name, _), v in scrape(r["metrics"]).items() if name == "raftps_peer_connected") != 2
+                for r in rows):
+            time.sleep(0.2)
         status = {r["node"]: r for r in rows}
         scraped = {}
         for node, row in status.items():

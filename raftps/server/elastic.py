@@ -39,9 +39,8 @@ class HostsAdmin:
                  timeout: float = 60.0, attempt_timeout: float = 30.0):
         self._transport = TcpTransport(auth.client_token(token), auth.client_tls_context(tls), codec.DEFAULT_LIMITS,
                                        connect_timeout=2.0)
-        self._lock = threading.RLock()
-        self._router = Router(parse_addresses(addresses), self._transport.call, timeout, attempt_timeout, self._lock)
-        self._session = Session()
+        self._router = Router(parse_addresses(addresses), self._transport, Session(), timeout, attempt_timeout,
+                              threading.RLock())
         self.timeout = timeout
 
     def close(self) -> None:
@@ -70,17 +69,7 @@ class HostsAdmin:
     def change(self, action: str, **fields: Any) -> Hosts:
         """One hosts_change entry through group 0's log: the record after it."""
         self._router.groups()                     # the layout first: group 0's members
-        seq, ack = self._session.next_seq(0)
-        refused = False
-        try:
-            reply = self._router.request({"op": "hosts_change", "client": self._session.client_id, "seq": seq,
-                                          "ack": ack, "action": action, **fields}, raft_group=0)
-        except InvalidRequest as exc:
-            refused = bool(getattr(exc, "refused", False))
-            raise
-        finally:
-            self._session.answered(0, seq, refused)
-        return Hosts.from_record(reply["hosts"])
+        return Hosts.from_record(self._router.write("hosts_change", raft_group=0, action=action, **fields)["hosts"])
 
     def member(self, group: int, action: str, address: str) -> dict:
         """A Raft membership change of ``group`` (on its leader; retried through a leader hand-over)."""
