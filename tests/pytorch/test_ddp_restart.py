@@ -54,4 +54,7 @@ def test_ddp_group_restarted_by_torchrun_resumes_from_its_checkpoint(tmp_path):
     assert resumed, f"no resume in the logged steps: {steps}"
     assert (resumed[0] - 1) % EVERY == 0 and resumed[0] - 1 <= killed_at + 1, (resumed, killed_at)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["start_step"] == resumed[0] - 1 and summary["final_test_acc"] >= 0.5, summary     # untrained: about 0.1
+    # A rank that aborts while exiting (gloo's teardown on a loaded machine) makes torchrun restart the
+    # group once more after the last step: that run resumes from the final checkpoint, with no step left.
+    assert summary["start_step"] in {r - 1 for r in resumed} | {STEPS}, (summary, resumed)
+    assert summary["final_test_acc"] >= 0.5, summary     # untrained: about 0.1
