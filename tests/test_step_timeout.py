@@ -20,12 +20,13 @@ def test_a_rank_arriving_within_the_timeout_of_the_latest_is_counted(store) -> N
 
     def rank(r: int) -> None:
         with Client(address, timeout=20.0) as c:
-            answers[r] = c.push_step({"w": np.full(4, float(r + 1), np.float32)}, 0, 3, job="j", rank=r, timeout=1.5)
+            answers[r] = c.push_step({"w": np.full(4, float(r + 1), np.float32)}, 0, 3, job="j", rank=r, timeout=3.0)
     threads = []
-    for r in range(3):           # 1.2 s apart: the last comes 2.4 s after the first, 1.2 s after the latest
+    for r in range(3):           # 2 s apart: the last comes 4 s after the first, 2 s after the latest
+        # (a 1 s margin for a thread and a connection to start on a loaded machine)
         threads.append(threading.Thread(target=rank, args=(r,)))
         threads[-1].start()
-        time.sleep(1.2)
+        time.sleep(2.0)
     for t in threads:
         t.join(30.0)
     assert [answers[r]["count"] for r in range(3)] == [3, 3, 3], answers
