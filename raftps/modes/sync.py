@@ -2,9 +2,9 @@
 step's batch with its rank; the store applies the mean of the ranks' contributions once, in the
 job's own step sequence (K equal shards: the full batch's mean gradient, the step one process
 would take). The leader sums a step's contributions and replicates the step once
-(``Client.push_step``); a step whose last rank has not arrived ``step_timeout`` seconds after its
-first (a dead worker) applies with those that did. A rank's second contribution to a step (a
-restarted worker) is ignored; a contribution that comes after its step applied (``late``)
+(``Client.push_step``); a step whose last rank has not arrived ``step_timeout`` seconds after
+its latest contribution (a dead worker) applies with those that did. A rank's second
+contribution to a step (a restarted worker) is ignored; a contribution that comes after its step applied (``late``)
 rejoins at the job's next step. A step that any rank skips (``skip``: its GradScaler found an
 inf) applies no gradient, only the running statistics' drift; every rank's result says
 ``skipped`` (aggregate.py).
