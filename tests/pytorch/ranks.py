@@ -1,4 +1,8 @@
-"""Several ranks of a test in threads of one process."""
+"""Several ranks of a test in threads of one process.
+
+The threads share torch's global random generator: build the ranks' models (``torch.manual_seed``
+then ``nn.Linear(...)``) before ``run_ranks``, never in ``body``, or two ranks building at once
+draw each other's numbers and start from an initialisation no reference has."""
 from __future__ import annotations
 
 import threading

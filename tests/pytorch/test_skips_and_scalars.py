@@ -74,10 +74,6 @@ def amp_loop(model, opt, data, poison, after_step=None) -> tuple[float, float]:
     return scaler.get_scale(), sched.get_last_lr()[0]
 
 
-# Known defect, open in issue 36: about one run in six (idle machine too) a rank's parameters end
-# 0.6 from the reference while the skip itself is right (steps in step, the skipped step changes no
-# parameter). Not strict, so a passing run stays green; the cause is not found yet.
-@pytest.mark.xfail(strict=False, reason="intermittent: parameters differ from the reference about one run in six")
 @pytest.mark.parametrize("where", ["cluster", "grouped"])
 def test_a_step_one_rank_skips_is_skipped_by_every_rank(where, request):
     """Rank 0's gradient holds an inf at step 1, rank 1's does not: as under DDP (where the
@@ -90,10 +86,14 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(where, request):
     want_opt = torch.optim.Adam(want.parameters(), lr=1e-2)
     want_scale, want_lr = amp_loop(want, want_opt, data, lambda i: i == SKIPPED)
 
-    prefix, models, opts, ends, versions = f"skip2-{where}", {}, {}, {}, {}
+    prefix, opts, ends, versions = f"skip2-{where}", {}, {}, {}
+    # Made here, not in the ranks' threads: Scalars() seeds torch's global generator, which the
+    # threads share, so two models built at once drew each other's numbers (about one run in six
+    # rank 0 made the job's tensors from an initialisation 0.6 from `want`'s).
+    models = {rank: Scalars() for rank in (0, 1)}
 
     def body(rank: int) -> None:
-        model = Scalars()
+        model = models[rank]
         opt = rpt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model=model,
                                        cluster=cluster.client(), mode="sync", prefix=prefix, rank=rank,
                                        world_size=2, step_timeout=30.0)
@@ -104,7 +104,7 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(where, request):
             stored = opt.client.export(prefix + "/")["tensor_versions"]
             seen.append((opt.step_count, opt.last_step_skipped, {n: stored[f"{prefix}/{n}"] for n, _ in model.named_parameters()}))
         ends[rank] = amp_loop(model, opt, shards, lambda i: rank == 0 and i == SKIPPED, after)
-        models[rank], opts[rank], versions[rank] = model, opt, seen
+        opts[rank], versions[rank] = opt, seen
 
     run_ranks(2, body, timeout=120.0)
     flags = [n for n in opts[0].client.export(prefix + "/")["tensor_versions"] if "/_raftps/skip" in n]
