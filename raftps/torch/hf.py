@@ -13,6 +13,10 @@ Accelerator prepare the model as Accelerate prepares one for evaluation (device 
 precision, ``torch.compile``: everything but the distributed wrapper), so the store is the only
 channel the gradients take. Everything else stays the framework's: the data is sharded by rank,
 gradient accumulation, logging, evaluation and checkpoints on rank 0, skipped fp16 steps.
+A sync step the store skipped because another rank's GradScaler found an inf counts as skipped
+here too: the optimizer the Accelerator prepares reports it in ``step_was_skipped``, which
+Accelerate's scheduler and the Trainer read before stepping the LR schedule (as under DDP,
+where every rank's GradScaler sees the inf).
 Clipping (``max_grad_norm``, ``accelerator.clip_grad_norm_``) goes to the raftps optimizer's
 ``clip_grad_norm_``, so in sync mode the store clips the step's mean gradient, as one process
 clipping the full batch.
@@ -34,6 +38,7 @@ except ImportError:
 
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 # the Accelerator setups whose model wrapping is plain DDP (FSDP, DeepSpeed, XLA shard or own the optimizer)
@@ -60,11 +65,18 @@ def without_ddp(trainer_or_accelerator: Any, optimizer: torch.optim.Optimizer | 
     if optimizer.world_size != accelerator.num_processes:
         raise ValueError(f"the DistributedOptimizer has world_size {optimizer.world_size} but the launcher started "
                          f"{accelerator.num_processes} processes; leave rank and world_size to the launcher")
-    prepare_model, clip_locally = accelerator.prepare_model, accelerator.clip_grad_norm_
+    prepare_model, prepare_optimizer = accelerator.prepare_model, accelerator.prepare_optimizer
+    clip_locally = accelerator.clip_grad_norm_
 
     def prepare_unwrapped(model: torch.nn.Module, device_placement: bool | None = None,
                           evaluation_mode: bool = False) -> torch.nn.Module:
         return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_reporting_skips(opt: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        prepared = prepare_optimizer(opt, device_placement=device_placement)
+        if type(prepared) is AcceleratedOptimizer:     # Accelerate builds it inside prepare: made ours here
+            prepared.__class__ = ReportsStoreSkips
+        return prepared
 
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         if not math.isfinite(max_norm):              # the Trainer asks for the norm alone this way
@@ -73,5 +85,18 @@ def without_ddp(trainer_or_accelerator: Any, optimizer: torch.optim.Optimizer | 
         return optimizer.clip_grad_norm_(float(max_norm), norm_type)
 
     accelerator.prepare_model = prepare_unwrapped
+    accelerator.prepare_optimizer = prepare_reporting_skips
     accelerator.clip_grad_norm_ = clip_grad_norm_
     return trainer_or_accelerator
+
+
+class ReportsStoreSkips(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, whose ``step_was_skipped`` also says when the store skipped
+    the step. Accelerate counts a step as skipped when GradScaler did not call ``step()``; with K > 1
+    sync ranks GradScaler calls every rank's (raftps/torch/amp.py), and the store skips the step
+    for all when one rank's gradients hold an inf: on the other ranks ``step()`` ran, and only the
+    store's answer (``last_step_skipped``) says the step was skipped."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return super().step_was_skipped or bool(getattr(self.optimizer, "last_step_skipped", False))

@@ -15,7 +15,7 @@ import torch
 
 from raftps import optim
 from raftps.client.client import Client
-from raftps.torch import optimizers
+from raftps.torch import amp, optimizers
 from raftps.torch.diloco import DilocoWorker
 from raftps.torch.state_marks import exported_mark, mark_unchanged
 from raftps.torch.worker import MODES as STORE_MODES, STORED_AS, Worker
@@ -46,7 +46,9 @@ class _Distributed:
         With K > 1 sync ranks, this step tells ``torch.amp.GradScaler`` that it handles the scale
         itself (``_step_supports_amp_scaling``): GradScaler then calls it on every rank, also on one whose
         gradient holds an inf (``found_inf``), which contributes a skip, so the step is skipped
-        on every rank and changes nothing in the store, as under DDP, and the ranks stay in step."""
+        on every rank and changes nothing in the store, as under DDP, and the ranks stay in step.
+        A rank whose own gradients were finite tells its GradScaler of the skip, so that every
+        rank's scale backs off, as every DDP rank's does (amp.py)."""
         if closure is None:
             return self._store_step()
         if not callable(closure):
@@ -57,12 +59,10 @@ class _Distributed:
         return loss
 
     # GradScaler reads it: with K > 1 sync ranks it calls step() with found_inf and grad_scale set
-    # (see step). Torch's own skip (step() not called on an inf) stays with one rank, and under
-    # Accelerate's optimizer (so HF Trainer's), which replaces step() on this instance around
-    # GradScaler.step and counts a step whose step() did not run as skipped (holding the LR
-    # scheduler back): a call would count as a step taken.
-    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync" and self._raftps.world_size > 1
-                                          and not getattr(self.__dict__.get("step"), "__module__", "").startswith("accelerate"))
+    # (see step); torch's own skip (step() not called on an inf) stays with one rank. A step the
+    # store skipped is told to the GradScaler (amp.py) and read by Accelerate's and HF Trainer's
+    # skip detection through raftps.torch.hf.without_ddp's optimizer wrapper.
+    _step_supports_amp_scaling = property(lambda self: self._raftps.mode == "sync" and self._raftps.world_size > 1)
 
     @torch.no_grad()
     def _store_step(self) -> int:
@@ -79,8 +79,14 @@ class _Distributed:
                     hyper[name] = changed
         clip, self._raftps_clip = self._raftps_clip, None
         found_inf = getattr(self, "found_inf", None)        # set by GradScaler (sync mode) for this call
-        return self._raftps.step(hyper, lrs, clip, skip=found_inf is not None and bool(found_inf.item()),
-                                 grad_scale=getattr(self, "grad_scale", None))
+        own_inf = found_inf is not None and bool(found_inf.item())
+        version = self._raftps.step(hyper, lrs, clip, skip=own_inf, grad_scale=getattr(self, "grad_scale", None))
+        if found_inf is not None and not own_inf and self._raftps.last_step_skipped:
+            # another rank's inf skipped it: this rank's GradScaler backs off too, as under DDP
+            scaler = amp.calling_scaler(self)
+            if scaler is not None:
+                self._raftps_inf_marker = amp.record_inf(scaler, self._raftps.params[0].tensor.device)
+        return version
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_raftps", None) is None:       # torch's own __init__ adding the first groups

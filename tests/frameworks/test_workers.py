@@ -42,8 +42,8 @@ def job(tmp_path_factory):
         assert code == 0, f"torchrun exited with {code}:\n{log[-4000:]}"
         records = {(f, m, r): torch.load(tmp / f"{f}-{m}-rank{r}.pt", weights_only=True)
                    for f in FRAMEWORKS for m in ("sync", "diloco") for r in range(WORLD)}
-        records.update({("accelerate", "skip", r): torch.load(tmp / f"accelerate-skip-rank{r}.pt", weights_only=True)
-                        for r in range(WORLD)})
+        records.update({(f, "skip", r): torch.load(tmp / f"{f}-skip-rank{r}.pt", weights_only=True)
+                        for f in ("accelerate", "hf") for r in range(WORLD)})
         checkpoints = {"lightning": torch.load(tmp / "lightning-sync.ckpt", weights_only=True)["optimizer_states"][0],
                        "hf": torch.load(tmp / "hf-sync" / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)}
         yield cluster, records, checkpoints
@@ -98,15 +98,27 @@ def test_diloco_ranks_drift_between_rounds_and_meet_at_each(job, framework):
     assert (stored - rank0[-1]).abs().max().item() == 0.0
 
 
-def test_a_step_every_rank_skips_changes_nothing_on_any_rank(job):
-    """Accelerate, sync, each rank's GradScaler skipping step 2: both ranks' parameters stay as
-    they were through step 2, and the run equals one process skipping the same step."""
+@pytest.mark.parametrize("framework", ["accelerate", "hf"])
+def test_a_step_one_rank_skips_is_skipped_by_every_rank(job, framework, tmp_path):
+    """Accelerate and the HF Trainer, sync, rank 0's GradScaler finding an inf in step 2 and rank
+    1's not: neither rank stalls, the store skips the step for both (their parameters stay as
+    they were through step 2), both hold their LR schedule back as the framework does on a
+    skipped step, and both GradScalers back off: the run equals one process on the full batch
+    whose step 2 overflowed (what every DDP rank sees: the all-reduced gradient holds the inf)."""
     steps: list[torch.Tensor] = []
-    accelerate_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(),
-                     record=lambda model: steps.append(flat(model)), prepare=give_a_cpu_scaler, clip=None)
+    record = lambda model: steps.append(flat(model))      # noqa: E731
+    if framework == "accelerate":
+        *_, accelerator = accelerate_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), record=record,
+                                           prepare=give_a_cpu_scaler, clip=None)
+    else:
+        _, trainer = hf_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), str(tmp_path), record=record,
+                              prepare=lambda trainer: give_a_cpu_scaler(trainer.accelerator), clip=None)
+        accelerator = trainer.accelerator
     want = torch.stack(steps)
     assert torch.equal(want[1], want[0]) and not torch.equal(want[2], want[1])    # torch skipped step 2 only
+    assert accelerator.scaler.get_scale() == 2.0 ** 15                          # backed off once from 2 ** 16
     for rank in range(WORLD):
-        got = job[1][("accelerate", "skip", rank)]
-        assert torch.equal(got[1], got[0]), rank                                   # nothing from the store
-        assert (got - want).abs().max().item() < 1e-5, (rank, (got - want).abs().max(dim=1).values)
+        got = job[1][(framework, "skip", rank)]
+        assert torch.equal(got["steps"][1], got["steps"][0]), rank                 # nothing from the store
+        assert (got["steps"] - want).abs().max().item() < 1e-5, (rank, (got["steps"] - want).abs().max(dim=1).values)
+        assert got["scale"] == accelerator.scaler.get_scale(), rank

@@ -1,8 +1,10 @@
 """One rank of test_workers.py's torchrun job: Lightning (RaftpsStrategy), the HF Trainer and
 Accelerate (raftps.torch.hf.without_ddp), each in sync and in diloco mode, one after the other
 in this process. After every optimizer step the model's parameters are recorded; each run's
-record goes to OUT/<framework>-<mode>-rank<R>.pt (a tensor: one row per step). Then Accelerate in
-sync mode with a GradScaler that skips step 2 on every rank: OUT/accelerate-skip-rank<R>.pt.
+record goes to OUT/<framework>-<mode>-rank<R>.pt (a tensor: one row per step). Then Accelerate and
+the HF Trainer in sync mode with a GradScaler, rank 0's gradient holding an inf in step 2 and
+rank 1's not: OUT/<framework>-skip-rank<R>.pt ({"steps": one row per step, "scale": the
+GradScaler's scale at the end}).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/frameworks/worker.py OUT
 """
@@ -48,18 +50,30 @@ def main(out: str) -> None:
             else:
                 accelerate_train(opt_for, STEPS, world * BATCH, data, record=record, prepare=without_ddp)
             torch.save(torch.stack(steps), os.path.join(out, f"{prefix}-rank{rank}.pt"))
-    # every rank's GradScaler finds an infinite gradient in step 2 (as DDP's ranks all would) and skips it
-    steps = []
-
-    def scaled_without_ddp(accelerator, opt):
-        give_a_cpu_scaler(accelerator)
-        without_ddp(accelerator, opt)
-    accelerate_train(overflowing(lambda model: rpt.DistributedOptimizer(adamw(model), model=model, mode="sync",
-                                                                        prefix="accelerate-skip")),
-                     STEPS, world * BATCH, data, record=lambda model: steps.append(flat(model)),
-                     prepare=scaled_without_ddp, clip=None)
-    torch.save(torch.stack(steps), os.path.join(out, f"accelerate-skip-rank{rank}.pt"))
-
+    # rank 0's GradScaler finds an infinite gradient in step 2, rank 1's does not: the store skips
+    # the step for both, as DDP's all-reduced inf would on every rank
+    for framework in ("accelerate", "hf"):
+        steps = []
+        make = lambda model: rpt.DistributedOptimizer(adamw(model), model=model, mode="sync",       # noqa: E731
+                                                      prefix=f"{framework}-skip")
+        record = lambda model: steps.append(flat(model))                                           # noqa: E731
+        if framework == "accelerate":
+            def scaled_without_ddp(accelerator, opt):
+                give_a_cpu_scaler(accelerator)
+                without_ddp(accelerator, opt)
+            _, _, accelerator = accelerate_train(overflowing(make) if rank == 0 else make, STEPS, world * BATCH, data,
+                                                 record=record, prepare=scaled_without_ddp, clip=None)
+        else:
+            def scaled_trainer(trainer):
+                give_a_cpu_scaler(trainer.accelerator)
+                without_ddp(trainer)
+            _, trainer = hf_train(overflowing(make) if rank == 0 else make, STEPS, BATCH, data,
+                                  os.path.join(out, "hf-skip"), record=record, prepare=scaled_trainer, clip=None)
+            accelerator = trainer.accelerator
+        torch.save({"steps": torch.stack(steps), "scale": accelerator.scaler.get_scale()},
+                   os.path.join(out, f"{framework}-skip-rank{rank}.pt"))
+    if torch.distributed.is_initialized():     # Accelerate's gloo group, closed here: gloo torn down
+        torch.distributed.destroy_process_group()   # at interpreter exit once aborted a rank (SIGABRT)
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -20,6 +20,7 @@ GROUPED_PORT = 27300
 STEPS = 4
 SKIPPED = 1          # the step whose gradient holds an inf
 SCALE = 2.0 ** 8
+GROWTH_INTERVAL = 3  # the scale doubles after 3 finite steps in a row: within STEPS unless the skip resets the count
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +57,10 @@ def batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(size, 6, generator=g), torch.randn(size, 3, generator=g)) for _ in range(n)]
 
 
-def amp_loop(model, opt, data, poison, after_step=None) -> tuple[float, float]:
+def amp_loop(model, opt, data, poison, after_step=None) -> tuple[dict, float]:
     """The torch AMP loop with a per-step LR scheduler; ``poison(i)``: put an inf in step i's
-    gradient. Returns (the scaler's scale, the scheduler's lr) at the end."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    gradient. Returns (the scaler's state_dict: scale and growth count, the scheduler's lr) at the end."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=GROWTH_INTERVAL)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for i, (x, y) in enumerate(data):
         opt.zero_grad()
@@ -71,7 +72,7 @@ def amp_loop(model, opt, data, poison, after_step=None) -> tuple[float, float]:
         sched.step()
         if after_step is not None:
             after_step(i)
-    return scaler.get_scale(), sched.get_last_lr()[0]
+    return scaler.state_dict(), sched.get_last_lr()[0]
 
 
 @pytest.mark.parametrize("where", ["cluster", "grouped"])
@@ -79,7 +80,10 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(where, request):
     """Rank 0's gradient holds an inf at step 1, rank 1's does not: as under DDP (where the
     all-reduced gradient holds the inf on every rank) the step changes nothing in the store, both
     ranks stay in step, and the run equals one process on the full batch whose step 1 overflowed
-    (with three Raft groups too: each group's part of the step is skipped)."""
+    (with three Raft groups too: each group's part of the step is skipped). Every rank's
+    GradScaler ends as the reference's, which saw the full batch's inf as each DDP rank's does
+    (the all-reduced gradient): rank 1, whose own gradients were finite, backs off too instead of
+    counting the step finite and doubling its scale (GROWTH_INTERVAL)."""
     cluster = request.getfixturevalue(where)
     data = batches(STEPS, 32)
     want = Scalars()
@@ -117,10 +121,9 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(where, request):
         assert state_diff(opts[rank].state_dict(), want_opt.state_dict()) < 1e-5
         assert ends[rank][1] == pytest.approx(want_lr)
     assert max_diff(want, Scalars()) > 1e-3
-    # rank 0 found the inf: its scale backs off as plain torch's does. Rank 1's GradScaler saw no
-    # inf and keeps its scale (docs/pytorch.md): its unscaled gradients are the same either way.
-    assert ends[0][0] == want_scale == SCALE / 2
-    assert ends[1][0] == SCALE
+    # both ranks' scalers back off at the skipped step and count again from 0, as DDP's ranks'
+    assert want_scale["scale"] == SCALE / 2 and want_scale["_growth_tracker"] == STEPS - 1 - SKIPPED
+    assert ends[0][0] == ends[1][0] == want_scale
     for opt in opts.values():
         opt.close()
 
