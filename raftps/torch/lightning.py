@@ -32,7 +32,9 @@ except ImportError:
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 
 class RaftpsStrategy(DDPStrategy):
@@ -67,12 +69,27 @@ class RaftpsStrategy(DDPStrategy):
         plugin = self.precision_plugin
         if "clip_grad_by_norm" not in vars(plugin):      # once per plugin, however many fits
             plugin.clip_grad_by_norm = _clip_through_optimizer(plugin.clip_grad_by_norm)
+            plugin.clip_gradients = _clip_unscaled_in_the_store(plugin, plugin.clip_gradients)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass                             # no process group: ranks meet in the store's sync steps only
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+
+def _clip_unscaled_in_the_store(plugin: Precision, clip_gradients: Any) -> Any:
+    """16-mixed refuses to clip for an optimizer that unscales the gradients in its own step (a
+    fused one would clip gradients still scaled). A raftps optimizer does so with K > 1 sync
+    ranks (so that GradScaler calls every rank's step: raftps/torch/amp.py), and its clipping by
+    norm is the store's, on the ranks' unscaled mean gradient: that goes through. Clipping by
+    value would clip this rank's scaled gradients, and stays refused."""
+    def clip(optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
+             gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        if gradient_clip_algorithm == GradClipAlgorithmType.NORM and callable(getattr(optimizer, "clip_grad_norm_", None)):
+            return Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
+        return clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+    return clip
 
 
 def _clip_through_optimizer(clip_locally: Any) -> Any:

@@ -43,7 +43,7 @@ def job(tmp_path_factory):
         records = {(f, m, r): torch.load(tmp / f"{f}-{m}-rank{r}.pt", weights_only=True)
                    for f in FRAMEWORKS for m in ("sync", "diloco") for r in range(WORLD)}
         records.update({(f, "skip", r): torch.load(tmp / f"{f}-skip-rank{r}.pt", weights_only=True)
-                        for f in ("accelerate", "hf") for r in range(WORLD)})
+                        for f in FRAMEWORKS for r in range(WORLD)})
         checkpoints = {"lightning": torch.load(tmp / "lightning-sync.ckpt", weights_only=True)["optimizer_states"][0],
                        "hf": torch.load(tmp / "hf-sync" / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)}
         yield cluster, records, checkpoints
@@ -98,27 +98,33 @@ def test_diloco_ranks_drift_between_rounds_and_meet_at_each(job, framework):
     assert (stored - rank0[-1]).abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("framework", ["accelerate", "hf"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_step_one_rank_skips_is_skipped_by_every_rank(job, framework, tmp_path):
-    """Accelerate and the HF Trainer, sync, rank 0's GradScaler finding an inf in step 2 and rank
-    1's not: neither rank stalls, the store skips the step for both (their parameters stay as
-    they were through step 2), both hold their LR schedule back as the framework does on a
-    skipped step, and both GradScalers back off: the run equals one process on the full batch
+    """Each framework with a GradScaler, sync, rank 0's finding an inf in step 2 and rank 1's
+    not: neither rank stalls, the store skips the step for both (their parameters stay as they
+    were through step 2), Accelerate and the Trainer hold the LR schedule back on both as they do
+    on a skipped step, and both GradScalers back off: the run equals one process on the full batch
     whose step 2 overflowed (what every DDP rank sees: the all-reduced gradient holds the inf)."""
     steps: list[torch.Tensor] = []
     record = lambda model: steps.append(flat(model))      # noqa: E731
-    if framework == "accelerate":
-        *_, accelerator = accelerate_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), record=record,
-                                           prepare=give_a_cpu_scaler, clip=None)
+    if framework == "lightning":
+        from lightning.pytorch.plugins import MixedPrecision
+        _, trainer = lightning_fit(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), record=record, shuffled=True,
+                                   plugins=[MixedPrecision("16-mixed", "cpu")])
+        scaler = trainer.precision_plugin.scaler
+    elif framework == "accelerate":
+        scaler = accelerate_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), record=record,
+                                  prepare=give_a_cpu_scaler, clip=None)[2].scaler
     else:
-        _, trainer = hf_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), str(tmp_path), record=record,
-                              prepare=lambda trainer: give_a_cpu_scaler(trainer.accelerator), clip=None)
-        accelerator = trainer.accelerator
+        scaler = hf_train(overflowing(adamw), STEPS, WORLD * BATCH, token_data(), str(tmp_path), record=record,
+                          prepare=lambda trainer: give_a_cpu_scaler(trainer.accelerator), clip=None)[1].accelerator.scaler
     want = torch.stack(steps)
     assert torch.equal(want[1], want[0]) and not torch.equal(want[2], want[1])    # torch skipped step 2 only
-    assert accelerator.scaler.get_scale() == 2.0 ** 15                          # backed off once from 2 ** 16
+    assert scaler.get_scale() == 2.0 ** 15                                      # backed off once from 2 ** 16
+    # Lightning's 16-mixed runs the forward in float16 on the CPU (test_one_process.py says more)
+    tolerance = 1e-3 if framework == "lightning" else 1e-5
     for rank in range(WORLD):
         got = job[1][(framework, "skip", rank)]
         assert torch.equal(got["steps"][1], got["steps"][0]), rank                 # nothing from the store
-        assert (got["steps"] - want).abs().max().item() < 1e-5, (rank, (got["steps"] - want).abs().max(dim=1).values)
-        assert got["scale"] == accelerator.scaler.get_scale(), rank
+        assert (got["steps"] - want).abs().max().item() < tolerance, (rank, (got["steps"] - want).abs().max(dim=1).values)
+        assert got["scale"] == scaler.get_scale(), rank
