@@ -37,7 +37,10 @@ def step_counter(prefix: str, rank: int, raft_group: int = 0, groups: int = 1) -
 def skip_flag(prefix: str, raft_group: int = 0, groups: int = 1) -> str:
     """The tensor a sync step's contributions carry in ``raft_group`` to say "this rank skips the
     step" (1.0; else 0.0): a step any rank skips applies no gradient (aggregate.py). One per Raft
-    group, named so that it lives there, as ``step_counter``'s."""
+    group, named so that it lives there, as ``step_counter``'s. A tensor, not a field of push_step:
+    a skipped step's entry applies only the step's ``elastic`` tensors, and in a group that holds
+    none of the model's (no buffers there) the flag is the one it carries; a step entry with
+    no tensor at all is refused by the state machine (machine.py), on replicas of every version."""
     if groups == 1:
         return f"{prefix}/{INTERNAL}skip"
     return next(name for name in (f"{prefix}/{INTERNAL}skip.g{raft_group}.{j}" for j in range(100_000))
