@@ -219,7 +219,7 @@ class _Distributed:
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all ``grads`` together (the L2 norm of their norms), as
-    torch.nn.utils.clip_grad_norm_ returns it, with what torch 2.1 has (get_total_norm is 2.6+)."""
+    torch.nn.utils.clip_grad_norm_ returns it, with what torch 2.3 has (get_total_norm is 2.6+)."""
     if not grads:
         return torch.tensor(0.0)
     norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
