@@ -262,14 +262,18 @@ class Router:
         so sending it again (with a new seq) applies it once."""
         return merge(self._replies(write, parts))
 
-    def each_group_at_once(self, write: Callable[[int, Any, Call], dict], parts: dict[int, Any],
+    def each_group_at_once(self, write: Callable[[int, Any, Call], dict],
+                           parts: dict[int, Any] | list[tuple[int, Any]],
                            submit: Callable[[Callable[[Call], dict]], "Future[dict]"]) -> dict:
         """As each_group, but every group's part on its way at once: ``submit(send)`` runs
         ``send(call)`` on a thread with connections of its own (Client's push_async lanes), and
         ``write(group, part, call)`` sends one part over them. A part re-routed by a move goes on
-        in its thread. One reply, merged in group order, as each_group's."""
+        in its thread. One reply, merged in group order, as each_group's. ``parts`` may be a
+        list of (group, part), several for one group (a chunked step's chunks): their replies
+        merge as one group's."""
+        items = list(parts.items()) if isinstance(parts, dict) else list(parts)
         futures = [submit(lambda call, g=g, part=part: self._replies(lambda g2, p2: write(g2, p2, call), {g: part}))
-                   for g, part in parts.items()]
+                   for g, part in items]
         replies: dict[int, dict] = {}
         wait(futures)                   # every part's outcome, before any error is raised
         for future in futures:
