@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from raftps import jobs
 from raftps.client.job_steps import chunk_job, chunks
 from tests.conftest import start_cluster
 
@@ -73,6 +74,9 @@ def test_chunks_are_whole_tensors_in_name_order_the_same_on_every_rank() -> None
     assert chunks(part, CHUNK) == [["a", "b"], ["c"], ["d", "e"]]
     assert chunks(part, 0) == [sorted(SIZES)]
     assert chunks(part, 1) == [[k] for k in sorted(SIZES)], "a tensor larger than a chunk goes alone"
+    flag = jobs.skip_flag("p")
+    assert chunks({**part, flag: np.zeros(1, np.float32)}, CHUNK) == [["a", "b", flag], ["c", flag], ["d", "e", flag]], \
+        "a skip flag goes in every chunk"
     assert chunk_job("j", 0) == "j" and chunk_job("j", 2) == "j:chunk2" and chunk_job(None, 1) == ":chunk1"
 
 
@@ -97,6 +101,30 @@ def test_a_chunked_step_leaves_the_same_bits_as_the_step_sent_whole(cluster) -> 
             np.testing.assert_allclose(got[f"stream/{k}"], start[k] - mean, rtol=1e-4, atol=1e-3)
         assert c.sync_applied("stream") == 1 and c.sync_applied("stream:chunk1") == 1
         converged(c)
+
+
+def test_a_rank_that_skips_a_chunked_step_skips_every_chunk(cluster) -> None:
+    with cluster.client(timeout=30) as c:
+        names = create(c, "stream2")
+        flags = [jobs.skip_flag("stream2", g, 2) for g in range(2)]
+        c.create_many({f: np.zeros(1, np.float32) for f in flags}, {f: {"name": "elastic"} for f in flags})
+        before, _ = c.pull(names)
+        answers: list = [None] * 2
+
+        def worker(rank: int) -> None:
+            with cluster.client(timeout=60) as w:
+                grads = {f"stream2/{k}": v for k, v in gradients(rank, 3).items()}
+                grads.update({f: np.array([float(rank == 1)], np.float32) for f in flags})
+                answers[rank] = w.push_step(grads, 0, 2, job="stream2", rank=rank, timeout=20.0, chunk_bytes=CHUNK)
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)
+        assert all(a and a["applied"] and a["skipped"] for a in answers), answers
+        after, _ = c.pull(names)
+        for name in names:
+            assert after[name].tobytes() == before[name].tobytes(), name
 
 
 def test_a_contribution_sent_again_or_by_a_restarted_rank_counts_once(cluster) -> None:

@@ -262,8 +262,9 @@ class Client:
         ``chunk_bytes``: each group's part goes as chunks of whole tensors of up to this many bytes,
         one after another, each its own aggregation unit and entry (job ``JOB:chunkN`` for all but
         the first), so a chunk's replication and answer overlap the next chunk's arrival; every
-        rank of a job must pass the same value. Not with ``clip_norm`` or skip flags (their step
-        spans the whole part): the part then goes whole."""
+        rank of a job must pass the same value. A skip flag (jobs.skip_flag) goes in every chunk,
+        so a skipped step skips them all. Not with ``clip_norm`` (its norm spans the whole part):
+        the part then goes whole."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
         extra: dict[str, Any] = {"pull": True, "spread_answers": spread_answers} if pull else {}

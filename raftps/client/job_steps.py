@@ -49,13 +49,14 @@ class JobSteps:
         if rank is not None:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
-        chunked = chunk_bytes > 0 and op == "push_step" and "clip_norm" not in extra \
-            and not any(is_skip_flag(name) for name in grads)
+        chunked = chunk_bytes > 0 and op == "push_step" and "clip_norm" not in extra
         if self._router.groups() == 1 and not chunked:
             return self._router.write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
         parts = self._router.split(grads) if self._router.groups() > 1 else {0: grads}
-        chunk_of = {name: c for part in parts.values() for c, names in enumerate(chunks(part, chunk_bytes))
-                    for name in names} if chunked else {}
+        chunk_of: dict[str, int] = {}    # a skip flag is in every chunk: its 0 never decides a chunk (max)
+        for part in parts.values() if chunked else ():
+            for c, names in enumerate(chunks(part, chunk_bytes)):
+                chunk_of.update({name: c for name in names if name not in chunk_of})
         sent_events = {(g, c): threading.Event() for g, part in parts.items() for c in set(chunk_of[n] for n in part)} \
             if chunked else {}
 
@@ -64,7 +65,7 @@ class JobSteps:
             more = {k: v for k, v in mine.items() if v}
             if not chunked:
                 return self._router.write(op, g, waits=waits, call=call, tensors=part, **fields, **more)
-            c = chunk_of[min(part)]
+            c = max(chunk_of[n] for n in part)
             before = sent_events.get((g, c - 1))
             if before is not None:   # the chunk before it crosses the link first (bounded: order only costs time)
                 before.wait(waits + self._router.timeout)
@@ -76,7 +77,7 @@ class JobSteps:
             finally:
                 sent.set()
         items = sorted(((g, {n: part[n] for n in names}) for g, part in parts.items()
-                        for names in chunks(part, chunk_bytes)), key=lambda item: chunk_of[min(item[1])]) \
+                        for names in chunks(part, chunk_bytes)), key=lambda item: max(chunk_of[n] for n in item[1])) \
             if chunked else parts
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
@@ -161,17 +162,20 @@ class JobSteps:
 
 def chunks(part: dict[str, np.ndarray], chunk_bytes: int) -> list[list[str]]:
     """A group's part of a step as chunks of whole tensors, in name order (the same on every
-    rank), each up to ``chunk_bytes`` (a larger tensor alone); one chunk if ``chunk_bytes`` <= 0."""
+    rank), each up to ``chunk_bytes`` (a larger tensor alone); one chunk if ``chunk_bytes`` <= 0.
+    The part's skip flags (jobs.skip_flag) go in every chunk: a rank that skips the step skips
+    every chunk of it."""
+    flags = sorted(name for name in part if is_skip_flag(name))
     out: list[list[str]] = [[]]
     size = 0
-    for name in sorted(part):
+    for name in sorted(set(part) - set(flags)):
         nbytes = part[name].nbytes
         if out[-1] and chunk_bytes > 0 and size + nbytes > chunk_bytes:
             out.append([])
             size = 0
         out[-1].append(name)
         size += nbytes
-    return out
+    return [names + flags for names in out]
 
 
 def chunk_job(job: str | None, chunk: int) -> str | None:
