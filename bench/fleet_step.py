@@ -201,7 +201,9 @@ def report(record: dict) -> str:
              f"--answers {record.get('answers', 'leader')} --chunk-mb {record.get('chunk_mb', 0)}"
              f"{' --ddp' if record.get('ddp') else ''}`"
              f" (commit {record.get('commit', '?')}); leaders (group: store host) {record['leaders']} "
-             "(hosts 1-3 store, then workers). Every configuration ran in this one run, on this one fleet.", ""]
+             "(hosts 1-3 store, then workers). Every configuration ran in this one run, on this one fleet."
+             + (f" Load average (1, 5, 15 min) of the 2-core machine: {record['load_average']['before']} before, "
+                f"{record['load_average']['after']} after." if "load_average" in record else ""), ""]
     timed = {name: r for name, r in record["runs"].items() if "steps_per_s" in r}
     ddp = timed.get("DDP (gloo all-reduce)")
     if timed:
@@ -259,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         log(f"fleet_step needs a fleet: {problem}")
         return 2
+    load_before = os.getloadavg()
     record = run(args)
+    record["load_average"] = {"before": [round(x, 2) for x in load_before],
+                              "after": [round(x, 2) for x in os.getloadavg()]}
     record["parts"], record["ddp"], record["wire"], record["answers"] = args.parts, args.ddp, args.wire, args.answers
     record["chunk_mb"] = args.chunk_mb
     record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
