@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 
 from raftps import jobs
+from raftps.client.client import Client
 from raftps.client.job_steps import chunk_job, chunks
+from raftps.raft.memory import MemoryLog
+from raftps.server.node import NodeConfig, RaftNode
+from raftps.server.server import ClientServer
 from tests.conftest import start_cluster
 
 BASE = 25200
@@ -78,6 +82,32 @@ def test_chunks_are_whole_tensors_in_name_order_the_same_on_every_rank() -> None
     assert chunks({**part, flag: np.zeros(1, np.float32)}, CHUNK) == [["a", "b", flag], ["c", flag], ["d", "e", flag]], \
         "a skip flag goes in every chunk"
     assert chunk_job("j", 0) == "j" and chunk_job("j", 2) == "j:chunk2" and chunk_job(None, 1) == ":chunk1"
+
+
+def test_with_one_raft_group_a_chunked_steps_reply_is_one_groups(tmp_path) -> None:
+    """A one-member store over the in-memory log on a real client port: the chunks' replies
+    merge into the reply an unchunked step gets (plain values, not {group: value})."""
+    config = NodeConfig(node_id=1, peers=[f"127.0.0.1:{BASE + 90}"], data_dir=str(tmp_path / "n1"), secret=b"")
+    node = RaftNode(config, log_factory=MemoryLog)
+    server = ClientServer(node, *config.bind(config.client_offset))
+    address = config.address(1, config.client_offset)
+    try:
+        with Client(address, timeout=20.0) as c:
+            names = {p: create(c, p) for p in ("one", "onec")}
+            replies = {}
+            for prefix, chunk in (("one", 0), ("onec", CHUNK)):
+                grads = {f"{prefix}/{k}": v for k, v in gradients(0, 5).items()}
+                replies[prefix] = c.push_step(grads, 0, 1, job=prefix, rank=0, pull=True, chunk_bytes=chunk)
+            whole, chunked = replies["one"], replies["onec"]
+            assert isinstance(chunked["version"], int) and chunked["count"] == 1 and chunked["applied"] is True
+            assert set(whole) == set(chunked), (sorted(whole), sorted(chunked))
+            assert sorted(chunked["tensors"]) == names["onec"]
+            for k in SIZES:
+                assert whole["tensors"][f"one/{k}"].tobytes() == chunked["tensors"][f"onec/{k}"].tobytes()
+            assert c.wait_step(0, 5.0, job="onec") == chunked["version"]
+    finally:
+        server.close()
+        node.stop()
 
 
 def test_a_chunked_step_leaves_the_same_bits_as_the_step_sent_whole(cluster) -> None:

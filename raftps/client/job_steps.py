@@ -86,9 +86,8 @@ class JobSteps:
             for g, part in parts.items():
                 counts[g] = max(counts.get(g, 1), 1 + max(chunk_of[n] for n in part))
         result = self._router.each_group_at_once(write, items, self._submit)
-        if self._router.groups() == 1 and isinstance(result.get("version"), dict):
-            result["version"] = result["version"][0]
-            return result
+        if self._router.groups() == 1:       # one group's reply, as an unchunked step's: no {0: value} maps
+            return {k: v[0] if isinstance(v, dict) and list(v) == [0] else v for k, v in result.items()}
         sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         sent.update(result["version"])
         return result
