@@ -45,8 +45,8 @@ _sent = threading.local()
 
 @contextlib.contextmanager
 def when_sent(callback: Callable[[], None]) -> Iterator[None]:
-    """Within the block, this thread's TcpTransport calls ``callback()`` each time a request's
-    last byte has reached the node (before its answer): a chunked step (job_steps.py) starts
+    """Within the block, this thread's TcpTransport calls ``callback()`` each time a request that
+    carries tensors has its last byte at the node (before its answer): a chunked step (job_steps.py) starts
     its next chunk then, so that chunks cross a link one after another, each answered while the
     next arrives, instead of sharing it and all ending together."""
     _sent.callback = callback
@@ -177,7 +177,7 @@ class TcpTransport:
                     return reply
                 sent_for = time.monotonic() - started
                 callback = getattr(_sent, "callback", None)
-                if callback is not None:
+                if callback is not None and "tensors" in message:   # not a status asked on the way
                     callback()
             wait = timeout + FORWARD_ALLOWANCE * sent_for
             if not _readable(sock, wait):
