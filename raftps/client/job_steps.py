@@ -53,12 +53,8 @@ class JobSteps:
         if self._router.groups() == 1 and not chunked:
             return self._router.write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
         parts = self._router.split(grads) if self._router.groups() > 1 else {0: grads}
-        chunk_of: dict[str, int] = {}    # a skip flag is in every chunk: its 0 never decides a chunk (max)
-        for part in parts.values() if chunked else ():
-            for c, names in enumerate(chunks(part, chunk_bytes)):
-                chunk_of.update({name: c for name in names if name not in chunk_of})
-        sent_events = {(g, c): threading.Event() for g, part in parts.items() for c in set(chunk_of[n] for n in part)} \
-            if chunked else {}
+        chunk_of, items = chunk_plan(parts, chunk_bytes) if chunked else ({}, list(parts.items()))
+        sent_events = {(g, max(chunk_of[n] for n in part)): threading.Event() for g, part in items} if chunked else {}
 
         def write(g: int, part: dict, call: Any) -> dict:
             mine = {key: {k: v for k, v in by_name.items() if k in part} for key, by_name in per_tensor.items()}
@@ -76,9 +72,6 @@ class JobSteps:
                                               **{**fields, "job": chunk_job(job, c)}, **more)
             finally:
                 sent.set()
-        items = sorted(((g, {n: part[n] for n in names}) for g, part in parts.items()
-                        for names in chunks(part, chunk_bytes)), key=lambda item: max(chunk_of[n] for n in item[1])) \
-            if chunked else parts
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
         if chunked:
@@ -175,6 +168,19 @@ def chunks(part: dict[str, np.ndarray], chunk_bytes: int) -> list[list[str]]:
         out[-1].append(name)
         size += nbytes
     return [names + flags for names in out]
+
+
+def chunk_plan(parts: dict[int, dict[str, np.ndarray]], chunk_bytes: int) -> tuple[dict[str, int], list]:
+    """({name: its chunk}, [(group, chunk's tensors)] in sending order: every group's chunk 0,
+    then every group's chunk 1, ...). A skip flag is in every chunk of its group: it maps to 0,
+    so a chunk is known by the highest chunk of its names."""
+    chunk_of: dict[str, int] = {}
+    items = []
+    for g, part in parts.items():
+        for c, names in enumerate(chunks(part, chunk_bytes)):
+            chunk_of.update({name: c for name in names if name not in chunk_of})
+            items.append((c, g, {n: part[n] for n in names}))
+    return chunk_of, [(g, chunk) for _, g, chunk in sorted(items, key=lambda item: item[:2])]
 
 
 def chunk_job(job: str | None, chunk: int) -> str | None:
