@@ -157,6 +157,23 @@ def test_a_rank_that_skips_a_chunked_step_skips_every_chunk(cluster) -> None:
             assert after[name].tobytes() == before[name].tobytes(), name
 
 
+def test_a_resuming_rank_reads_the_lowest_step_every_chunk_applied(cluster) -> None:
+    with cluster.client(timeout=30) as c:
+        names = create(c, "stream3")
+        grads = {f"stream3/{k}": v for k, v in gradients(0, 4).items()}
+        c.push_step(grads, 0, 1, job="stream3", rank=0, chunk_bytes=CHUNK)
+        # step 1 reaches each group's first chunk only (its rank died before the others)
+        first = {n: grads[n] for g in (0, 1) for n in chunks({n: grads[n] for n in names if c.group_of(n) == g}, CHUNK)[0]}
+        assert len(first) < len(names), "the test needs a second chunk"
+        c.push_step(first, 1, 1, job="stream3", rank=0)
+    with cluster.client(timeout=30) as fresh:
+        assert fresh.sync_applied("stream3") == 1, "chunk 0's sequence alone"
+        rows = {row["name"]: row for row in fresh.tensors("stream3/")}
+        fresh.expect_chunks("stream3", {n: (tuple(rows[n]["shape"]), rows[n]["dtype"]) for n in names}, CHUNK)
+        assert fresh.sync_applied("stream3") == 0
+        assert fresh.wait_step(0, 5.0, job="stream3")
+
+
 def test_a_contribution_sent_again_or_by_a_restarted_rank_counts_once(cluster) -> None:
     with cluster.client(timeout=30) as c:
         names = create(c, "again")

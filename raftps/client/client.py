@@ -277,6 +277,13 @@ class Client:
         return self._steps.contribute("push_step", grads, step, workers, job, rank, waits=float(timeout),
                                       chunk_bytes=int(chunk_bytes), timeout=float(timeout), **extra)
 
+    def expect_chunks(self, job: str | None, tensors: dict[str, tuple[tuple[int, ...], str]], chunk_bytes: int) -> None:
+        """Job ``job``'s steps go in chunks (push_step's ``chunk_bytes``) over ``tensors``
+        ({name: (shape, dtype)}, as ``tensors()`` lists them): from now on wait_step, close_step
+        and sync_applied of the job cover each chunk's job, before this client sent a step of it
+        (a rank that resumes reads the lowest step every chunk applied)."""
+        self._steps.expect_chunks(job, tensors, int(chunk_bytes))
+
     @renamed_keyword("group", "job")
     def close_step(self, step: int, job: str | None = None) -> Any:
         """Apply sync step ``step`` of job ``job`` now with the contributions that arrived (no-op if applied)."""

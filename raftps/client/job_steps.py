@@ -75,15 +75,27 @@ class JobSteps:
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
         if chunked:
-            counts = self._chunks.setdefault(job or "", {})
-            for g, part in parts.items():
-                counts[g] = max(counts.get(g, 1), 1 + max(chunk_of[n] for n in part))
+            self._remember_chunks(job, parts, chunk_of)
         result = self._router.each_group_at_once(write, items, self._submit)
         if self._router.groups() == 1:       # one group's reply, as an unchunked step's: no {0: value} maps
             return {k: v[0] if isinstance(v, dict) and list(v) == [0] else v for k, v in result.items()}
         sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         sent.update(result["version"])
         return result
+
+    def expect_chunks(self, job: str | None, sizes: dict[str, tuple[tuple[int, ...], str]], chunk_bytes: int) -> None:
+        """Before this client sent any step of ``job``: its steps go in chunks of ``chunk_bytes``
+        over tensors ``sizes`` ({name: (shape, dtype)}), so that wait/close/applied cover every
+        chunk job (a resuming rank reads the lowest step its chunks applied, not chunk 0's)."""
+        shaped = {name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in sizes.items()}
+        parts = self._router.split(shaped) if self._router.groups() > 1 else {0: shaped}
+        self._raft_groups.setdefault(job or "", set()).update(parts)
+        self._remember_chunks(job, parts, chunk_plan(parts, chunk_bytes)[0])
+
+    def _remember_chunks(self, job: str | None, parts: dict[int, dict], chunk_of: dict[str, int]) -> None:
+        counts = self._chunks.setdefault(job or "", {})
+        for g, part in parts.items():
+            counts[g] = max(counts.get(g, 1), 1 + max(chunk_of[n] for n in part))
 
     def _read_answer(self, grads: dict[str, Any], reply: dict, rank: int) -> dict:
         """A step's tensors (``grads``' names) read at its version from the member ``rank`` mod

@@ -11,6 +11,7 @@ inf) applies no gradient, only the running statistics' drift; every rank's resul
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -48,6 +49,11 @@ class SyncSteps:
         """The newest values of ``names`` and the step to contribute to first: the job's next.
         The applied step is read before the values, so they are never older than the steps it
         counts (a step applied in between answers this rank's contribution late: it rejoins)."""
+        if self.chunk_bytes:           # the job's steps in chunks: the lowest step every chunk applied
+            prefix = os.path.commonprefix(sorted(names))
+            rows = {row["name"]: row for row in self.link.client.tensors(prefix)}
+            self.link.client.expect_chunks(self.job, {n: (tuple(rows[n]["shape"]), rows[n]["dtype"])
+                                                      for n in names if n in rows}, self.chunk_bytes)
         first = self.applied() + 1
         tensors, _ = self.link.resume(names)
         return tensors, first
