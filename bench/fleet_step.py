@@ -1,7 +1,8 @@
 """Where a synchronous step's bytes and time go on a fleet of shaped links (raftps.chaos.fleet).
 
     python -m bench.fleet_step [--link 100mbit] [--workers 4] [--mb 5.1] [--steps 5] [--mode sync-pull]
-                               [--groups 1] [--parts both] [--answers leader] [--wire fp32] [--ddp]
+                               [--groups 1] [--parts both] [--answers leader] [--wire fp32] [--chunk-mb 0]
+                               [--ddp]
                                [--out bench/results] [--name fleet_step]
 
 3 store hosts and ``--workers`` worker hosts, one rank each (raftps.chaos.fleet_worker), every
@@ -22,6 +23,9 @@ lane: push_step before its parts went at once), or both, one after the other on 
 ``spread_answers``), ``both``: leader's answers, then spread. ``--wire fp16``: gradients as fp16 (and DDP's all-reduce of fp16). ``--ddp``: then the DDP
 baseline on the same fleet, in the same run: gloo all-reduces of the same bytes among the worker
 hosts, as DDP does with a step's gradients (one bucket). Steps/s counts steps 1..end.
+``--chunk-mb A,B``: a configuration per value, each group's part streamed in chunks of up to
+that many MB (push_step's chunk_bytes; 0: whole). Per step, each host's link busy time: the
+seconds it sent (received) at more than half the link's rate, from the same samples.
 Writes NAME.md and NAME.json in --out.
 """
 from __future__ import annotations
@@ -71,6 +75,27 @@ def phases(samples: list, t0: float, t1: float, hosts: dict[str, list[int]]) -> 
     return out
 
 
+def link_rate(link: str) -> float | None:
+    """Bytes per second of a ``--link`` such as 100mbit or 1gbit; None when unshaped."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if link.endswith(unit):
+            return float(link[:-len(unit)]) * scale / 8
+    return None
+
+
+def busy(samples: list, t0: float, t1: float, rate: float) -> dict[int, list[float]]:
+    """{host: [seconds it sent, seconds it received at more than half ``rate``]} within t0..t1."""
+    window = [(when, c) for when, c in samples if t0 - SAMPLE <= when <= t1 + SAMPLE]
+    out: dict[int, list[float]] = {h: [0.0, 0.0] for h in (window[0][1] if window else {})}
+    for (a, ca), (b, cb) in zip(window, window[1:]):
+        for h in out:
+            for d in (0, 1):
+                if (cb[h][d] - ca[h][d]) / (b - a) > rate / 2:
+                    out[h][d] = round(out[h][d] + b - a, 2)
+    return out
+
+
 def balanced_leaders(cluster, groups: int, timeout: float = 60.0) -> dict[int, int]:
     """{group: leading node}, once every group is led by its preferred node (node g % N + 1, so
     that with G = N every node leads one group), or as they are after ``timeout`` s. The nodes
@@ -86,7 +111,7 @@ def balanced_leaders(cluster, groups: int, timeout: float = 60.0) -> dict[int, i
 
 
 def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, prefix: str, lanes: int,
-              env: dict, samples: list, hosts: dict | None, answers: str = "leader") -> dict:
+              env: dict, samples: list, hosts: dict | None, answers: str = "leader", chunk: int = 0) -> dict:
     """One configuration: ``--workers`` ranks of fleet_worker MODE, one per worker host; their
     reports, the bytes per host, and per step after the first its seconds (and phases when
     ``hosts`` names the one leader's)."""
@@ -94,7 +119,8 @@ def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, p
     t_start = time.time()
     procs = [fleet.start_worker(r + 1, [sys.executable, "-m", "raftps.chaos.fleet_worker", mode, address, prefix,
                                         str(r), str(workers), str(int(args.mb * MB)), str(args.steps),
-                                        str(args.timeout), str(lanes), args.wire, answers], env=env, log=subprocess.PIPE)
+                                        str(args.timeout), str(lanes), args.wire, answers, str(chunk)],
+                                  env=env, log=subprocess.PIPE)
              for r in range(workers)]
     reports = []
     for p in procs:
@@ -117,6 +143,8 @@ def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, p
                 "bytes": {h: [b[h][0] - a[h][0], b[h][1] - a[h][1]] for h in sorted(b)}}
         if hosts:
             step["phases"] = phases(samples, t0, t1, hosts)
+        if link_rate(args.link):
+            step["busy"] = busy(samples, t0, t1, link_rate(args.link))
         steps.append(step)
     out["steps"] = steps
     begin = min(r["times"][1][0] for r in reports)
@@ -145,13 +173,15 @@ def run(args: argparse.Namespace) -> dict:
             [("parts at once", 16), ("parts in turn", 1)] if args.parts == "both" else \
             [("parts in turn", 1)] if args.parts == "in-turn" else [("parts at once", 16)]
         answers = ["leader", "spread"] if args.answers == "both" else [args.answers]
-        configs = [(name + (", answers from member rank mod 3" if a == "spread" else ""), lanes, a)
-                   for name, lanes in configs for a in answers]
+        chunk_mbs = [float(v) for v in str(args.chunk_mb).split(",")]
+        configs = [(name + (", answers from member rank mod 3" if a == "spread" else "")
+                    + (f", chunks of {mb:g} MB" if mb else ""), lanes, a, int(mb * MB))
+                   for name, lanes in configs for a in answers for mb in chunk_mbs]
         runs = {}
         try:
-            for i, (name, lanes, a) in enumerate(configs):
+            for i, (name, lanes, a, chunk) in enumerate(configs):
                 runs[name] = run_ranks(fleet, args, args.mode, cluster.addresses, f"bench{i}", lanes, env, samples,
-                                       hosts if args.mode == "sync-pull" else None, a)
+                                       hosts if args.mode == "sync-pull" else None, a, chunk)
             if args.ddp:
                 runs["DDP (gloo all-reduce)"] = run_ranks(fleet, args, "allreduce", f"{fleet.ip(fleet.worker_host(1))}:29555",
                                                           "ddp", 1, {"GLOO_SOCKET_IFNAME": "eth0"}, samples, None)
@@ -168,10 +198,12 @@ def report(record: dict) -> str:
              f"Command: `python -m bench.fleet_step --link {record['link']} --workers {record['workers']} "
              f"--mb {record['mb']} --mode {record['mode']} --steps {record['steps']} --timeout {record['timeout']:g} "
              f"--groups {record['groups']} --parts {record.get('parts', 'both')} --wire {record.get('wire', 'fp32')} "
-             f"--answers {record.get('answers', 'leader')}"
+             f"--answers {record.get('answers', 'leader')} --chunk-mb {record.get('chunk_mb', 0)}"
              f"{' --ddp' if record.get('ddp') else ''}`"
              f" (commit {record.get('commit', '?')}); leaders (group: store host) {record['leaders']} "
-             "(hosts 1-3 store, then workers). Every configuration ran in this one run, on this one fleet.", ""]
+             "(hosts 1-3 store, then workers). Every configuration ran in this one run, on this one fleet."
+             + (f" Load average (1, 5, 15 min) of the 2-core machine: {record['load_average']['before']} before, "
+                f"{record['load_average']['after']} after." if "load_average" in record else ""), ""]
     timed = {name: r for name, r in record["runs"].items() if "steps_per_s" in r}
     ddp = timed.get("DDP (gloo all-reduce)")
     if timed:
@@ -190,9 +222,15 @@ def report(record: dict) -> str:
         for step in r.get("steps", []):
             said = "; phase ends (s after its first rank started): " + ", ".join(
                 f"{k} {v}" for k, v in step["phases"].items()) if "phases" in step else ""
-            lines += ["", f"Step {step['step']}: {step['seconds']} s{said}", "",
-                      "| host | sent MB | received MB |", "|---|---|---|"]
-            lines += [f"| {h} | {s / MB:.2f} | {v / MB:.2f} |" for h, (s, v) in step["bytes"].items()]
+            lines += ["", f"Step {step['step']}: {step['seconds']} s{said}"]
+            if "busy" in step:
+                lines += ["", "| host | sent MB | received MB | seconds sending / receiving at > half the link's rate |",
+                          "|---|---|---|---|"]
+                lines += [f"| {h} | {s / MB:.2f} | {v / MB:.2f} | {step['busy'][h][0]} / {step['busy'][h][1]} |"
+                          for h, (s, v) in step["bytes"].items()]
+            else:
+                lines += ["", "| host | sent MB | received MB |", "|---|---|---|"]
+                lines += [f"| {h} | {s / MB:.2f} | {v / MB:.2f} |" for h, (s, v) in step["bytes"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -214,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(push_step's spread_answers) instead of taking them in the leader's answer")
     p.add_argument("--wire", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: sync steps send fp16 gradients (push_step's encoding), DDP all-reduces fp16")
+    p.add_argument("--chunk-mb", default="0", help="comma-separated: a configuration per value, each group's part "
+                   "streamed in chunks of up to that many MB (push_step's chunk_bytes; 0: whole)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--name", default="fleet_step")
     args = p.parse_args(argv)
@@ -221,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         log(f"fleet_step needs a fleet: {problem}")
         return 2
+    load_before = os.getloadavg()
     record = run(args)
+    record["load_average"] = {"before": [round(x, 2) for x in load_before],
+                              "after": [round(x, 2) for x in os.getloadavg()]}
     record["parts"], record["ddp"], record["wire"], record["answers"] = args.parts, args.ddp, args.wire, args.answers
+    record["chunk_mb"] = args.chunk_mb
     record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=1)

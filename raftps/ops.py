@@ -18,7 +18,7 @@ from typing import Any
 from raftps import schema
 from raftps.errors import InvalidRequest
 from raftps.store.hosts import ACTIONS as HOSTS_ACTIONS
-from raftps.schema import (ENCODING, HYPER, JOB, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
+from raftps.schema import (ENCODING, HELD, HYPER, JOB, MOVE_ID, MOVE_RECORD, MOVE_PART, NAME, NAME_PATTERN, OPTIMIZER,
                            RAFT_GROUP, SSP, SSP_GROUP, STALE_READ, STATE_PART, STATE_RECORD, TENSORS, VERSION,
                            WORKER, WRITE, Array, Bool, Enum, Int, ListOf, MapOf, Number, Seconds, Str, request_record)
 
@@ -72,14 +72,16 @@ _RECORDS = [
        "read", ("prefix",), "_export"),                     # every tensor under the prefix
     # ---- writes through Raft ----
     # create, assign and assign_state need `write`: a job creates and seeds its own tensors (rbac.py)
-    Op("create", request_record({**WRITE, "tensors": (TENSORS, True), "optimizer": (MapOf(NAME, OPTIMIZER), False)}),
-       "write", ("tensors", "optimizer"), "_write", apply="_create"),
-    Op("push", request_record({**WRITE, "tensors": (TENSORS, True), "base_version": (VERSION, False),
+    # tensors or, sent again, held (schema.HELD): the node's copy of the payload the first send carried
+    Op("create", request_record({**WRITE, "tensors": (TENSORS, False), **HELD,
+                                 "optimizer": (MapOf(NAME, OPTIMIZER), False)}),
+       "write", ("tensors", "held_names", "optimizer"), "_write", apply="_create"),
+    Op("push", request_record({**WRITE, "tensors": (TENSORS, False), **HELD, "base_version": (VERSION, False),
                         "encoding": (ENCODING, False), "ssp": (SSP, False), "hyper": (HYPER, False)}),
-       "write", ("tensors", "ssp"), "_write", apply="_push", renamed=(("ssp.group", "ssp.ssp_group"),)),
-    Op("push_sync", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
-                             "rank": (Int(0, nullable=True), False), "job": (JOB, False)}),
-       "write", ("tensors", "job"), "_write", apply="_push_sync", renamed=_JOB),
+       "write", ("tensors", "held_names", "ssp"), "_write", apply="_push", renamed=(("ssp.group", "ssp.ssp_group"),)),
+    Op("push_sync", request_record({**WRITE, "tensors": (TENSORS, False), **HELD, "step": (Int(0), True),
+                                    "workers": (Int(1), True), "rank": (Int(0, nullable=True), False), "job": (JOB, False)}),
+       "write", ("tensors", "held_names", "job"), "_write", apply="_push_sync", renamed=_JOB),
     # aggregated at the leader (aggregate.py): one "step" entry per sync step
     Op("push_step", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
                              "rank": (Int(0, nullable=True), False), "job": (JOB, False),
@@ -87,7 +89,8 @@ _RECORDS = [
                              "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False),
                              "encoding": (ENCODING, False)}),
        "write", ("tensors", "job"), "_push_step", apply="_step", entry="step", renamed=_JOB),
-    Op("assign", request_record({**WRITE, "tensors": (TENSORS, True)}), "write", ("tensors",), "_write", apply="_assign"),
+    Op("assign", request_record({**WRITE, "tensors": (TENSORS, False), **HELD}), "write", ("tensors", "held_names"),
+       "_write", apply="_assign"),
     # optimizer state: as an assign of the tensors; its arrays are named by part ("0", "0.m", ...)
     Op("assign_state", request_record({**WRITE, "records": (ListOf(STATE_RECORD, min_len=1, max_len=4096), True),
                                 "tensors": (MapOf(STATE_PART, Array(), min_len=1), True)}),

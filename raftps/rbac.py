@@ -106,7 +106,7 @@ def _resources(op: str, request: dict, fields: Iterable[str]) -> list[tuple[str,
         value = request.get(f)
         if f in ("tensors", "optimizer") and isinstance(value, dict):
             out += [("tensor", name) for name in value]      # NAME:indices is checked as a name too
-        elif f == "names" and isinstance(value, list):
+        elif f in ("names", "held_names") and isinstance(value, list):
             out += [("tensor", n) for n in value]
         elif f == "records" and isinstance(value, list):
             out += [("tensor", r["name"]) for r in value]

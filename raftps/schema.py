@@ -306,6 +306,10 @@ JOB = Str("a job name (1-200 characters from [A-Za-z0-9_.:/-], or \"\" for the s
 SSP_GROUP = Str("an SSP group name (1-200 characters from [A-Za-z0-9_.:/-])", NAME_PATTERN)
 WORKER = Str("a worker name (a string of 1-200 characters)", min_len=1)
 TENSORS = MapOf(NAME, Array(), min_len=1)
+# A write sent again without its arrays: the content hash of the payload its first send carried
+# (payloads.content_hash), which the node may hold already, and the names in it (for the roles).
+HELD = {"held": (Str("a payload's content hash (8 hex digits)", re.compile(r"[0-9a-f]{8}")), False),
+        "held_names": (ListOf(NAME, min_len=1), False)}
 VERSION = Int(0, nullable=True)
 
 
@@ -363,13 +367,21 @@ WRITE = {"client": (Str("a client id (1-64 characters from [A-Za-z0-9_-])", CLIE
          "seq": (Int(1), True), "ack": (Int(1), False)}
 STALE_READ = {"linearizable": (Bool(), False), "min_version": (VERSION, False), "wait": (Seconds(), False)}
 
+HELD_OPS = ("create", "push", "push_sync", "assign")     # writes that may name a payload held (HELD)
+
+
 def _cross_checks(op: str, request: dict) -> None:
     """The few constraints between fields that a field's own spec cannot state."""
     if "ack" in request and "seq" in request and request["ack"] > request["seq"]:
         raise SchemaError("ack", f"an int in [1, seq={request['seq']}]", request["ack"])
     if op in ("push_sync", "push_step") and request.get("rank") is not None and request["rank"] >= request["workers"]:
         raise SchemaError("rank", f"an int in [0, workers={request['workers']})", request["rank"])
-    if op == "push" and request.get("encoding"):
+    if ("tensors" in request) == ("held" in request) and request.get("op") in HELD_OPS:
+        raise SchemaError("tensors", "an array map, or held (a payload sent before) instead", None,
+                          got="both" if "held" in request else "nothing")
+    if ("held" in request) != ("held_names" in request):
+        raise SchemaError("held_names", "the names the held payload carries, with held", None, got="nothing")
+    if op == "push" and request.get("encoding") and "tensors" in request:
         tensors = request["tensors"]
         for name, enc in request["encoding"].items():
             if name not in tensors:

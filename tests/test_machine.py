@@ -209,7 +209,7 @@ def test_sync_rank_is_counted_once_and_a_restarted_worker_changes_nothing():
     again = log("push_sync", client="w0-restarted", tensors={"w": g[1]}, step=5, workers=2, rank=0, job="job")
     assert again == {"version": 3, "step": 5, "applied": False, "count": 1, "duplicate_rank": True}
     assert log.store.sync.jobs["job"]["buffers"][5]["ranks"] == [0]
-    assert np.array_equal(log.store.sync.jobs["job"]["buffers"][5]["sum"]["w"], g[0])
+    assert np.array_equal(log.store.sync.total("job", 5)["w"], g[0])
     done = log("push_sync", client="w1", tensors={"w": g[1]}, step=5, workers=2, rank=1, job="job")
     assert done["applied"] and done["count"] == 2
     assert np.array_equal(log.store.tensors["w"].data, -np.full(4, 3.0, F32))

@@ -1,6 +1,6 @@
 """One worker of a fleet run, on a worker host (tests/fault/test_slow_links.py, bench/fleet_step.py).
 
-    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT [LANES [WIRE [ANSWERS]]]
+    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT [LANES [WIRE [ANSWERS [CHUNK]]]]
 
 MODE ``create``: every rank creates the job's tensors itself, all at once (what the ranks of
 raftps.torch and DiLoCo did before one rank became the creator), and reports the time.
@@ -14,6 +14,8 @@ one after another, as push_step did before they went at once. WIRE ``fp16``: syn
 their gradients as fp16 (push_step's encoding; raftps.compress.encode_fp16), the all-reduce
 reduces fp16 tensors (the bytes of DDP's fp16_compress_hook); default ``fp32``. ANSWERS
 ``spread``: sync-pull's tensors read from store member rank mod 3 (push_step's spread_answers).
+CHUNK: push_step's chunk_bytes (0, the default: each group's part whole). With several Raft
+groups the model is 32 tensors of equal bytes per group (chunks are whole tensors).
 MODE ``allreduce``: the DDP baseline, no store: STEPS gloo all-reduces (torch.distributed) of
 one float32 tensor of BYTES among WORLD ranks, ADDRESSES being rank 0's host:port for the
 rendezvous; the ranks' interface is eth0 (GLOO_SOCKET_IFNAME); ``times`` as sync-pull's.
@@ -96,6 +98,7 @@ def main() -> dict:
     lanes = int(sys.argv[9]) if len(sys.argv) > 9 else 16
     wire = sys.argv[10] if len(sys.argv) > 10 else "fp32"
     spread = len(sys.argv) > 11 and sys.argv[11] == "spread"
+    chunk = int(sys.argv[12]) if len(sys.argv) > 12 else 0
     rank, world, steps, timeout = int(rank), int(world), int(steps), float(timeout)
     if mode == "allreduce":
         return allreduce(addresses, rank, world, int(nbytes), steps, timeout, wire)
@@ -103,7 +106,7 @@ def main() -> dict:
     started = time.monotonic()
     with Client(addresses, timeout=timeout, max_in_flight=lanes) as client:
         if mode != "create" and client.groups() > 1:
-            params = balanced_model(int(nbytes), prefix, client.groups())
+            params = balanced_model(int(nbytes), prefix, client.groups(), per_group=32)
         if mode == "create":
             client.create_many({tensor(prefix, k): v for k, v in params.items()},
                                {tensor(prefix, k): SGD for k in params})
@@ -135,7 +138,8 @@ def main() -> dict:
                 encoded = {n: encode_fp16(g) for n, g in grads.items()}
                 grads, encoding = {n: e[0] for n, e in encoded.items()}, {n: e[1] for n, e in encoded.items()}
             reply = client.push_step(grads, step, world, job=prefix, rank=rank, timeout=timeout,
-                                     pull=mode == "sync-pull", encoding=encoding, spread_answers=spread)
+                                     pull=mode == "sync-pull", encoding=encoding, spread_answers=spread,
+                                     chunk_bytes=chunk)
             times.append([began, time.time()])
             counts.append(reply["count"])
         return {"ok": True, "counts": counts, "seconds": time.monotonic() - started, "times": times}

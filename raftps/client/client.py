@@ -238,7 +238,8 @@ class Client:
     @renamed_keyword("group", "job")
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                   rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
-                  clip_norm: float | None = None, encoding: dict | None = None, spread_answers: bool = False) -> dict:
+                  clip_norm: float | None = None, encoding: dict | None = None, spread_answers: bool = False,
+                  chunk_bytes: int = 0) -> dict:
         """One worker's contribution to synchronous step ``step`` of job ``job``, summed on
         the leader with the step's other contributions (in rank order, so the sum's bits do not
         depend on arrival order) and replicated once as the step (aggregation
@@ -257,7 +258,13 @@ class Client:
         own part); the answer's ``grad_norm`` is the mean's norm before clipping. ``encoding``: as
         push's, fp16 only (``raftps.compress.encode_fp16``); the leader decodes each contribution
         before it joins the step's sum. ``spread_answers`` (with ``pull``): the tensors read at the
-        step's version from member ``rank`` mod the members (``read_version``): K answers, N links."""
+        step's version from member ``rank`` mod the members (``read_version``): K answers, N links.
+        ``chunk_bytes``: each group's part goes as chunks of whole tensors of up to this many bytes,
+        one after another, each its own aggregation unit and entry (job ``JOB:chunkN`` for all but
+        the first), so a chunk's replication and answer overlap the next chunk's arrival; every
+        rank of a job must pass the same value. A skip flag (jobs.skip_flag) goes in every chunk,
+        so a skipped step skips them all. Not with ``clip_norm`` (its norm spans the whole part):
+        the part then goes whole."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
         extra: dict[str, Any] = {"pull": True, "spread_answers": spread_answers} if pull else {}
@@ -268,7 +275,14 @@ class Client:
         if encoding:
             extra["encoding"] = encoding
         return self._steps.contribute("push_step", grads, step, workers, job, rank, waits=float(timeout),
-                                      timeout=float(timeout), **extra)
+                                      chunk_bytes=int(chunk_bytes), timeout=float(timeout), **extra)
+
+    def expect_chunks(self, job: str | None, tensors: dict[str, tuple[tuple[int, ...], str]], chunk_bytes: int) -> None:
+        """Job ``job``'s steps go in chunks (push_step's ``chunk_bytes``) over ``tensors``
+        ({name: (shape, dtype)}, as ``tensors()`` lists them): from now on wait_step, close_step
+        and sync_applied of the job cover each chunk's job, before this client sent a step of it
+        (a rank that resumes reads the lowest step every chunk applied)."""
+        self._steps.expect_chunks(job, tensors, int(chunk_bytes))
 
     @renamed_keyword("group", "job")
     def close_step(self, step: int, job: str | None = None) -> Any:

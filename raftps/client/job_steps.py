@@ -16,6 +16,8 @@ import numpy as np
 
 from raftps.errors import StepTimeout
 from raftps.client.router import Router
+from raftps.client.transport import when_sent
+from raftps.jobs import is_skip_flag
 
 
 class JobSteps:
@@ -30,14 +32,16 @@ class JobSteps:
         self._router, self._lock = router, lock
         self._submit = submit
         self._raft_groups: dict[str, set[int]] = {}     # job -> Raft groups this client contributed to
+        self._chunks: dict[str, dict[int, int]] = {}    # chunked job -> {Raft group: its chunks}
 
     def contribute(self, op: str, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None,
-                   rank: int | None, waits: float = 0.0, **extra: Any) -> dict:
+                   rank: int | None, waits: float = 0.0, chunk_bytes: int = 0, **extra: Any) -> dict:
         """One worker's part of a sync step (``op`` push_sync or push_step), split by Raft group
-        (with it the per-tensor fields, ``hyper`` and ``encoding``: each part takes its tensors')."""
+        (with it the per-tensor fields, ``hyper`` and ``encoding``: each part takes its tensors').
+        ``chunk_bytes`` (push_step): each group's part in chunks (``chunks``), streamed."""
         per_tensor = {key: extra.pop(key) for key in ("hyper", "encoding") if extra.get(key)}
         if extra.pop("spread_answers", False) and extra.pop("pull", False):
-            reply = self.contribute(op, grads, step, workers, job, rank, waits, **extra, **per_tensor)
+            reply = self.contribute(op, grads, step, workers, job, rank, waits, chunk_bytes, **extra, **per_tensor)
             return {**reply, **self._read_answer(grads, reply, rank or 0)}
         fields: dict[str, Any] = {"step": int(step), "workers": int(workers), **extra}
         if job is not None:
@@ -45,20 +49,53 @@ class JobSteps:
         if rank is not None:
             fields["rank"] = int(rank)
         grads = {k: np.asarray(v) for k, v in grads.items()}
-        if self._router.groups() == 1:
+        chunked = chunk_bytes > 0 and op == "push_step" and "clip_norm" not in extra
+        if self._router.groups() == 1 and not chunked:
             return self._router.write(op, 0, waits=waits, tensors=grads, **fields, **per_tensor)
+        parts = self._router.split(grads) if self._router.groups() > 1 else {0: grads}
+        chunk_of, items = chunk_plan(parts, chunk_bytes) if chunked else ({}, list(parts.items()))
+        sent_events = {(g, max(chunk_of[n] for n in part)): threading.Event() for g, part in items} if chunked else {}
 
         def write(g: int, part: dict, call: Any) -> dict:
             mine = {key: {k: v for k, v in by_name.items() if k in part} for key, by_name in per_tensor.items()}
-            return self._router.write(op, g, waits=waits, call=call, tensors=part, **fields,
-                               **{k: v for k, v in mine.items() if v})
-        parts = self._router.split(grads)
+            more = {k: v for k, v in mine.items() if v}
+            if not chunked:
+                return self._router.write(op, g, waits=waits, call=call, tensors=part, **fields, **more)
+            c = max(chunk_of[n] for n in part)
+            before = sent_events.get((g, c - 1))
+            if before is not None:   # the chunk before it crosses the link first (bounded: order only costs time)
+                before.wait(waits + self._router.timeout)
+            sent = sent_events.get((g, c)) or threading.Event()
+            try:
+                with when_sent(sent.set):
+                    return self._router.write(op, g, waits=waits, call=call, tensors=part,
+                                              **{**fields, "job": chunk_job(job, c)}, **more)
+            finally:
+                sent.set()
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
-        result = self._router.each_group_at_once(write, parts, self._submit)
+        if chunked:
+            self._remember_chunks(job, parts, chunk_of)
+        result = self._router.each_group_at_once(write, items, self._submit)
+        if self._router.groups() == 1:       # one group's reply, as an unchunked step's: no {0: value} maps
+            return {k: v[0] if isinstance(v, dict) and list(v) == [0] else v for k, v in result.items()}
         sent.difference_update(set(parts) - set(result["version"]))   # parts re-routed by a move
         sent.update(result["version"])
         return result
+
+    def expect_chunks(self, job: str | None, sizes: dict[str, tuple[tuple[int, ...], str]], chunk_bytes: int) -> None:
+        """Before this client sent any step of ``job``: its steps go in chunks of ``chunk_bytes``
+        over tensors ``sizes`` ({name: (shape, dtype)}), so that wait/close/applied cover every
+        chunk job (a resuming rank reads the lowest step its chunks applied, not chunk 0's)."""
+        shaped = {name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in sizes.items()}
+        parts = self._router.split(shaped) if self._router.groups() > 1 else {0: shaped}
+        self._raft_groups.setdefault(job or "", set()).update(parts)
+        self._remember_chunks(job, parts, chunk_plan(parts, chunk_bytes)[0])
+
+    def _remember_chunks(self, job: str | None, parts: dict[int, dict], chunk_of: dict[str, int]) -> None:
+        counts = self._chunks.setdefault(job or "", {})
+        for g, part in parts.items():
+            counts[g] = max(counts.get(g, 1), 1 + max(chunk_of[n] for n in part))
 
     def _read_answer(self, grads: dict[str, Any], reply: dict, rank: int) -> dict:
         """A step's tensors (``grads``' names) read at its version from the member ``rank`` mod
@@ -80,26 +117,38 @@ class JobSteps:
         """The Raft groups a job's steps live in: those this client contributed to, else all."""
         return sorted(self._raft_groups.get(job or "") or range(self._router.groups()))
 
+    def _units(self, job: str | None) -> list[tuple[int, str | None]]:
+        """(Raft group, job name) of each unit a step of ``job`` applies in: one per group, or
+        for a job this client sent in chunks, one per chunk (its chunk jobs, ``chunk_job``)."""
+        counts = self._chunks.get(job or "", {})
+        return [(g, chunk_job(job, c)) for g in self.raft_groups(job) for c in range(counts.get(g, 1))]
+
     def close(self, step: int, job: str | None) -> Any:
-        fields: dict[str, Any] = {"step": int(step), **({"job": job} if job is not None else {})}
-        if self._router.groups() == 1:
-            return self._router.write("close_step", 0, **fields)["version"]
-        parts = {g: None for g in self.raft_groups(job)}
-        return self._router.each_group(lambda g, _: self._router.write("close_step", g, **fields), parts)["version"]
+        def fields(name: str | None) -> dict[str, Any]:
+            return {"step": int(step), **({"job": name} if name is not None else {})}
+        units = self._units(job)
+        if self._router.groups() == 1 and len(units) == 1:
+            return self._router.write("close_step", 0, **fields(job))["version"]
+        versions: dict[int, Any] = {}
+        for g, name in units:
+            version = self._router.write("close_step", g, **fields(name))["version"]
+            versions[g] = max(versions.get(g, version), version)
+        return versions[0] if self._router.groups() == 1 else versions
 
     def wait(self, step: int, timeout: float, job: str | None) -> Any:
         deadline = time.monotonic() + timeout
-        versions = {}
+        versions: dict[int, Any] = {}
         one = self._router.groups() == 1
-        for g in ([0] if one else self.raft_groups(job)):
+        for g, name in self._units(job):
             while True:               # in waits of at most 5 s, so that a dead leader costs one of them
                 left = deadline - time.monotonic()
                 request: dict[str, Any] = {"op": "wait_step", "step": int(step), "timeout": max(0.0, min(left, 5.0)),
-                                           **({"job": job} if job is not None else {})}
+                                           **({"job": name} if name is not None else {})}
                 try:
                     with self._lock:
-                        versions[g] = self._router.request(request, attempt_timeout=min(left, 5.0) + 5.0,
-                                                    raft_group=g)["version"]
+                        version = self._router.request(request, attempt_timeout=min(left, 5.0) + 5.0,
+                                                       raft_group=g)["version"]
+                    versions[g] = max(versions.get(g, version), version)
                     break
                 except StepTimeout:
                     if deadline - time.monotonic() <= 0:
@@ -107,13 +156,51 @@ class JobSteps:
         return versions[0] if one else versions
 
     def applied(self, job: str | None) -> int:
-        request: dict[str, Any] = {"op": "sync_applied", **({"job": job} if job is not None else {})}
+        def request(name: str | None) -> dict[str, Any]:
+            return {"op": "sync_applied", **({"job": name} if name is not None else {})}
         with self._lock:
-            if self._router.groups() == 1:
-                return self._router.request(request)["applied"]
-            applied = [self._router.request(request, raft_group=g)["applied"] for g in self.raft_groups(job)]
+            applied = [self._router.request(request(name), raft_group=g)["applied"] for g, name in self._units(job)]
         started = [a for a in applied if a >= 0]
         return min(started) if started else -1
+
+
+def chunks(part: dict[str, np.ndarray], chunk_bytes: int) -> list[list[str]]:
+    """A group's part of a step as chunks of whole tensors, in name order (the same on every
+    rank), each up to ``chunk_bytes`` (a larger tensor alone); one chunk if ``chunk_bytes`` <= 0.
+    The part's skip flags (jobs.skip_flag) go in every chunk: a rank that skips the step skips
+    every chunk of it."""
+    flags = sorted(name for name in part if is_skip_flag(name))
+    out: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(set(part) - set(flags)):
+        nbytes = part[name].nbytes
+        if out[-1] and chunk_bytes > 0 and size + nbytes > chunk_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return [names + flags for names in out]
+
+
+def chunk_plan(parts: dict[int, dict[str, np.ndarray]], chunk_bytes: int) -> tuple[dict[str, int], list]:
+    """({name: its chunk}, [(group, chunk's tensors)] in sending order: every group's chunk 0,
+    then every group's chunk 1, ...). A skip flag is in every chunk of its group: it maps to 0,
+    so a chunk is known by the highest chunk of its names."""
+    chunk_of: dict[str, int] = {}
+    items = []
+    for g, part in parts.items():
+        for c, names in enumerate(chunks(part, chunk_bytes)):
+            chunk_of.update({name: c for name in names if name not in chunk_of})
+            items.append((c, g, {n: part[n] for n in names}))
+    return chunk_of, [(g, chunk) for _, g, chunk in sorted(items, key=lambda item: item[:2])]
+
+
+def chunk_job(job: str | None, chunk: int) -> str | None:
+    """The job name chunk ``chunk`` of a chunked step applies under: the job's own for the first,
+    ``JOB:chunkN`` for the others. Each chunk is an aggregation unit of its own (its own entry,
+    its contributors' exactly-once answers, its own step sequence), so a chunk's answer leaves
+    while the next chunk is still arriving; a step is done when every chunk is."""
+    return job if chunk == 0 else f"{job or ''}:chunk{chunk}"
 
 
 def wait_for_tensors(client: Any, names: list[str], timeout: float, job: str) -> None:

@@ -27,6 +27,8 @@ from raftps.compress import INDICES_SUFFIX
 from raftps.errors import AuthenticationFailed, Moved, Moving, RaftpsError, Unavailable, raise_for
 from raftps.client.session import Session
 from raftps.client.transport import LATE_WAIT_BYTES, AnswerLate, Transport
+from raftps.schema import HELD_OPS
+from raftps.server.payloads import digest_of
 
 # Retries back off from 20 ms to this. During an election every follower answers "no leader"
 # at once, so a long pause only adds to failover time (a 0.5 s cap added up to 0.5 s to it).
@@ -134,6 +136,8 @@ class Router:
             # A large write sent to a follower would cross the link whole only to be told who
             # leads: ask a node first.
             return (large and self._leader_hint(group, addresses, call)) or self._next_address(addresses)
+        held: dict | None = None      # the write again without its arrays (held_probe), once worth it
+        lacking: str | None = None    # the node that said it does not hold them
         known = self._leaders.get(group)
         target = known if to_leader and known else \
             addresses[first % len(addresses)] if first is not None and not to_leader else next_target()
@@ -146,8 +150,11 @@ class Router:
             if left <= 0:
                 raise Unavailable(f"{message['op']}: no definite answer from {','.join(addresses)} "
                                   f"within {timeout:.1f} s (last: {last_problem})")
+            if uncertain and large and held is None:
+                held = held_probe(message) or {}
             try:
-                reply = call(target, message, min(left, attempt_timeout))
+                sending = held if held and target != lacking else message
+                reply = call(target, sending, min(left, attempt_timeout))
             except AuthenticationFailed as exc:     # at the hello: this attempt sent nothing
                 exc.refused = not uncertain
                 raise
@@ -175,6 +182,9 @@ class Router:
                     reply.pop("refused", None)
                 return raise_for(reply)
             last_problem = f"{target}: {reply.get('message', 'retry')}"
+            if reply.get("need_payload"):     # it does not hold them: the arrays go again, now
+                lacking = target
+                continue
             if reply.get("not_leader") or reply.get("behind"):
                 leader = reply.get("leader")
                 if leader and leader not in addresses:
@@ -262,14 +272,18 @@ class Router:
         so sending it again (with a new seq) applies it once."""
         return merge(self._replies(write, parts))
 
-    def each_group_at_once(self, write: Callable[[int, Any, Call], dict], parts: dict[int, Any],
+    def each_group_at_once(self, write: Callable[[int, Any, Call], dict],
+                           parts: dict[int, Any] | list[tuple[int, Any]],
                            submit: Callable[[Callable[[Call], dict]], "Future[dict]"]) -> dict:
         """As each_group, but every group's part on its way at once: ``submit(send)`` runs
         ``send(call)`` on a thread with connections of its own (Client's push_async lanes), and
         ``write(group, part, call)`` sends one part over them. A part re-routed by a move goes on
-        in its thread. One reply, merged in group order, as each_group's."""
+        in its thread. One reply, merged in group order, as each_group's. ``parts`` may be a
+        list of (group, part), several for one group (a chunked step's chunks): their replies
+        merge as one group's."""
+        items = list(parts.items()) if isinstance(parts, dict) else list(parts)
         futures = [submit(lambda call, g=g, part=part: self._replies(lambda g2, p2: write(g2, p2, call), {g: part}))
-                   for g, part in parts.items()]
+                   for g, part in items]
         replies: dict[int, dict] = {}
         wait(futures)                   # every part's outcome, before any error is raised
         for future in futures:
@@ -343,6 +357,18 @@ _COMBINE: dict[str, Any] = {
     "rows": lambda vs: vs[0] if len(vs) == 1 else np.concatenate(vs),
     "tensor_version": max,
 }
+
+
+def held_probe(message: dict) -> dict | None:
+    """A large write sent again after an attempt that may have reached a node: the same write
+    without its arrays, naming their content (payloads.content_hash), which a node that took the
+    first attempt (or got the payload from that node as its leader) holds: it answers from its
+    copy, or ``need_payload`` and the arrays go again. None for a write that cannot name one."""
+    if message.get("op") not in HELD_OPS or "encoding" in message or not isinstance(message.get("tensors"), dict):
+        return None
+    _, _, content = digest_of(message["tensors"])
+    return {**{k: v for k, v in message.items() if k != "tensors"}, "held": content,
+            "held_names": sorted(message["tensors"])}
 
 
 def _payload_bytes(message: dict) -> int:

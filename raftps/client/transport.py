@@ -9,11 +9,13 @@ another), AuthenticationFailed when its token is refused, and returns every othe
 """
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import ssl
+import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from raftps import auth, codec
 from raftps.errors import AuthenticationFailed, ProtocolError, raise_for
@@ -36,6 +38,22 @@ FORWARD_ALLOWANCE = 3.0
 # A request of at least this many bytes whose answer is late is waited for on its connection
 # (AnswerLate) rather than sent again; a smaller one is sent again, as its bytes cost little.
 LATE_WAIT_BYTES = 1 << 20
+
+
+_sent = threading.local()
+
+
+@contextlib.contextmanager
+def when_sent(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, this thread's TcpTransport calls ``callback()`` each time a request that
+    carries tensors has its last byte at the node (before its answer): a chunked step (job_steps.py) starts
+    its next chunk then, so that chunks cross a link one after another, each answered while the
+    next arrives, instead of sharing it and all ending together."""
+    _sent.callback = callback
+    try:
+        yield
+    finally:
+        _sent.callback = None
 
 
 class AnswerLate(socket.timeout):
@@ -158,6 +176,9 @@ class TcpTransport:
                     self.drop(address)
                     return reply
                 sent_for = time.monotonic() - started
+                callback = getattr(_sent, "callback", None)
+                if callback is not None and "tensors" in message:   # not a status asked on the way
+                    callback()
             wait = timeout + FORWARD_ALLOWANCE * sent_for
             if not _readable(sock, wait):
                 if key is None:

@@ -11,6 +11,7 @@ inf) applies no gradient, only the running statistics' drift; every rank's resul
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -34,10 +35,11 @@ class SyncSteps:
     """Job ``job``'s steps (None: the store-wide default job) for rank ``rank`` of ``world_size``."""
 
     def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float,
-                 skip_flags: Iterable[str] = ()):
+                 skip_flags: Iterable[str] = (), chunk_bytes: int = 0):
         self.link, self.job = link, job
         self.world_size, self.rank, self.step_timeout = world_size, rank, step_timeout
         self.skip_flags = list(skip_flags)    # jobs.skip_flag per Raft group: every contribution carries them
+        self.chunk_bytes = chunk_bytes        # push_step's: each part streamed in chunks (every rank the same)
 
     def applied(self) -> int:
         """The job's last applied step (-1 if none), read linearizably."""
@@ -47,6 +49,11 @@ class SyncSteps:
         """The newest values of ``names`` and the step to contribute to first: the job's next.
         The applied step is read before the values, so they are never older than the steps it
         counts (a step applied in between answers this rank's contribution late: it rejoins)."""
+        if self.chunk_bytes:           # the job's steps in chunks: the lowest step every chunk applied
+            prefix = os.path.commonprefix(sorted(names))
+            rows = {row["name"]: row for row in self.link.client.tensors(prefix)}
+            self.link.client.expect_chunks(self.job, {n: (tuple(rows[n]["shape"]), rows[n]["dtype"])
+                                                      for n in names if n in rows}, self.chunk_bytes)
         first = self.applied() + 1
         tensors, _ = self.link.resume(names)
         return tensors, first
@@ -60,7 +67,8 @@ class SyncSteps:
         grads = {**grads, **{flag: np.array([1.0 if skip else 0.0], np.float32) for flag in self.skip_flags}}
         with self.link.timing("push"):
             answer = client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
-                                      timeout=self.step_timeout, pull=True, hyper=hyper or None, clip_norm=clip_norm)
+                                      timeout=self.step_timeout, pull=True, hyper=hyper or None, clip_norm=clip_norm,
+                                      chunk_bytes=self.chunk_bytes)
         next_step = step + 1
         if answer.get("late"):     # applied without us (we were away): rejoin at the job's next step
             next_step = max(step, self.applied()) + 1

@@ -45,6 +45,7 @@ import numpy as np
 from raftps import compress, optim
 from raftps.errors import ERRORS, InvalidRequest, LimitExceeded, RaftpsError, UnknownTensor
 from raftps.jobs import MAX_STEP_TIMEOUT, is_skip_flag
+from raftps.store.sync_jobs import sum_in_order
 from raftps.tensor import check_fits
 from raftps.raft import NotApplied
 
@@ -311,20 +312,6 @@ class StepAggregator:
     def open_steps(self) -> int:
         with self._lock:
             return len(self._open)
-
-
-def sum_in_order(parts: dict[tuple, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """{name: sum of every part's array}, added in the parts' sorted key order into a fresh
-    array (never into a part: they may be read-only frame buffers)."""
-    sums: dict[str, np.ndarray] = {}
-    for key in sorted(parts):
-        for name, grad in parts[key].items():
-            total = sums.get(name)
-            if total is None:
-                sums[name] = np.array(grad, copy=True, order="C")
-            else:
-                np.add(total, grad, out=total)        # the same bits as total + grad
-    return sums
 
 
 def _refusal_error(refusal: dict) -> RaftpsError:

@@ -81,8 +81,15 @@ class Handlers:
         if redirect:
             return redirect
         # The schema checked client, seq, ack and every other field (schema.py).
-        command = {k: v for k, v in req.items() if k != "tensors"}
+        command = {k: v for k, v in req.items() if k not in ("tensors", "held", "held_names")}
         tensors = req.get("tensors")
+        if "held" in req:        # sent again without its arrays: this node's copy, if it has one
+            tensors = node.held_payload(f"{req['client']}-{req['seq']}-{req['held']}")
+            if tensors is None:
+                return retry("this node does not hold that payload: send it", need_payload=True)
+            if sorted(tensors) != sorted(req["held_names"]):
+                raise InvalidRequest(f"{req['op']}: held_names {sorted(req['held_names'])[:5]} are not the names "
+                                     f"of the held payload")
         if tensors is not None:
             for name, arr in check_tensors(tensors).items():
                 # Refused here so a NaN gradient costs no replication; the state machine checks again.

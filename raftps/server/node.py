@@ -115,6 +115,13 @@ class RaftNode:
         computed in the log's thread right after the entry is applied). Raises NotApplied."""
         return self._writes.submit(command, tensors, on_applied, payload_name)
 
+    def held_payload(self, pid: str) -> dict[str, np.ndarray] | None:
+        """The payload ``pid`` if this node holds it intact (a write's, sent to it by a leader)."""
+        try:
+            return self._payloads.get(pid)
+        except ValueError:            # not a payload id
+            return None
+
     # ---- reads ------------------------------------------------------------------------------
 
     @property

@@ -325,7 +325,7 @@ class TensorStore:
 
     def _apply_step(self, job: str, step: int) -> None:
         buf = self.sync.buffer(job, step)
-        self._apply_mean(job, step, buf["sum"] if buf else {}, buf["count"] if buf else 0)
+        self._apply_mean(job, step, self.sync.total(job, step), buf["count"] if buf else 0)
 
     def _apply_mean(self, job: str, step: int, sums: dict[str, np.ndarray], count: int,
                     specs: dict[str, dict] | None = None, scale: float = 1.0) -> None:

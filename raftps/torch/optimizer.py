@@ -247,7 +247,8 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     ``torch.optim.Optimizer`` with one param group holding the spec's hyperparameters.
     ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.
     ``options``: the Worker's (worker.py): n_push, n_fetch, compress, prefix, rank, world_size,
-    ssp_staleness, easgd_alpha, step_timeout, ssp_timeout, token, timeout.
+    ssp_staleness, easgd_alpha, step_timeout, ssp_timeout, token, timeout, chunk_bytes (sync:
+    each step streamed in chunks of whole tensors of up to this many bytes; Client.push_step).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -51,15 +51,15 @@ def loss_fn(model, x, y):
 
 
 def run_sync_workers(cluster, model: torch.nn.Module, spec: dict, prefix: str, data,
-                     world: int = 2) -> tuple[list, list[dict]]:
+                     world: int = 2, **options) -> tuple[list, list[dict]]:
     """``world`` sync workers in threads, each on its 1/world of every batch; their models and
-    their optimizers' state_dicts."""
+    their optimizers' state_dicts. ``options``: the optimizer's (chunk_bytes, ...)."""
     models = [copy.deepcopy(model) for _ in range(world)]
     states: list[dict] = [{}] * world
 
     def worker(rank: int) -> None:
         with rpt.DistributedOptimizer(models[rank], cluster=cluster.client(), optimizer=spec, mode="sync",
-                                      prefix=prefix, rank=rank, world_size=world) as opt:
+                                      prefix=prefix, rank=rank, world_size=world, **options) as opt:
             assert opt.start_step == 0
             for x, y in data:
                 part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
@@ -93,6 +93,23 @@ def test_sync_two_workers_equal_one_process_with_torch_optim(cluster, spec, refe
         assert state_diff(state, opt.state_dict()) < 1e-5, spec["name"]
     # Not trivially equal: the parameters moved.
     assert max((p - q).abs().max().item() for p, q in zip(local.parameters(), model.parameters())) > 1e-3
+
+
+def test_sync_steps_in_chunks_leave_the_bits_of_whole_steps(cluster):
+    """chunk_bytes=64: every tensor of the model a chunk of its own, each its own entry; the
+    parameters end as the same job's in whole steps, bit for bit, and as torch's SGD."""
+    model, data = mlp(), batches(STEPS)
+    whole, _ = run_sync_workers(cluster, model, {"name": "sgd", "lr": 0.1}, "whole-steps", data)
+    chunked, _ = run_sync_workers(cluster, model, {"name": "sgd", "lr": 0.1}, "chunked-steps", data, chunk_bytes=64)
+    local = copy.deepcopy(model)
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(local, x, y).backward()
+        opt.step()
+    for name, p in local.named_parameters():
+        assert torch.equal(dict(whole[0].named_parameters())[name], dict(chunked[0].named_parameters())[name]), name
+        assert (dict(chunked[1].named_parameters())[name] - p).abs().max().item() < 1e-5, name
 
 
 def test_resume_continues_parameters_and_optimizer_state_bit_for_bit(cluster):

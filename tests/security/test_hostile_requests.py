@@ -190,7 +190,7 @@ F = np.ones(8, np.float32)
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"a b": F}}, InvalidRequest,
      "push: tensors key 'a b': expected a tensor name"),
     ({"op": "push", "client": "c", "seq": 1, "tensors": {"w": F}, "id": 3}, InvalidRequest,
-     "push: id: unknown field (this map takes ack, base_version, client, encoding, hyper, op, raft_group, seq, ssp, tensors)"),
+     "push: id: unknown field (this map takes ack, base_version, client, encoding, held, held_names, hyper, op, raft_group, seq, ssp, tensors)"),
     ({"op": "create", "client": "c", "seq": 1, "tensors": {"w": F}, "optimizer": {"w": {"name": "adam", "lr": F}}},
      InvalidOptimizer, "create: optimizer['w'].lr: expected a finite number > 0, got an array"),
     ({"op": "create", "client": "c", "seq": 1, "tensors": {"w": F},
