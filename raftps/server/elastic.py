@@ -90,7 +90,8 @@ class HostsAdmin:
                                              timeout)
             except (OSError, ConnectionError):
                 continue
-            answered[node] = [r for r in reply.get("groups", [reply]) if r.get("role") != "down"]
+            # a reply without a role is a refusal (a node still starting): it answered, with no rows
+            answered[node] = [r for r in reply.get("groups", [reply]) if r.get("role") not in (None, "down")]
         return answered
 
     # ---- the operations --------------------------------------------------------------------

@@ -199,8 +199,9 @@ def status(args: argparse.Namespace) -> int:
             rows = _answering(client.status())
         if args.output == "json":
             print(json.dumps(rows, indent=1, sort_keys=True))
-        else:
+        else:          # several Raft groups: the hosts record and the placement loop's progress below
             print(localcluster_cli.status_table(rows))
+            elastic_cli.print_placement(argparse.Namespace(**{**vars(args), "timeout": 30.0}), rows)
         return 0
     return _run("status", run)
 

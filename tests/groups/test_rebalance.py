@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -25,7 +26,8 @@ from raftps.groups import group_of
 from raftps.server.elastic import HostsAdmin
 from raftps.tools.localcluster import LocalCluster
 
-BASE = 33000        # Raft 33001..33006 (+ 400 per group up to group 5; clients + 100, data + 200, metrics + 300)
+BASE = 22540       # Raft 22541..22546 (+ 400 per group up to group 5; clients + 100, data + 200, metrics + 300),
+                    # below the ephemeral ports (32768 and up), which a node cannot always bind
 GROUPS, NODES = 6, 5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,8 +77,9 @@ class Load:
         for w in self.work.values():
             w.stop()
         lines = []
+        up = ",".join(self.cl.client_address(n) for n in range(1, self.cl.nodes + 1) if self.cl.is_up(n))
         for w in self.work.values():
-            final, statuses, _ = settle(self.cl.addresses, 3, timeout=60, token=self.cl.token, name=w.name,
+            final, statuses, _ = settle(up, 3, timeout=60, token=self.cl.token, name=w.name,
                                         raft_group=w.raft_group)
             assert final is not None, w.name
             result = checker.check(w.history, final, statuses, nodes=3)
@@ -123,5 +126,104 @@ def test_an_added_host_takes_its_share_of_replicas_and_leaders(cl):
     serving, leading = until("every node serves 3 replicas and leads 1 +- 1", balanced, timeout=150, seen=seen)
     print(f"rebalanced in {time.monotonic() - started:.1f} s: replicas {serving}, leaders {leading}")
     assert leading[new] >= 1
+    # the loop counted its steps where it ran: 3 replicas moved, 2 leaders named (group 0's leader)
+    changes = {}
+    for n in range(1, new + 1):
+        with urllib.request.urlopen(f"http://127.0.0.1:{BASE + n + 300}/metrics", timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("raftps_placement_changes_total{"):
+                    kind = line.split('"')[1]
+                    changes[kind] = changes.get(kind, 0) + float(line.split()[-1])
+    assert changes == {"balance": 3.0, "lead": 2.0}, changes
+    status = subprocess.run([sys.executable, "-m", "raftps", "status", "--cluster", cl.addresses],
+                            env={**os.environ, **cl.client_env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                            timeout=60).stdout
+    assert "placement: balanced" in status and "6: 3 replicas, 1 leading" in status, status
+    for line in load.check():
+        print(line)
+
+
+class MajorityWatch:
+    """Samples every Raft group once a second: the voters its members' rows name (a leader's
+    view first), and how many of them answer. A group below a majority of its configured voters
+    is a violation."""
+
+    def __init__(self, cl):
+        self.cl, self.samples, self.violations = cl, 0, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run)
+        self.thread.start()
+
+    def run(self):
+        for _ in range(600):                          # bounded: at most 10 minutes
+            if self.stop.wait(1.0):
+                return
+            try:
+                record, rows = placement(self.cl)
+            except Exception:                         # group 0 electing: no sample this second
+                continue
+            self.samples += 1
+            for g in range(record.groups):
+                grows = [r for node_rows in rows.values() for r in node_rows if r.get("group", 0) == g]
+                if not grows:
+                    self.violations.append((g, "no replica answers"))
+                    continue
+                voters = max((r["members"] for r in grows), key=lambda m: (any(r["role"] == "leader" and r["members"] == m
+                                                                               for r in grows), len(m)))
+                answering = {record.raft_address(r["node"], g) for r in grows}
+                if len(set(voters) & answering) < len(voters) // 2 + 1:
+                    self.violations.append((g, voters, sorted(answering)))
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join(30)
+        return self.samples, self.violations
+
+
+def test_draining_with_the_deciding_leader_and_a_catching_up_host_killed(cl):
+    """Node 6 is drained; while its first move is in flight group 0's leader (the node whose
+    placement loop drives it) is SIGKILLed and restarted; then the host receiving a replica is
+    SIGKILLed once its replica has joined, and kept down past the dead-host timeout (4 s), so
+    the move is rolled back (or had finished), then restarted. The drain finishes; node 6 exits."""
+    load = Load(cl, "drain")
+    watch = MajorityWatch(cl)
+    drained = 6
+    assert "is draining" in cluster_cmd(cl, "drain-host", cl.peers[drained - 1], "--no-wait")
+
+    record = until("a move in flight", lambda: placement(cl)[0].moves and placement(cl)[0], timeout=60)
+    decider = cl.leader(0)
+    cl.kill(decider)
+    cl.start_node(decider)
+    print(f"killed and restarted group 0's leader, node {decider}, during {record.moves[0]}")
+
+    def joining():
+        rec = placement(cl)[0]
+        return next((m for m in rec.moves if m.stage == "catch_up" and m.target != decider), None)
+    move = until("a move whose target has joined", joining, timeout=90)
+    cl.kill(move.target)
+    print(f"killed node {move.target}, the target of {move}")
+
+    def resolved():
+        rec = placement(cl)[0]
+        return rec if rec.move_of(move.group) != move else None
+    rec = until("the move finishes or is rolled back", resolved, timeout=60)
+    placed = set(rec.placed[move.group])
+    print(f"then group {move.group}: nodes {sorted(placed)}, move {rec.move_of(move.group)}")
+    assert rec.move_of(move.group) is None and placed in ({move.source, *placed} - {move.target},
+                                                          {move.target, *placed} - {move.source})
+    assert len(placed) == 3
+    cl.start_node(move.target)
+
+    def done():
+        rec, rows = placement(cl)
+        from raftps.store.placement import remaining
+        finished = not rec.hosted_by(drained) and not rec.moves and not remaining(rec, frozenset(rows)) \
+            and all(len(m) == 3 for m in rec.placed)
+        return rec if finished else None
+    rec = until("node 6 is drained and placement balanced", done, timeout=180)
+    until("the drained node exits", lambda: not cl.is_up(drained), timeout=30)
+    samples, violations = watch.finish()
+    print(f"majority watch: {samples} samples, violations {violations}")
+    assert samples > 10 and not violations
     for line in load.check():
         print(line)
