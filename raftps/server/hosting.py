@@ -82,7 +82,8 @@ class Hosting:
         if self._allows(group, action, address):
             return None
         return (f"Raft group {group} has no move in flight that {action}s {address}: with several Raft groups, "
-                "membership changes go through raftps hosts move (the hosts record)")
+                "membership changes go through the hosts record: to replace a host, raftps cluster add-host NEW, "
+                "then drain-host OLD (or raftps hosts move)")
 
     def _allows(self, group: int, action: str, address: str) -> bool:
         hosts = self.current

@@ -25,6 +25,7 @@ from raftps.chaos.workload import Workload, settle
 from raftps.groups import group_of
 from raftps.server.elastic import HostsAdmin
 from raftps.tools.localcluster import LocalCluster
+from tests.groups.test_elastic import until
 
 BASE = 22540       # Raft 22541..22546 (+ 400 per group up to group 5; clients + 100, data + 200, metrics + 300),
                     # below the ephemeral ports (32768 and up), which a node cannot always bind
@@ -52,12 +53,12 @@ def cl(tmp_path_factory):
         cl.wipe()
 
 
-def cluster_cmd(cl, *args):
-    done = subprocess.run([sys.executable, "-m", "raftps", "cluster", *args],
+def cluster_cmd(cl, *args, ok=True, command="cluster"):
+    done = subprocess.run([sys.executable, "-m", "raftps", command, *args],
                           env={**os.environ, **cl.client_env, "RAFTPS_CLUSTER": cl.addresses, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, (args, done.stdout, done.stderr)
-    return done.stdout
+    assert (done.returncode == 0) == ok, (args, done.stdout, done.stderr)
+    return done.stdout if ok else done.stderr
 
 
 class Load:
@@ -95,16 +96,6 @@ def placement(cl):
         return record, admin.status_rows(record, timeout=2.0)
 
 
-def until(what, check, timeout, seen=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout} s: {what} (last seen: {seen})")
-
-
 def test_an_added_host_takes_its_share_of_replicas_and_leaders(cl):
     load = Load(cl, "add")
     time.sleep(2)
@@ -114,16 +105,13 @@ def test_an_added_host_takes_its_share_of_replicas_and_leaders(cl):
     cl.start_node(new, ("--join",))
     started = time.monotonic()
 
-    seen = []
-
     def balanced():
         record, rows = placement(cl)
         serving = {n: len(record.hosted_by(n)) for n in range(1, new + 1)}
         leading = {n: sum(r["role"] == "leader" for r in rows.get(n, [])) for n in range(1, new + 1)}
-        seen[:] = [record, serving, leading]
         ok = not record.moves and set(serving.values()) == {3} and max(leading.values()) - min(leading.values()) <= 1
         return (serving, leading) if ok else None
-    serving, leading = until("every node serves 3 replicas and leads 1 +- 1", balanced, timeout=150, seen=seen)
+    serving, leading = until("every node serves 3 replicas and leads 1 +- 1", balanced, timeout=150)
     print(f"rebalanced in {time.monotonic() - started:.1f} s: replicas {serving}, leaders {leading}")
     assert leading[new] >= 1
     # the loop counted its steps where it ran: 3 replicas moved, 2 leaders named (group 0's leader)
@@ -178,6 +166,18 @@ class MajorityWatch:
         self.stop.set()
         self.thread.join(30)
         return self.samples, self.violations
+
+
+def test_bad_commands_change_nothing(cl):
+    """One clear line each, and the record keeps its epoch."""
+    epoch = placement(cl)[0].epoch
+    for args, message in [(("add-host", cl.peers[0]), "already host 1"),
+                          (("drain-host", "127.0.0.1:1"), "not a host of this cluster"),
+                          (("drain-host", cl.peers[0]), "serves Raft group 0"),
+                          (("member", "replace", cl.peers[3], "127.0.0.1:1"), "drain-host OLD")]:
+        said = cluster_cmd(cl, *args[args[0] == "member":], ok=False, command=args[0] if args[0] == "member" else "cluster")
+        assert message in said and len(said.strip().splitlines()) == 1, (args, said)
+    assert placement(cl)[0].epoch == epoch
 
 
 def test_draining_with_the_deciding_leader_and_a_catching_up_host_killed(cl):
