@@ -3,7 +3,6 @@ Raft groups (elastic.py; docs/cluster.md, "Adding a host")."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any, Callable
 
@@ -176,10 +175,15 @@ def print_placement(args: argparse.Namespace, rows: list[dict]) -> None:
     print("per node: " + ", ".join(f"{n}: {replicas[n]} replicas, {leaders[n]} leading" for n in replicas)
           + "".join(f"; {n} draining ({len(record.hosted_by(n))} left)" for n in record.draining))
     placed = sum(len(m) for m in record.placed)
-    if not left:
+    silent = [n for n in range(1, len(record.nodes) + 1) if n not in up and record.hosted_by(n)]
+    if not left and not record.moves and not silent:
         print("placement: balanced")
         return
-    print(f"placement: {left} step(s) to go", file=sys.stdout)
+    if not left:
+        print("placement: waiting" + (f" for node(s) {', '.join(map(str, silent))} to answer" if silent else "")
+              + (f"; {len(record.moves)} move(s) in flight" if record.moves else ""))
+        return
+    print(f"placement: {left} step(s) to go")
     try:
         from rich.console import Console
         from rich.progress_bar import ProgressBar

@@ -150,8 +150,9 @@ def _recorded(cl: LocalCluster) -> dict:
 
 
 def _record(cl: LocalCluster, **fields: object) -> None:
+    recorded = {**_recorded(cl), **fields}          # read before the file is opened for writing
     with open(os.path.join(cl.run_dir, "cluster.json"), "w") as f:
-        json.dump({**_recorded(cl), **fields}, f)
+        json.dump(recorded, f)
 
 
 def _ranges(nodes: list[int]) -> str:
