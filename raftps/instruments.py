@@ -64,5 +64,8 @@ class PlacementInstruments:
         self.catch_up_seconds = Histogram("raftps_catch_up_seconds", "From a new replica joining its group to "
                                           "its having applied what the group had committed",
                                           buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r)
+        self.host_load = Gauge("raftps_host_load", "Each host's load as of the placement loop's last heartbeat: "
+                               "replicas, leaders, bytes (of the groups it serves), pushes_per_second (applied by "
+                               "the groups it leads)", ["node", "kind"], registry=r)
         self.under_replicated = Gauge("raftps_groups_under_replicated", "Raft groups with fewer answering "
                                       "replicas than the hosts record places (as of the last heartbeat)", registry=r)

@@ -56,6 +56,9 @@ class PlacementLoop:
         while not self._stop.wait(self.period):
             hosts = self._current()
             if hosts is None or not self._leads_group_0():
+                if self._seen:                    # no longer the loop's node: its heartbeat figures go
+                    self.instruments.host_load.clear()
+                    self.instruments.under_replicated.set(0)
                 self._seen.clear()                # a new leader gives every node a full timeout
                 continue
             try:
@@ -111,6 +114,11 @@ class PlacementLoop:
             if before is not None and now > before[0]:
                 self.write_rate[node] = max(0.0, (pushes - before[1]) / (now - before[0]))
             self.pushes[node] = (now, pushes)
+            load = {"replicas": len(rows), "leaders": sum(r.get("role") == "leader" for r in rows),
+                    "bytes": sum(int(r.get("model_bytes") or 0) for r in rows),
+                    "pushes_per_second": self.write_rate.get(node, 0.0)}
+            for kind, value in load.items():
+                self.instruments.host_load.labels(str(node), kind).set(value)
         short = sum(1 for g in range(hosts.groups)
                     if sum(1 for n in hosts.placed[g] if any(r.get("group", 0) == g for r in beat.get(n, ()))) <
                     len(hosts.placed[g]))
