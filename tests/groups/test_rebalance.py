@@ -166,8 +166,9 @@ class MajorityWatch:
                 if not grows:
                     self.violations.append((g, "no replica answers"))
                     continue
-                voters = max((r["members"] for r in grows), key=lambda m: (any(r["role"] == "leader" and r["members"] == m
-                                                                               for r in grows), len(m)))
+                # the voters as the group's leader sees them (else the longest list a member has)
+                voters = max((r["members"] for r in grows),
+                             key=lambda m: (any(r["role"] == "leader" and r["members"] == m for r in grows), len(m)))
                 answering = {record.raft_address(r["node"], g) for r in grows}
                 if len(set(voters) & answering) < len(voters) // 2 + 1:
                     self.violations.append((g, voters, sorted(answering)))
@@ -185,7 +186,8 @@ def test_bad_commands_change_nothing(cl):
                           (("drain-host", "127.0.0.1:1"), "not a host of this cluster"),
                           (("drain-host", cl.peers[0]), "serves Raft group 0"),
                           (("member", "replace", cl.peers[3], "127.0.0.1:1"), "drain-host OLD")]:
-        said = cluster_cmd(cl, *args[args[0] == "member":], ok=False, command=args[0] if args[0] == "member" else "cluster")
+        command = "member" if args[0] == "member" else "cluster"
+        said = cluster_cmd(cl, *args[command == "member":], ok=False, command=command)
         assert message in said and len(said.strip().splitlines()) == 1, (args, said)
     assert placement(cl)[0].epoch == epoch
 
