@@ -76,7 +76,8 @@ class Layout(Addressing):
         the hosts record (hosting.py) allows its moves' changes; the bare formula allows none."""
         if self.groups == 1:
             return None
-        return "with several Raft groups, membership changes go through raftps hosts move (the hosts record)"
+        return ("with several Raft groups, membership changes go through the hosts record: to replace a host, "
+                "raftps cluster add-host NEW, then drain-host OLD (or raftps hosts move)")
 
     def base_fields(self) -> dict:
         """The formula as the base of a hosts_change entry (hosts.py)."""

@@ -4,7 +4,7 @@ these; metrics.py (the ``/metrics`` exporter) reads them, and imports the node, 
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 APPLY_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
@@ -47,3 +47,25 @@ class Instruments:
         self.errors = Counter("raftps_errors", ERRORS_HELP, ["class"], registry=r)
         for kind in ("write", "load"):
             self.snapshots.labels(kind)
+
+
+class PlacementInstruments:
+    """What the placement loop (server/placement_loop.py) counts on the node that runs it,
+    group 0's leader: the steps it carries out, the catch-ups of new replicas, and the groups
+    with fewer live replicas than they should have."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.changes = Counter("raftps_placement_changes", "Placement steps carried out by the placement loop, by "
+                               "kind (balance, drain, refill, resume, abort, lead)", ["kind"], registry=r)
+        self.catch_up_bytes = Counter("raftps_catch_up_bytes", "Bytes of state new replicas caught up with "
+                                      "(their group's model and optimizer state)", registry=r)
+        self.catch_up_seconds = Histogram("raftps_catch_up_seconds", "From a new replica joining its group to "
+                                          "its having applied what the group had committed",
+                                          buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r)
+        self.host_load = Gauge("raftps_host_load", "Each host's load as of the placement loop's last heartbeat: "
+                               "replicas, leaders, bytes (of the groups it serves), pushes_per_second (applied by "
+                               "the groups it leads)", ["node", "kind"], registry=r)
+        self.under_replicated = Gauge("raftps_groups_under_replicated", "Raft groups with fewer answering "
+                                      "replicas than the hosts record places (as of the last heartbeat)", registry=r)

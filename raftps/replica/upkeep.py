@@ -29,11 +29,14 @@ class Upkeep:
         self._last_orphans = self._budget_compacted = time.monotonic()
         self._budget_snapshot = -1                # snapshot index when the payload budget last asked for one
         self._stopped = False
+        # the member that should lead this group; with several groups the hosts record names
+        # it and the placement loop may change it (hosting.py sets it on every new record)
+        self.preferred_leader: str | None = config.preferred_leader
 
     def start(self, replicated_log: ReplicatedLog) -> None:
         self._log = replicated_log
         threading.Thread(target=self._collect_loop, name="payload-collect", daemon=True).start()
-        if self._config.preferred_leader not in (None, self._config.raft_address):
+        if self.preferred_leader is not None:
             threading.Thread(target=self._hand_over_loop, name="leader-balance", daemon=True).start()
 
     def stop(self) -> None:
@@ -96,10 +99,11 @@ class Upkeep:
         group's preferred member hands over (TimeoutNow) once that member is connected and has
         the whole log (pysyncobj refuses otherwise); checked every few seconds, so a flapping
         node cannot make leadership move often."""
-        preferred = self._config.preferred_leader
         while not self._stopped:
             time.sleep(every)
-            if self._stopped or not self._log.is_leader() or not self._log.is_connected(preferred):
+            preferred = self.preferred_leader
+            if self._stopped or preferred in (None, self._config.raft_address) or not self._log.is_leader() \
+                    or not self._log.is_connected(preferred):
                 continue
             status = self._log.status()
             if status.match.get(preferred) == status.commit:

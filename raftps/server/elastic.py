@@ -42,6 +42,7 @@ class HostsAdmin:
         self._router = Router(parse_addresses(addresses), self._transport, Session(), timeout, attempt_timeout,
                               threading.RLock())
         self.timeout = timeout
+        self.last_catch_up: tuple[float, int] | None = None      # (seconds, bytes) of the last move's catch-up
 
     def close(self) -> None:
         self._transport.close()
@@ -77,14 +78,21 @@ class HostsAdmin:
 
     def group_rows(self, hosts: Hosts, group: int) -> list[dict]:
         """The status rows for ``group`` of every node in ``hosts`` (nodes that do not answer are left out)."""
-        rows = []
-        for address in [offset_address(a, CLIENT_OFFSET) for a in hosts.nodes]:
+        return [r for rows in self.status_rows(hosts).values() for r in rows if r.get("group", 0) == group]
+
+    def status_rows(self, hosts: Hosts, timeout: float = 5.0) -> dict[int, list[dict]]:
+        """Every answering node's status rows (one per Raft group it serves), by node id: the
+        hosts' heartbeat (groups, leaders, bytes of state, pushes)."""
+        answered = {}
+        for node, address in enumerate(hosts.nodes, 1):
             try:
-                reply = self._transport.call(address, {"op": "status", "digest": False}, 5.0)
+                reply = self._transport.call(offset_address(address, CLIENT_OFFSET), {"op": "status", "digest": False},
+                                             timeout)
             except (OSError, ConnectionError):
                 continue
-            rows += [r for r in reply.get("groups", [reply]) if r.get("group", 0) == group]
-        return rows
+            # a reply without a role is a refusal (a node still starting): it answered, with no rows
+            answered[node] = [r for r in reply.get("groups", [reply]) if r.get("role") not in (None, "down")]
+        return answered
 
     # ---- the operations --------------------------------------------------------------------
 
@@ -93,7 +101,17 @@ class HostsAdmin:
         Start it with ``serve --join``."""
         return self.change("add_host", address=address)
 
-    def move(self, group: int, source: str, target: str, catch_up_timeout: float = 120.0) -> tuple[Hosts, bool]:
+    def drain_host(self, address: str) -> Hosts:
+        """Mark a host draining: the placement loop moves its replicas to the others, and once it
+        serves nothing its node exits. Refused below 3 hosts that are not draining."""
+        return self.change("drain_host", address=address)
+
+    def set_leader(self, group: int, node: int) -> Hosts:
+        """Name the node that should lead ``group``: its leader hands over (replica/upkeep.py)."""
+        return self.change("set_leader", move_group=group, target=node)
+
+    def move(self, group: int, source: str, target: str, catch_up_timeout: float = 120.0,
+             gone_after: float | None = None) -> tuple[Hosts, bool]:
         """Move ``group``'s replica from node ``source`` to node ``target`` (node Raft addresses,
         as in --peers); see the module docstring. Returns the record after the move, and False
         if the move had been made before."""
@@ -117,7 +135,7 @@ class HostsAdmin:
                 self.member(group, "remove", hosts.raft_address(src, group))
             self.member(group, "add", hosts.raft_address(tgt, group))
             hosts = self.change("move_stage", move_group=group)
-        self._wait_caught_up(hosts, group, tgt, catch_up_timeout)
+        self._wait_caught_up(hosts, group, tgt, catch_up_timeout, gone_after)
         self.member(group, "remove", hosts.raft_address(src, group))
         return self.change("move_done", move_group=group), True
 
@@ -146,21 +164,31 @@ class HostsAdmin:
         self.member(group, "remove", hosts.raft_address(move.target, group))
         return self.change("move_abort", move_group=group)
 
-    def _wait_caught_up(self, hosts: Hosts, group: int, target: int, timeout: float) -> None:
+    def _wait_caught_up(self, hosts: Hosts, group: int, target: int, timeout: float,
+                        gone_after: float | None = None) -> None:
         """Until the target's replica has applied what the group's leader had committed when we
-        started waiting (bounded)."""
-        deadline = time.monotonic() + timeout
+        started waiting (bounded; Unavailable sooner if the target's node has not answered for
+        ``gone_after`` seconds). Notes the catch-up's time and bytes in ``last_catch_up``."""
+        start = seen = time.monotonic()
+        deadline = start + timeout
         goal = None
         last: Any = "no answer yet"
         while time.monotonic() < deadline:
-            rows = self.group_rows(hosts, group)
+            answered = self.status_rows(hosts, timeout=2.0)
+            rows = [r for node_rows in answered.values() for r in node_rows if r.get("group", 0) == group]
             leader = next((r for r in rows if r.get("role") == "leader"), None)
             if goal is None and leader is not None:
                 goal = leader["commit"]
             mine = next((r for r in rows if r.get("node") == target), None)
             last = mine and mine.get("applied")
             if goal is not None and mine is not None and mine["applied"] >= goal:
+                self.last_catch_up = (time.monotonic() - start, int(mine.get("model_bytes") or 0))
                 return
+            if target in answered:
+                seen = time.monotonic()
+            if gone_after is not None and time.monotonic() - seen > gone_after:
+                raise Unavailable(f"node {target} stopped answering while its replica of Raft group {group} caught "
+                                  f"up; roll the move back with raftps hosts abort {group}")
             time.sleep(0.2)
         raise Unavailable(f"Raft group {group}'s new replica on node {target} did not catch up within {timeout:.0f} s "
                           f"(applied {last}, goal {goal}): is its node running (serve --join)? Run the command "

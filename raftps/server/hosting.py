@@ -34,7 +34,7 @@ RECORD_FILE = "hosts.json"
 
 class Hosting:
     def __init__(self, config: NodeConfig, layout: Layout, make_replica: Callable[[NodeConfig], Any],
-                 join: bool = False, poll: float = 1.0, dead_host_timeout: float = 0.0):
+                 join: bool = False, poll: float = 1.0, dead_host_timeout: float = 0.0, balance: bool = False):
         self.config = config
         self.node = config.node_id
         self.replicas: dict[int, Any] = {}        # Raft group -> this node's replica (RaftNode); shared
@@ -44,8 +44,11 @@ class Hosting:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._poll = poll
-        self._loop = PlacementLoop(config.client_token, dead_host_timeout, lambda: self.current, self._leads_group_0) \
-            if dead_host_timeout > 0 and config.client_token is not None and not config.tls_cert else None
+        self._loop = PlacementLoop(config.client_token, dead_host_timeout, self._applied_here, self._leads_group_0,
+                                   balance=balance) \
+            if (dead_host_timeout > 0 or balance) and config.client_token is not None and not config.tls_cert else None
+        # the placement loop's counters, for /metrics (on every node: the loop runs on whichever leads group 0)
+        self.metrics_registry = self._loop.instruments.registry if self._loop is not None else None
         self.drained = threading.Event()          # set when a record leaves this node nothing to host
         self._seeds = [offset_address(a, config.client_offset) for a in layout.nodes]
         # the formula, the base of the record's first change; a joining node's --peers are not
@@ -79,7 +82,8 @@ class Hosting:
         if self._allows(group, action, address):
             return None
         return (f"Raft group {group} has no move in flight that {action}s {address}: with several Raft groups, "
-                "membership changes go through raftps hosts move (the hosts record)")
+                "membership changes go through the hosts record: to replace a host, raftps cluster add-host NEW, "
+                "then drain-host OLD (or raftps hosts move)")
 
     def _allows(self, group: int, action: str, address: str) -> bool:
         hosts = self.current
@@ -104,6 +108,13 @@ class Hosting:
         self._stop.set()
         if self._loop is not None:
             self._loop.stop()
+
+    def _applied_here(self) -> Hosts | None:
+        """The record as this node's replica of group 0 has applied it (the newest there is, on
+        group 0's leader: the placement loop decides from it), else the one this node follows."""
+        replica = self.replicas.get(0)
+        record = replica.read_locked(lambda m: m.hosts.snapshot()) if replica is not None else None
+        return Hosts.from_record(record) if record is not None else self.current
 
     def _leads_group_0(self) -> bool:
         replica = self.replicas.get(0)
@@ -174,6 +185,8 @@ class Hosting:
                 log.warning("hosts epoch %d: stopping this node's replica of Raft group %d", newest.epoch, group)
                 self.replicas.pop(group).stop(snapshot_timeout=0.0)
                 self._set_aside(group, newest.epoch)
+            for group, replica in self.replicas.items():      # the named leaders (set_leader)
+                replica.set_preferred_leader(newest.raft_address(newest.preferred_leader(group), group))
             if not self.replicas:
                 self.drained.set()
 

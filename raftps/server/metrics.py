@@ -169,10 +169,11 @@ def _staleness(histogram: dict[int, int]) -> Metric:
 
 
 def serve(node: "RaftNode", server: "ClientServer | None", host: str, port: int,
-          tls: tuple[str, str] | None = None) -> Any:
+          tls: tuple[str, str] | None = None, extra: CollectorRegistry | None = None) -> Any:
     """Serve ``/metrics`` on host:port (HTTPS with ``tls`` = (cert, key)); None if it cannot bind.
     The state and instruments of every Raft group the server hosts (``node`` alone without a
-    server), each group's labelled ``group`` when there are several, and the server's counters.
+    server), each group's labelled ``group`` when there are several, the server's counters, and
+    ``extra``'s (the placement loop's, hosting.py).
 
     A node that cannot bind its metrics port logs why and serves clients without metrics: losing
     monitoring must not take a Raft member out of the cluster."""
@@ -181,6 +182,8 @@ def serve(node: "RaftNode", server: "ClientServer | None", host: str, port: int,
     registry.register(NodeCollector(replicas, server))
     registry.register(InstrumentsCollector(server.instruments if server is not None else None,
                                            {g: r.instruments for g, r in replicas.items()}))
+    if extra is not None:
+        registry.register(extra)
     try:
         http, _ = start_http_server(port, addr=host, registry=registry,
                                     certfile=tls[0] if tls else None, keyfile=tls[1] if tls else None)

@@ -176,6 +176,10 @@ class RaftNode:
         leader = self.log.leader()
         return None if leader is None else offset_address(leader, self.config.client_offset)
 
+    def set_preferred_leader(self, address: str) -> None:
+        """The member (its Raft address) this group's leader hands leadership to (upkeep.py)."""
+        self._upkeep.preferred_leader = address
+
     def change_members(self, action: str, address: str, timeout: float = 10.0) -> dict:
         """Add or remove one member (replica/membership.py)."""
         return self._membership.change(action, address, timeout)

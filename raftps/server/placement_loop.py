@@ -1,7 +1,13 @@
-"""The placement loop (docs/design/elastic.md): on group 0's leader, a node that has not
-answered for ``dead_host_timeout`` seconds has its replicas re-created elsewhere, one move at a
-time (elastic.py's five steps, the dead member removed first), so that every group is back to 3
-replicas with no one asking. Off unless ``serve --dead-host-timeout S`` is given.
+"""The placement loop (docs/design/elastic.md): on group 0's leader, once a turn, the hosts'
+heartbeat (each node's status rows: the groups it serves, those it leads, the bytes of their
+state, its pushes) and then one step of the plan (store/placement.py), carried out with the
+operators of elastic.py: finish or roll back a move in flight, re-create a dead node's replicas,
+empty a draining node, balance replicas and leaders over the nodes. One step at a time, so
+every group has at most one membership change in flight, and a new replica is the only
+snapshot its host receives.
+
+``serve --dead-host-timeout S`` turns on re-creating the replicas of a node silent for S
+seconds; ``serve --balance`` turns on draining and balancing. Either starts the loop.
 
 Group 0's replicas are not moved yet (their files share the node's data dir): a dead node
 serving group 0 leaves it at 2 replicas, which the loop logs.
@@ -11,26 +17,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from raftps import codec
-from raftps.server.elastic import CLIENT_OFFSET, HostsAdmin
 from raftps.errors import RaftpsError
+from raftps.instruments import PlacementInstruments
+from raftps.server.elastic import CLIENT_OFFSET, HostsAdmin
 from raftps.store.hosts import Hosts
+from raftps.store.placement import Step, next_step
 from raftps.replica.config import offset_address
-from raftps.client.transport import TcpTransport
 
 log = logging.getLogger("raftps.placement")
+CATCH_UP_TIMEOUT = 120.0        # a turn's move waits this long for its new replica, then the next turn goes on
 
 
 class PlacementLoop:
     def __init__(self, token: str, dead_host_timeout: float, current: Callable[[], Hosts | None],
-                 leads_group_0: Callable[[], bool], period: float = 1.0):
+                 leads_group_0: Callable[[], bool], balance: bool = False, period: float = 1.0):
         self.token = token
         self.dead_host_timeout = dead_host_timeout
-        self._current = current                   # the hosts record this node follows
+        self.balance = balance
+        self._current = current                   # the hosts record as group 0's replica here applied it
         self._leads_group_0 = leads_group_0
         self.period = period
+        self.instruments = PlacementInstruments()
+        self.pushes: dict[int, tuple[float, int]] = {}     # node -> (when, pushes applied) at the last beat
+        self.write_rate: dict[int, float] = {}    # node -> pushes/s applied by the groups it leads
         self._seen: dict[int, float] = {}         # node -> when it last answered (monotonic)
         self._stop = threading.Event()
         self._said: str | None = None             # the last warning: a turn repeats it only when it changes
@@ -42,43 +53,76 @@ class PlacementLoop:
         self._stop.set()
 
     def _run(self) -> None:
-        transport = TcpTransport(self.token, None, codec.DEFAULT_LIMITS, connect_timeout=1.0)
-        try:
-            while not self._stop.wait(self.period):
-                hosts = self._current()
-                if hosts is None or not self._leads_group_0():
-                    self._seen.clear()            # a new leader gives every node a full timeout
-                    continue
-                try:
-                    self.turn(hosts, transport)
-                except (RaftpsError, OSError, ConnectionError) as exc:
-                    self._say(f"placement loop: {exc} (tried again every turn)")
-        finally:
-            transport.close()
-
-    def turn(self, hosts: Hosts, transport: Any) -> None:
-        """Probe every node; refill the first dead node's first group (one move per turn)."""
-        now = time.monotonic()
-        for node, address in enumerate(hosts.nodes, 1):
-            self._seen.setdefault(node, now)
+        while not self._stop.wait(self.period):
+            hosts = self._current()
+            if hosts is None or not self._leads_group_0():
+                if self._seen:                    # no longer the loop's node: its heartbeat figures go
+                    self.instruments.host_load.clear()
+                    self.instruments.under_replicated.set(0)
+                self._seen.clear()                # a new leader gives every node a full timeout
+                continue
             try:
-                transport.call(offset_address(address, CLIENT_OFFSET), {"op": "status", "digest": False}, 1.0)
-                self._seen[node] = now
-            except (OSError, ConnectionError):
-                pass
-        dead = frozenset(n for n, t in self._seen.items() if now - t > self.dead_host_timeout)
-        for node in sorted(dead):
-            plan = [(g, t) for g, t in hosts.drain_plan(node, avoid=dead) if g != 0]
-            if 0 in hosts.hosted_by(node):
-                self._say(f"node {node} is dead and served Raft group 0, which cannot be refilled yet")
-            if plan:
-                group, target = plan[0]
-                log.warning("node %d has not answered for %.0f s: re-creating its replica of Raft group %d on "
-                            "node %d", node, now - self._seen[node], group, target)
-                live = [offset_address(a, CLIENT_OFFSET) for n, a in enumerate(hosts.nodes, 1) if n not in dead]
-                with HostsAdmin(live, token=self.token, tls=False, timeout=30.0) as admin:
-                    admin.move(group, hosts.nodes[node - 1], hosts.nodes[target - 1])
-                return
+                self.turn(hosts)
+            except (RaftpsError, OSError, ConnectionError) as exc:
+                self._say(f"placement loop: {exc} (tried again every turn)")
+
+    def turn(self, hosts: Hosts) -> Step | None:
+        """One heartbeat of every node, then one step of the plan (None: nothing to do)."""
+        addresses = [offset_address(a, CLIENT_OFFSET) for a in hosts.nodes]
+        with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0) as admin:
+            beat = admin.status_rows(hosts, timeout=1.0)
+            now = time.monotonic()
+            for node in range(1, len(hosts.nodes) + 1):
+                self._seen.setdefault(node, now)
+                if node in beat:
+                    self._seen[node] = now
+            self._note_load(hosts, beat, now)
+            up = frozenset(beat)
+            dead = frozenset(n for n, t in self._seen.items() if self.dead_host_timeout > 0
+                             and now - t > self.dead_host_timeout and hosts.hosted_by(n))
+            if any(0 in hosts.hosted_by(n) for n in dead):
+                self._say(f"node(s) {sorted(dead)} dead; a replica of Raft group 0 cannot be re-created yet")
+            group_bytes = {r["group"]: int(r.get("model_bytes") or 0) for rows in beat.values() for r in rows
+                           if r.get("role") == "leader" and "group" in r}
+            step = next_step(hosts, up, dead, group_bytes, balance=self.balance)
+            if step is not None:
+                self.carry_out(admin, hosts, step)
+            return step
+
+    def carry_out(self, admin: HostsAdmin, hosts: Hosts, step: Step) -> None:
+        log.warning("placement: %s", step.describe(hosts))
+        if step.kind == "lead":
+            admin.set_leader(step.group, step.target)
+        elif step.kind == "abort":
+            admin.abort(step.group)
+        else:
+            admin.last_catch_up = None
+            admin.move(step.group, hosts.nodes[step.source - 1], hosts.nodes[step.target - 1],
+                       catch_up_timeout=CATCH_UP_TIMEOUT, gone_after=self.dead_host_timeout or None)
+            if admin.last_catch_up is not None:
+                seconds, size = admin.last_catch_up
+                self.instruments.catch_up_seconds.observe(seconds)
+                self.instruments.catch_up_bytes.inc(size)
+        self.instruments.changes.labels(step.kind).inc()
+
+    def _note_load(self, hosts: Hosts, beat: dict[int, list[dict]], now: float) -> None:
+        """Write rates from the pushes the groups each node leads have applied, and the groups
+        with fewer answering replicas than the record places."""
+        for node, rows in beat.items():
+            pushes = sum(int(r.get("pushes") or 0) for r in rows if r.get("role") == "leader")
+            before = self.pushes.get(node)
+            if before is not None and now > before[0]:
+                self.write_rate[node] = max(0.0, (pushes - before[1]) / (now - before[0]))
+            self.pushes[node] = (now, pushes)
+            load = {"replicas": len(rows), "leaders": sum(r.get("role") == "leader" for r in rows),
+                    "bytes": sum(int(r.get("model_bytes") or 0) for r in rows),
+                    "pushes_per_second": self.write_rate.get(node, 0.0)}
+            for kind, value in load.items():
+                self.instruments.host_load.labels(str(node), kind).set(value)
+        short = sum(1 for g in range(hosts.groups)
+                    if sum(1 for n in hosts.placed[g] if any(r.get("group", 0) == g for r in beat.get(n, ()))) <
+                    len(hosts.placed[g]))
+        self.instruments.under_replicated.set(short)
 
     def _say(self, message: str) -> None:
         if message != self._said:

@@ -30,7 +30,8 @@ from raftps.errors import InvalidRequest
 from raftps.groups import REPLICAS, Addressing, Layout
 
 STAGES = ("add", "catch_up")
-ACTIONS = ("add_host", "move_start", "move_stage", "move_done", "move_abort")
+ACTIONS = ("add_host", "move_start", "move_stage", "move_done", "move_abort", "drain_host", "set_leader")
+MIN_HOSTS = 3           # drain_host refuses to leave fewer hosts that are not draining
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Hosts(Addressing):
     placed: tuple[tuple[int, ...], ...]     # Raft group -> its settled members' node ids, sorted
     moves: tuple[Move, ...] = ()            # in flight, by group
     epoch: int = 0                          # changes applied since the formula
+    draining: tuple[int, ...] = ()          # nodes being emptied (drain-host); once empty, retired
+    leaders: tuple[int, ...] = ()           # Raft group -> the node that should lead it (0: the default rule)
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "Hosts":
@@ -70,8 +73,12 @@ class Hosts(Addressing):
         return sorted({*self.placed[group], *joining})
 
     def preferred_leader(self, group: int) -> int:
-        """The formula's choice (node g+1 mod N) while it still serves the group, else the
-        group's lowest settled member."""
+        """The leader the placement loop chose (``set_leader``) while it still serves the group,
+        else the formula's choice (node g+1 mod N) while that does, else the group's lowest
+        settled member."""
+        chosen = self.leaders[group] if group < len(self.leaders) else 0
+        if chosen in self.placed[group]:
+            return chosen
         wanted = group % len(self.nodes) + 1
         return wanted if wanted in self.placed[group] else self.placed[group][0]
 
@@ -85,10 +92,10 @@ class Hosts(Addressing):
     def drain_plan(self, node: int, avoid: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """(group, target) for every group ``node`` serves, in group order: a move in flight off
         ``node`` keeps its target; otherwise the node serving the fewest replicas among those
-        outside the group and not in ``avoid`` (dead ones), counting the plan's earlier moves,
+        outside the group, not draining and not in ``avoid`` (dead ones), counting the plan's earlier moves,
         the lowest id on a tie. InvalidRequest when a group has no such node: draining would
         leave it short of replicas."""
-        load = {n: len(self.hosted_by(n)) for n in range(1, len(self.nodes) + 1) if n != node and n not in avoid}
+        load = {n: len(self.hosted_by(n)) for n in self.active() if n != node and n not in avoid}
         plan = []
         for group in self.hosted_by(node):
             move = self.move_of(group)
@@ -107,8 +114,13 @@ class Hosts(Addressing):
     # ---- the record as plain data (log entries, snapshots, replies) -----------------------
 
     def record(self) -> dict:
-        return {"nodes": list(self.nodes), "placed": [list(m) for m in self.placed],
-                "moves": [[m.group, m.source, m.target, m.stage] for m in self.moves], "epoch": self.epoch}
+        record = {"nodes": list(self.nodes), "placed": [list(m) for m in self.placed],
+                  "moves": [[m.group, m.source, m.target, m.stage] for m in self.moves], "epoch": self.epoch}
+        if self.draining:                     # only once used: older records stay as they were
+            record["draining"] = list(self.draining)
+        if self.leaders:
+            record["leaders"] = list(self.leaders)
+        return record
 
     @classmethod
     def from_record(cls, record: Any) -> "Hosts":
@@ -117,11 +129,15 @@ class Hosts(Addressing):
             nodes = tuple(str(a) for a in record["nodes"])
             placed = tuple(tuple(sorted(int(n) for n in m)) for m in record["placed"])
             moves = tuple(Move(int(g), int(s), int(t), str(st)) for g, s, t, st in record.get("moves", []))
-            hosts = cls(nodes, placed, moves, int(record.get("epoch", 0)))
+            hosts = cls(nodes, placed, moves, int(record.get("epoch", 0)),
+                        tuple(sorted(int(n) for n in record.get("draining", []))),
+                        tuple(int(n) for n in record.get("leaders", [])))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a hosts record: {exc}") from None
         if not 1 <= hosts.groups <= 64 or any(not 1 <= n <= len(nodes) for m in placed for n in m) \
-                or any(not m for m in placed) or any(m.stage not in STAGES for m in moves):
+                or any(not m for m in placed) or any(m.stage not in STAGES for m in moves) \
+                or any(not 1 <= n <= len(nodes) for n in hosts.draining) \
+                or len(hosts.leaders) not in (0, hosts.groups) or any(not 0 <= n <= len(nodes) for n in hosts.leaders):
             raise ValueError("not a hosts record: a group without members, a node id out of range or a bad stage")
         return hosts
 
@@ -136,9 +152,13 @@ class Hosts(Addressing):
             raise InvalidRequest(f"hosts_change: action must be one of {', '.join(ACTIONS)}, not {action!r}")
         if action == "add_host":
             return self._add_host(command.get("address"))
+        if action == "drain_host":
+            return self._drain_host(command.get("address"))
         group = command.get("move_group")
         if type(group) is not int or not 0 <= group < self.groups:
             raise InvalidRequest(f"hosts_change {action}: Raft group {group!r} is out of range 0..{self.groups - 1}")
+        if action == "set_leader":
+            return self._set_leader(group, command.get("target"))
         move = self.move_of(group)
         if action == "move_start":
             return self._move_start(group, command.get("source"), command.get("target"), move)
@@ -165,6 +185,30 @@ class Hosts(Addressing):
             raise InvalidRequest(f"add-host: {address} is already host {self.nodes.index(address) + 1} of this cluster")
         return self._next(nodes=(*self.nodes, address))
 
+    def active(self) -> list[int]:
+        """The nodes that are not draining (nor retired: drained)."""
+        return [n for n in range(1, len(self.nodes) + 1) if n not in self.draining]
+
+    def _drain_host(self, address: Any) -> "Hosts":
+        node = self.node_of(address) if isinstance(address, str) else 0
+        if node in self.draining:
+            return self               # already draining: nothing changes
+        if len(self.active()) - 1 < MIN_HOSTS:
+            raise InvalidRequest(f"drain-host: {address} is one of the last {len(self.active())} hosts that are not "
+                                 f"draining; a cluster keeps at least {MIN_HOSTS} (add a host first)")
+        if node in self.members(0):
+            raise InvalidRequest(f"drain-host: {address} serves Raft group 0, whose replica cannot be moved yet")
+        return self._next(draining=tuple(sorted((*self.draining, node))))
+
+    def _set_leader(self, group: int, leader: Any) -> "Hosts":
+        if type(leader) is not int or leader not in self.placed[group]:
+            raise InvalidRequest(f"set_leader: node {leader!r} does not serve Raft group {group}")
+        leaders = list(self.leaders) or [0] * self.groups
+        if leaders[group] == leader:
+            return self
+        leaders[group] = leader
+        return self._next(leaders=tuple(leaders))
+
     def _move_start(self, group: int, source: Any, target: Any, move: Move | None) -> "Hosts":
         n = len(self.nodes)
         if type(source) is not int or type(target) is not int or not (1 <= source <= n and 1 <= target <= n):
@@ -178,6 +222,8 @@ class Hosts(Addressing):
             raise InvalidRequest(f"node {source} ({self.nodes[source - 1]}) does not serve Raft group {group}")
         if target in self.placed[group]:
             raise InvalidRequest(f"node {target} ({self.nodes[target - 1]}) already serves Raft group {group}")
+        if target in self.draining:
+            raise InvalidRequest(f"node {target} ({self.nodes[target - 1]}) is draining: it takes no replicas")
         if len(self.placed[group]) < min(REPLICAS, n) - 1:
             raise InvalidRequest(f"Raft group {group} has too few members to move one")
         return self._next(moves=tuple(sorted((*self.moves, Move(group, source, target, "add")), key=lambda m: m.group)))

@@ -89,7 +89,8 @@ def serve(args: argparse.Namespace) -> int:
                         durability=args.durability, entries_in_flight=args.entries_in_flight)
     layout = Layout(tuple(peers), args.groups)
     # several groups: this node's replicas follow group 0's hosts record (hosting.py)
-    hosting = Hosting(config, layout, RaftNode, join=args.join, dead_host_timeout=args.dead_host_timeout) \
+    hosting = Hosting(config, layout, RaftNode, join=args.join, dead_host_timeout=args.dead_host_timeout,
+                      balance=args.balance) \
         if layout.groups > 1 else None
     try:
         replicas = hosting.replicas if hosting else {0: RaftNode(group_config(config, layout, 0))}
@@ -121,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     if metrics_at is not None:
         from raftps.server import metrics
         tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
-        if metrics.serve(node, server, *metrics_at, tls=tls) is not None:
+        if metrics.serve(node, server, *metrics_at, tls=tls, extra=hosting and hosting.metrics_registry) is not None:
             node.metrics_address = "%s:%d" % metrics_at
     stop = threading.Event()
     # SIGHUP: re-read the token file and the identity file now (they are also re-read when they change).
@@ -198,8 +199,9 @@ def status(args: argparse.Namespace) -> int:
             rows = _answering(client.status())
         if args.output == "json":
             print(json.dumps(rows, indent=1, sort_keys=True))
-        else:
+        else:          # several Raft groups: the hosts record and the placement loop's progress below
             print(localcluster_cli.status_table(rows))
+            elastic_cli.print_placement(argparse.Namespace(**{**vars(args), "timeout": 30.0}), rows)
         return 0
     return _run("status", run)
 

@@ -7,6 +7,7 @@ import json
 import os
 from typing import Callable
 
+from raftps.tools import elastic_cli
 from raftps.tools.localcluster import ClusterError, LocalCluster
 from raftps.errors import UsageError
 
@@ -28,8 +29,13 @@ def add_parser(sub: argparse._SubParsersAction, env_int: Callable[[str, int], in
     """The ``cluster`` subcommand; ``env_int(variable, default)``: an environment variable's
     whole number (a wrong one refused by name)."""
     p = sub.add_parser("cluster", help="manage a local cluster (RAFTPS_RUN_DIR, RAFTPS_BASE_PORT)")
-    p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe"])
-    p.add_argument("node", type=int, nargs="?", help="node number for kill")
+    p.add_argument("action", choices=["start", "stop", "kill", "status", "wipe", "add-host", "drain-host"])
+    p.add_argument("node", nargs="?", help="kill: a node number; add-host, drain-host: a host's Raft address "
+                                           "HOST:PORT (of the cluster at $RAFTPS_CLUSTER, else of the run dir's)")
+    p.add_argument("--add", action="store_true", help="start: add one host to a running cluster of several Raft "
+                                                      "groups and wait for the placement loop to fill it")
+    p.add_argument("--no-wait", dest="wait", action="store_false",
+                   help="add-host, drain-host: return once the hosts record has the change")
     p.add_argument("--nodes", type=int, default=env_int("RAFTPS_NODES", 3))
     p.add_argument("--groups", type=int, default=env_int("RAFTPS_GROUPS", 0) or None,
                    help="Raft groups to shard tensors over (start: fixed for the cluster's life; default 1)")
@@ -58,7 +64,9 @@ def open_cluster(args: argparse.Namespace) -> LocalCluster:
         if key in recorded and recorded[key] != value:
             raise ValueError(f"the cluster in {run_dir} runs with {key} {recorded[key]}, not {value}: "
                              "wipe it first (raftps cluster wipe: deletes its data) to change it")
-    cl = LocalCluster(run_dir, nodes=args.nodes, base_port=args.base_port, **chosen)
+    # hosts added with start --add are counted in the record; several groups balance themselves
+    cl = LocalCluster(run_dir, nodes=args.nodes + recorded.get("added", 0), base_port=args.base_port,
+                      extra_args=["--balance"] if chosen["groups"] > 1 else None, **chosen)
     if args.action == "start" and not recorded:
         with open(recorded_file, "w") as f:
             json.dump(chosen, f)
@@ -68,13 +76,22 @@ def open_cluster(args: argparse.Namespace) -> LocalCluster:
 def cluster(args: argparse.Namespace) -> int:
     """A stopped cluster or node is named in one line (exit 1), a node the cluster never had too
     (exit 2); stop and wipe of a stopped cluster succeed, saying nothing was running."""
-    if args.action == "kill" and args.node is None:
+    if args.action == "kill" and not (args.node or "").isdigit():
         raise UsageError("give the number of the node to kill")
+    if args.action in ("add-host", "drain-host") and not args.node:
+        raise UsageError(f"give the Raft address HOST:PORT of the host to {args.action.split('-')[0]}")
+    if args.action in ("add-host", "drain-host") and os.environ.get("RAFTPS_CLUSTER"):
+        return elastic_cli.change_and_wait(_elastic_args(args, os.environ["RAFTPS_CLUSTER"], None), args.action,
+                                           args.node)
     try:
         cl = open_cluster(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     up = [n for n in cl.known_nodes() if cl.is_up(n)]
+    if args.action in ("add-host", "drain-host"):
+        return elastic_cli.change_and_wait(_elastic_args(args, cl.addresses, cl.token_file), args.action, args.node)
+    if args.action == "start" and args.add:
+        return _add_a_node(args, cl)
     if args.action == "start":
         addresses = cl.start(timeout=args.timeout)
         print(status_table(cl.status()))
@@ -91,6 +108,7 @@ def cluster(args: argparse.Namespace) -> int:
         cl.wipe()
         print(f"stopped the nodes and deleted {cl.run_dir} and their payloads")
     elif args.action == "kill":
+        args.node = int(args.node)
         known = cl.known_nodes()
         if args.node not in known:
             raise UsageError(f"the cluster in {cl.run_dir} has no node {args.node} "
@@ -103,6 +121,38 @@ def cluster(args: argparse.Namespace) -> int:
     else:
         print(status_table(cl.status()))
     return 0
+
+
+def _elastic_args(args: argparse.Namespace, addresses: str, token_file: str | None) -> argparse.Namespace:
+    return argparse.Namespace(cluster=addresses, token_file=token_file, tls_ca=None, timeout=max(args.timeout, 300.0),
+                              wait=args.wait)
+
+
+def _add_a_node(args: argparse.Namespace, cl: LocalCluster) -> int:
+    """``cluster start --add``: one more node for a running local cluster of several Raft
+    groups: in the hosts record, started with serve --join, filled by the placement loop."""
+    if cl.groups == 1:
+        raise UsageError("--add needs a cluster of several Raft groups (start it with --groups G, G > 1); "
+                         "a one-group cluster grows with raftps member add")
+    cl.start(timeout=args.timeout)
+    node = cl.add_node()
+    address = cl.peers[node - 1]
+    elastic_cli.change_and_wait(argparse.Namespace(**{**vars(_elastic_args(args, cl.addresses, cl.token_file)),
+                                                      "wait": False}), "add-host", address)
+    cl.start_node(node, ("--join",))
+    _record(cl, added=_recorded(cl).get("added", 0) + 1)
+    return elastic_cli.change_and_wait(_elastic_args(args, cl.addresses, cl.token_file), "wait", address)
+
+
+def _recorded(cl: LocalCluster) -> dict:
+    path = os.path.join(cl.run_dir, "cluster.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def _record(cl: LocalCluster, **fields: object) -> None:
+    recorded = {**_recorded(cl), **fields}          # read before the file is opened for writing
+    with open(os.path.join(cl.run_dir, "cluster.json"), "w") as f:
+        json.dump(recorded, f)
 
 
 def _ranges(nodes: list[int]) -> str:

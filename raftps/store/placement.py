@@ -1,0 +1,150 @@
+"""What the placement loop does next (docs/design/elastic.md, "The placement loop"): pure.
+
+One decision-maker, group 0's leader (placement_loop.py), asks ``next_step`` once a turn and
+carries out the one step it gets, so every group has at most one membership change at a time.
+The step is a function of the hosts record and of what the hosts' heartbeats said (which nodes
+answer, which are dead, each group's bytes), in this order of urgency:
+
+1. a move in flight in the record (a driver, perhaps a leader that died, left it): go on with
+   it, or roll it back if its target does not answer (it cannot catch up);
+2. a dead node's replicas (past the dead-host timeout): re-created on live nodes;
+3. a draining node's replicas: moved to the active nodes;
+4. replicas: while the most loaded active node serves more than TOLERANCE replicas more than
+   the least loaded, a replica moves from the first to the second (the group with the fewest
+   bytes, the cheapest copy);
+5. leaders: the same for the leaders the record names (``set_leader``); each group's leader
+   hands leadership to the named member (replica/upkeep.py).
+
+Each step of 4 and 5 lowers the sum of squares of the counts, so the loop ends. Group 0 is
+never moved (its files share the node's data dir). A target may have at most
+``catch_ups_per_host`` moves in flight: the snapshots it receives at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from raftps.store.hosts import Hosts
+
+TOLERANCE = 1           # replicas and leaders per active node within +-1 of each other
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str           # "resume" | "abort" | "refill" | "drain" | "balance" | "lead"
+    group: int
+    source: int         # the node whose replica leaves (lead: the leader named now)
+    target: int         # the node that gets it (lead: the leader to name)
+
+    def describe(self, hosts: Hosts) -> str:
+        if self.kind == "lead":
+            return f"Raft group {self.group}: leader node {self.source} -> node {self.target}"
+        if self.kind == "abort":
+            return f"Raft group {self.group}: roll back the move to node {self.target} (it does not answer)"
+        return f"Raft group {self.group}: {self.kind} a replica from node {self.source} to node {self.target}"
+
+
+def next_step(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset(),
+              group_bytes: Mapping[int, int] | None = None, catch_ups_per_host: int = 1,
+              balance: bool = True) -> Step | None:
+    """The one step the loop takes now, or None when placement is as it should be. ``up``: the
+    nodes that answered the last heartbeat; ``dead``: those silent past the dead-host timeout
+    (a subset of the others). ``balance`` False: only steps 1-2 (a loop for dead hosts only)."""
+    for move in hosts.moves:
+        if move.target in up:
+            return Step("resume", move.group, move.source, move.target)
+        if move.target in dead or move.stage == "add":
+            return Step("abort", move.group, move.source, move.target)
+    for node in sorted(dead):
+        plan = [(g, t) for g, t in hosts.drain_plan(node, avoid=frozenset(n for n in _all(hosts) if n not in up))
+                if g != 0]
+        if plan:
+            return Step("refill", plan[0][0], node, plan[0][1])
+    if not balance:
+        return None
+    # below: only with every node that serves a replica answering (a node briefly silent is
+    # not a reason to move anything; a dead one was handled above)
+    if any(n not in up and hosts.hosted_by(n) for n in _all(hosts)):
+        return None
+    for node in hosts.draining:
+        plan = [(g, t) for g, t in hosts.drain_plan(node) if g != 0]
+        if plan:
+            return Step("drain", plan[0][0], node, plan[0][1])
+    return _balance_replicas(hosts, group_bytes or {}, catch_ups_per_host) or _balance_leaders(hosts)
+
+
+def _all(hosts: Hosts) -> range:
+    return range(1, len(hosts.nodes) + 1)
+
+
+def replica_counts(hosts: Hosts) -> dict[int, int]:
+    """Replicas per active node."""
+    return {n: len(hosts.hosted_by(n)) for n in hosts.active()}
+
+
+def leader_counts(hosts: Hosts) -> dict[int, int]:
+    """Groups whose named leader is each active node."""
+    counts = dict.fromkeys(hosts.active(), 0)
+    for group in range(hosts.groups):
+        leader = hosts.preferred_leader(group)
+        if leader in counts:
+            counts[leader] += 1
+    return counts
+
+
+def _balance_replicas(hosts: Hosts, group_bytes: Mapping[int, int], limit: int) -> Step | None:
+    counts = replica_counts(hosts)
+    busy = {m.target for m in hosts.moves if sum(o.target == m.target for o in hosts.moves) >= limit}
+    for source in sorted(counts, key=lambda n: (-counts[n], n)):
+        for target in sorted(counts, key=lambda n: (counts[n], n)):
+            if counts[source] - counts[target] <= TOLERANCE:
+                break
+            if target in busy:
+                continue
+            groups = [g for g in hosts.hosted_by(source)
+                      if g != 0 and target not in hosts.members(g) and hosts.move_of(g) is None]
+            if groups:
+                group = min(groups, key=lambda g: (group_bytes.get(g, 0), g))
+                return Step("balance", group, source, target)
+    return None
+
+
+def _balance_leaders(hosts: Hosts) -> Step | None:
+    counts = leader_counts(hosts)
+    for source in sorted(counts, key=lambda n: (-counts[n], n)):
+        # group 0 last: its leader runs this loop
+        for group in sorted((g for g in range(hosts.groups) if hosts.preferred_leader(g) == source),
+                            key=lambda g: (g == 0, g)):
+            members = [n for n in hosts.placed[group] if n in counts]
+            target = min(members, key=lambda n: (counts[n], n))
+            if counts[source] - counts[target] > TOLERANCE:
+                return Step("lead", group, source, target)
+    return None
+
+
+def remaining(hosts: Hosts, up: frozenset[int], limit: int = 64) -> int:
+    """How many steps the plan still has (the record as each step would leave it): what a
+    rebalance's progress bar counts down. Steps on moves in flight count as one."""
+    count = 0
+    while count < limit:
+        step = next_step(hosts, up)
+        if step is None:
+            return count
+        hosts = apply(hosts, step)
+        count += 1
+    return count
+
+
+def apply(hosts: Hosts, step: Step) -> Hosts:
+    """The record as ``step`` leaves it once done (for ``remaining``)."""
+    if step.kind == "lead":
+        return hosts.change({"action": "set_leader", "move_group": step.group, "target": step.target})
+    if hosts.move_of(step.group) is not None:
+        if step.kind == "abort":
+            return hosts.change({"action": "move_abort", "move_group": step.group})
+        hosts = hosts.change({"action": "move_stage", "move_group": step.group})
+        return hosts.change({"action": "move_done", "move_group": step.group})
+    hosts = hosts.change({"action": "move_start", "move_group": step.group, "source": step.source,
+                          "target": step.target})
+    hosts = hosts.change({"action": "move_stage", "move_group": step.group})
+    return hosts.change({"action": "move_done", "move_group": step.group})

@@ -1,0 +1,88 @@
+"""The placement loop's plan (raftps/store/placement.py), pure: each expected step is worked out
+by hand from the formula's placement (group g on nodes g+1..g+3 mod N)."""
+import pytest
+
+from raftps.errors import InvalidRequest
+from raftps.groups import Layout
+from raftps.store.hosts import Hosts
+from raftps.store.placement import Step, apply, leader_counts, next_step, remaining, replica_counts
+
+NODES = tuple(f"127.0.0.1:{9000 + i}" for i in range(1, 6))
+ALL6 = frozenset(range(1, 7))
+
+
+def six_groups_five_nodes() -> Hosts:
+    """(G = 6, N = 5): g0 1,2,3; g1 2,3,4; g2 3,4,5; g3 1,4,5; g4 1,2,5; g5 1,2,3."""
+    return Hosts.from_layout(Layout(NODES, 6))
+
+
+def test_an_added_host_is_filled_then_leaders_spread():
+    hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
+    assert replica_counts(hosts) == {1: 4, 2: 4, 3: 4, 4: 3, 5: 3, 6: 0}
+    steps = []
+    for _ in range(10):
+        step = next_step(hosts, ALL6)
+        if step is None:
+            break
+        steps.append(step)
+        hosts = apply(hosts, step)
+    # the most loaded node (lowest id on a tie) gives its lowest group that node 6 lacks (not
+    # group 0): 1 gives g3; then 2 (4 replicas) gives g1; then 3 gives g2 (g1 is on 6 already)
+    assert steps[:3] == [Step("balance", 3, 1, 6), Step("balance", 1, 2, 6), Step("balance", 2, 3, 6)]
+    assert replica_counts(hosts) == dict.fromkeys(range(1, 7), 3)
+    # named leaders then (node g+1 mod 6 where it serves g, else the lowest member): g0 1, g1 3,
+    # g2 4, g3 4, g4 5, g5 1 -> node 1 and 4 lead 2, nodes 2 and 6 none: g5 goes 1 -> 2, g2 4 -> 6
+    assert steps[3:] == [Step("lead", 5, 1, 2), Step("lead", 2, 4, 6)]
+    assert leader_counts(hosts) == dict.fromkeys(range(1, 7), 1)
+    assert next_step(hosts, ALL6) is None
+
+
+def test_bytes_choose_the_cheapest_group_to_copy():
+    hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
+    # node 1 serves g3, g4, g5 (and g0): g4 is the smallest
+    assert next_step(hosts, ALL6, group_bytes={3: 900, 4: 100, 5: 500}) == Step("balance", 4, 1, 6)
+
+
+def test_a_move_in_flight_goes_on_or_is_rolled_back():
+    hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
+    hosts = hosts.change({"action": "move_start", "move_group": 3, "source": 1, "target": 6})
+    hosts = hosts.change({"action": "move_stage", "move_group": 3})
+    assert next_step(hosts, ALL6) == Step("resume", 3, 1, 6)
+    # the target is silent: nothing is balanced while it is (it counts as serving g3) ...
+    assert next_step(hosts, ALL6 - {6}) is None
+    # ... and once it is dead the move is rolled back
+    assert next_step(hosts, ALL6 - {6}, dead=frozenset({6})) == Step("abort", 3, 1, 6)
+
+
+def test_a_dead_node_is_refilled_before_anything_is_balanced():
+    hosts = six_groups_five_nodes()
+    up = frozenset({1, 2, 3, 4})
+    # node 5 serves g2, g3, g4: g2 (3,4,5) goes to the least loaded live node outside it: 1, 2
+    # serve 4 replicas each -> node 1 (the lowest id)
+    assert next_step(hosts, up, dead=frozenset({5})) == Step("refill", 2, 5, 1)
+    assert next_step(hosts, up) is None                  # silent but not yet dead: wait
+
+
+def test_a_draining_node_is_emptied_and_drain_refusals():
+    hosts = six_groups_five_nodes().change({"action": "drain_host", "address": NODES[4]})
+    assert hosts.draining == (5,) and hosts.active() == [1, 2, 3, 4]
+    # node 5's groups go to the least loaded active node outside each (1, 2, 3 serve 4, node 4
+    # serves 3): g2 (3,4,5) -> 1; g3 (1,4,5) -> 2 (1 now serves 5); g4 (1,2,5) -> 4
+    up = frozenset(range(1, 6))
+    assert next_step(hosts, up) == Step("drain", 2, 5, 1)
+    for expected in [Step("drain", 2, 5, 1), Step("drain", 3, 5, 2), Step("drain", 4, 5, 4)]:
+        step = next_step(hosts, up)
+        assert step == expected
+        hosts = apply(hosts, step)
+    assert hosts.hosted_by(5) == [] and replica_counts(hosts) == {1: 5, 2: 5, 3: 4, 4: 4}    # within 1
+    # named leaders: g0 1, g1 2, g2 3, g3 4, g4 1 (5 left it), g5 1: node 1 hands g4 to node 2
+    assert next_step(hosts, up) == Step("lead", 4, 1, 2) and remaining(hosts, up) == 1
+    with pytest.raises(InvalidRequest, match="last 3 hosts"):
+        hosts.change({"action": "drain_host", "address": NODES[3]}).change(
+            {"action": "drain_host", "address": NODES[2]})
+    with pytest.raises(InvalidRequest, match="serves Raft group 0"):
+        hosts.change({"action": "drain_host", "address": NODES[0]})
+    with pytest.raises(InvalidRequest, match="is draining"):
+        hosts.change({"action": "move_start", "move_group": 1, "source": 2, "target": 5})
+    assert hosts.change({"action": "drain_host", "address": NODES[4]}) is hosts
+    assert Hosts.from_record(hosts.record()) == hosts
