@@ -29,7 +29,7 @@ Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raw d
 B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
 +201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499; goodput: torchft B+680..B+683, torchrun B+690..B+698,
 lighthouse B+699, raftps clusters B+700+10i (each +1..+3, +101..+103, +201..+203, +301..+303); elastic: a
-6-group cluster at B+32500 (+1..+2306).
+6-group cluster at B+8093 (+1..+2306).
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     part("sparse", lambda: sparse.bench_part(os.path.join(run_dir, "sparse"), B + 250, mode, a.out))
     part("groups", lambda: groups.bench_part(a.out, mode))    # groups.md/.json/.png
     part("goodput", lambda: goodput.bench_part(os.path.join(run_dir, "goodput"), B, mode, a.out))   # goodput*.md/.json/.png
-    part("elastic", lambda: elastic.bench_part(os.path.join(run_dir, "elastic"), B + 32500, mode, a.out))   # elastic.md/.json
+    part("elastic", lambda: elastic.bench_part(os.path.join(run_dir, "elastic"), B + 8093, mode, a.out))    # elastic.md/.json
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,

@@ -113,6 +113,22 @@ def pull_rate(cl: Any, names: list[str], total_bytes: int, tries: int = 2) -> fl
     return total_bytes / 1e6 / best
 
 
+class Timeline:
+    """The hosts record's changes as the polls see them: [seconds since ``start``, what]."""
+
+    def __init__(self, start: float):
+        self.start, self.events, self.last = start, [], None
+
+    def note(self, record: Any) -> None:
+        seen = (record.placed, record.moves, record.leaders)
+        if seen == self.last:
+            return
+        self.last = seen
+        moves = ", ".join(f"group {m.group} {m.source}->{m.target} {m.stage}" for m in record.moves)
+        self.events.append([round(time.monotonic() - self.start, 1), f"epoch {record.epoch}: "
+                            + (f"moving {moves}" if moves else "no move") + f"; placed {[list(m) for m in record.placed]}"])
+
+
 def placement(cl: Any) -> tuple[Any, dict[int, list[dict]]]:
     from raftps.server.elastic import HostsAdmin
     with HostsAdmin(cl.addresses, token=cl.token, tls=False, timeout=30) as admin:
@@ -135,8 +151,9 @@ def wait_for(what: str, check: Any, timeout: float, period: float = 0.5) -> tupl
     raise TimeoutError(f"not within {timeout:.0f} s: {what}")
 
 
-def balanced(cl: Any, nodes: int) -> dict | None:
+def balanced(cl: Any, nodes: int, timeline: Timeline) -> dict | None:
     record, rows = placement(cl)
+    timeline.note(record)
     serving = {n: len(record.hosted_by(n)) for n in range(1, nodes + 1)}
     leading = {n: sum(r["role"] == "leader" for r in rows.get(n, [])) for n in range(1, nodes + 1)}
     if record.moves or set(serving.values()) != {3} or max(leading.values()) - min(leading.values()) > 1:
@@ -144,8 +161,9 @@ def balanced(cl: Any, nodes: int) -> dict | None:
     return {"serving": serving, "leading": leading, "placed": [list(m) for m in record.placed]}
 
 
-def refilled(cl: Any, dead: int) -> list[list[int]] | None:
+def refilled(cl: Any, dead: int, timeline: Timeline) -> list[list[int]] | None:
     record, _ = placement(cl)
+    timeline.note(record)
     placed = [list(m) for m in record.placed]
     return placed if all(len(m) == 3 and dead not in m for m in placed) else None
 
@@ -184,8 +202,9 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
         with HostsAdmin(cl.addresses, token=cl.token, tls=False, timeout=60) as admin:
             admin.add_host(cl.peers[new - 1])
         cl.start_node(new, ("--join",))
-        got, t_done = wait_for("the sixth host's share", lambda: balanced(cl, new), BALANCE_TIMEOUT)
-        out.update(rebalance_s=t_done - t_add, after_add=got,
+        timeline = Timeline(t_add)
+        got, t_done = wait_for("the sixth host's share", lambda: balanced(cl, new, timeline), BALANCE_TIMEOUT)
+        out.update(rebalance_timeline=timeline.events, rebalance_s=t_done - t_add, after_add=got,
                    push_rate_before=rate(load.stamps, t_base, t_add),
                    push_rate_during=rate(load.stamps, t_add, t_done),
                    push_rate_per_s=per_second(load.stamps, t_base, t_done))
@@ -205,9 +224,10 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
         out.update(dead_node=dead, dead_groups=lost, bytes_to_copy=len(lost) * per_tensor)
         t_kill = time.monotonic()
         cl.kill(dead)
-        placed, t_back = wait_for("3 replicas of every group on the survivors", lambda: refilled(cl, dead),
+        timeline = Timeline(t_kill)
+        placed, t_back = wait_for("3 replicas of every group on the survivors", lambda: refilled(cl, dead, timeline),
                                   dead_host_timeout + REFILL_EXTRA_TIMEOUT)
-        out.update(refill_s=t_back - t_kill, after_kill=placed)
+        out.update(refill_timeline=timeline.events, refill_s=t_back - t_kill, after_kill=placed)
         out["data_plane_mb_s"] = max(out["data_plane_mb_s_before"], out["data_plane_mb_s_after"])
         out["refill_target_s"] = refill_target(dead_host_timeout, out["bytes_to_copy"], out["data_plane_mb_s"])
         log(f"elastic: node {dead} SIGKILLed; groups {lost} at 3 replicas after {out['refill_s']:.1f} s")
@@ -261,12 +281,18 @@ def report(r: dict[str, Any]) -> str:
         f"Replicas per node after the add: {r['after_add']['serving']}; leaders: {r['after_add']['leading']}. "
         f"Placement after the refill: {r['after_kill']}.",
         "",
+        "The hosts record as polled every 0.5 s (seconds since the host's add / its SIGKILL):",
+        "",
+        *[f"- add +{t:g} s: {what}" for t, what in r["rebalance_timeline"]],
+        *[f"- kill +{t:g} s: {what}" for t, what in r["refill_timeline"]],
+        "",
     ])
 
 
 def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
     """``python -m bench --parts elastic``: writes elastic.md/.json; no rows for results.md."""
     r = measure(run_dir, base_port, mib=128 if mode == "quick" else 1024)
+    r["command"] = f"python -m bench --{mode} --parts elastic"
     print(write_results(out, "elastic", r, lambda: report(r)))
     return []
 
@@ -278,7 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--baseline", type=float, default=15.0, help="seconds of pushes before the host is added")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="", help="write elastic_TAG.md/.json instead of elastic.md/.json")
-    ap.add_argument("--base-port", type=int, default=42000, help="uses BASE+1 .. BASE+2306")
+    ap.add_argument("--base-port", type=int, default=17593,
+                    help="uses BASE+1..+6 + 400 g + 0, 100, 200, 300 (g < 6): below the ephemeral range, "
+                    "ports ending 94..99 so no test's cluster (bases ending 0) meets them")
     a = ap.parse_args(argv)
     if a.mib < GROUPS:
         ap.error(f"--mib {a.mib}: at least {GROUPS} (one tensor per Raft group)")

@@ -34,7 +34,7 @@ def report_input(ratio_during: float, refill_s: float) -> dict:
             "push_rate_per_s": [100, 90], "pushes_acked": 1000, "pushes_unanswered": 0, "push_errors": [],
             "dead_node": 6, "dead_groups": [1, 2, 3], "bytes_to_copy": 4_000_000, "refill_s": refill_s,
             "refill_target_s": 5.0 + 4.0 / 400.0 + 10.0, "after_add": {"serving": {}, "leading": {}},
-            "after_kill": []}
+            "after_kill": [], "rebalance_timeline": [[0.4, "epoch 1: no move"]], "refill_timeline": []}
 
 
 def test_the_report_says_which_targets_were_met():
