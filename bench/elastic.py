@@ -168,6 +168,19 @@ def refilled(cl: Any, dead: int, timeline: Timeline) -> list[list[int]] | None:
     return placed if all(len(m) == 3 and dead not in m for m in placed) else None
 
 
+def replicas_agree(cl: Any, placed: list[list[int]]) -> bool:
+    """Every group's placed members answer for it, one leads, and their states are the same
+    (version and digest)."""
+    with cl.client(timeout=30) as c:
+        rows = [r for r in c.status(timeout=10.0) if r["role"] != "down"]
+    for group, members in enumerate(placed):
+        mine = [r for r in rows if r.get("group", 0) == group and r["node"] in members]
+        if len(mine) != len(members) or sum(r["role"] == "leader" for r in mine) != 1 \
+                or len({(r["version"], r["digest"]) for r in mine}) != 1:
+            return False
+    return True
+
+
 def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: float = 10.0,
             baseline_s: float = 15.0) -> dict[str, Any]:
     from raftps.tools.localcluster import LocalCluster
@@ -228,6 +241,11 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
         placed, t_back = wait_for("3 replicas of every group on the survivors", lambda: refilled(cl, dead, timeline),
                                   dead_host_timeout + REFILL_EXTRA_TIMEOUT)
         out.update(refill_timeline=timeline.events, refill_s=t_back - t_kill, after_kill=placed)
+        try:
+            _, t_agree = wait_for("each group's 3 replicas agree", lambda: replicas_agree(cl, placed), 60.0)
+            out["replicas_agree_s"] = t_agree - t_kill
+        except TimeoutError as exc:
+            out["replicas_agree_s"], out["replicas_disagree"] = None, str(exc)
         out["data_plane_mb_s"] = max(out["data_plane_mb_s_before"], out["data_plane_mb_s_after"])
         out["refill_target_s"] = refill_target(dead_host_timeout, out["bytes_to_copy"], out["data_plane_mb_s"])
         log(f"elastic: node {dead} SIGKILLed; groups {lost} at 3 replicas after {out['refill_s']:.1f} s")
@@ -279,7 +297,10 @@ def report(r: dict[str, Any]) -> str:
         "The node killed is one that does not serve Raft group 0: the placement loop does not move group 0's "
         "replicas yet (raftps/server/placement_loop.py), so a dead node of group 0 leaves it at 2 replicas.",
         f"Replicas per node after the add: {r['after_add']['serving']}; leaders: {r['after_add']['leading']}. "
-        f"Placement after the refill: {r['after_kill']}.",
+        f"Placement after the refill: {r['after_kill']}"
+        + (f"; each group's 3 replicas answer, one leads, and they hold the same version and digest "
+           f"{r['replicas_agree_s']:.1f} s after the kill." if r.get("replicas_agree_s") is not None
+           else f"; the replicas did NOT agree: {r['replicas_disagree']}." if "replicas_disagree" in r else "."),
         "",
         "The hosts record as polled every 0.5 s (seconds since the host's add / its SIGKILL):",
         "",

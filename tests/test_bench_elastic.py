@@ -52,3 +52,10 @@ def test_bad_arguments_get_one_clear_error(capsys):
             elastic.parse_args(args)
         assert message in capsys.readouterr().err
     assert elastic.parse_args(["--mib", "128"]).mib == 128
+
+
+def test_the_report_says_whether_the_refilled_replicas_agree():
+    assert "hold the same version and digest 21.5 s after" in elastic.report(
+        {**report_input(0.8, 12.0), "replicas_agree_s": 21.5})
+    said = elastic.report({**report_input(0.8, 12.0), "replicas_agree_s": None, "replicas_disagree": "not within 60 s"})
+    assert "did NOT agree: not within 60 s" in said
