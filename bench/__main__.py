@@ -20,13 +20,17 @@ node for (N, G) = (3, 1), (3, 3), (6, 6), (9, 9) Raft groups, nodes in network n
 groups.md/.json/.png; the same caveat), and goodput (bench/goodput.py, only when named: time and tokens
 to a target validation loss under a worker SIGKILL and a store-leader SIGKILL, for DDP, DDP with
 checkpoint-restart, torchft and raftps; writes goodput.md/.json/.png, --quick goodput_quick.*; the
+same caveat), and elastic (bench/elastic.py, only when named: a (G = 6, N = 5) cluster holding 128 MiB
+(--full: 1 GiB) of tensors: time to rebalance onto an added host, the push rate during it against
+before, and time from a host's SIGKILL to 3 replicas of every group; writes elastic.md/.json; the
 same caveat). Each is bounded in count and time; a part that fails is reported as failed and the
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raw data plane B-40..B-18, raftps clusters at
 B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), B+1040 (elastic: +1..+6 in steps of 400 up to +2000), each using +1..+3, +101..+103,
 +201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499; goodput: torchft B+680..B+683, torchrun B+690..B+698,
-lighthouse B+699, raftps clusters B+700+10i (each +1..+3, +101..+103, +201..+203, +301..+303).
+lighthouse B+699, raftps clusters B+700+10i (each +1..+3, +101..+103, +201..+203, +301..+303); elastic: a
+6-group cluster at B+8093 (+1..+2306).
 """
 from __future__ import annotations
 
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     part("elastic", lambda: elastic.bench_part(os.path.join(run_dir, "elastic"), B + 1040, mode, a.out))   # elastic.md/.json
     part("groups", lambda: groups.bench_part(a.out, mode))    # groups.md/.json/.png
     part("goodput", lambda: goodput.bench_part(os.path.join(run_dir, "goodput"), B, mode, a.out))   # goodput*.md/.json/.png
+    part("elastic", lambda: elastic.bench_part(os.path.join(run_dir, "elastic"), B + 8093, mode, a.out))    # elastic.md/.json
     meta = {"mode": mode, "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "seconds": round(time.monotonic() - t0, 1), "parts": parts,
