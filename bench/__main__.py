@@ -11,8 +11,7 @@ optimizers, SSP, EASGD and top-k; writes its own async_algos.md/.json/.png; ``--
 alone still rewrites results.md in --out, without tables: give it another --out, or run
 ``python -m bench.async_algos``), sparse (bench/sparse.py, only when named: row-sparse pushes
 touching 1% of a 1M x 64 embedding against dense pushes of it; writes sparse.md/.json; the same
-caveat), elastic (bench/elastic.py, only when named: rebalancing onto a host added to a (G = 6,
-N = 5) cluster and refilling a dead one; writes elastic.md/.json; the same caveat), and torch (bench/torch_train.py, only when named: examples/
+caveat), and torch (bench/torch_train.py, only when named: examples/
 cnn_digits.py and examples/char_gpt.py through raftps.torch in sync, async and Downpour mode
 against one process and DDP x4; writes torch_train.md/.json and torch_<example>.png), and groups
 (bench/groups.py, only when named, needs root: CPU-seconds and bytes per 4 MiB push of the busiest
@@ -27,7 +26,7 @@ same caveat). Each is bounded in count and time; a part that fails is reported a
 others still run. etcd and torch come from bench/setup.sh, run once when a part needs them.
 
 Ports, from --base-port B (default 9500): naive B-99..B-87, loopback B-50, raw data plane B-40..B-18, raftps clusters at
-B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), B+1040 (elastic: +1..+6 in steps of 400 up to +2000), each using +1..+3, +101..+103,
+B, B+30, B+60, B+90 (failover), B+120 (catch-up), B+150 (training), B+180 (async_algos), B+250 (sparse), B+460 (torch), each using +1..+3, +101..+103,
 +201..+203 (groups: base port 31000, inside its own namespaces only); etcd B+401..B+413 and B+421..B+433 (failover); torch rendezvous B+440; torchrun rendezvous of the torch part B+470..B+499; goodput: torchft B+680..B+683, torchrun B+690..B+698,
 lighthouse B+699, raftps clusters B+700+10i (each +1..+3, +101..+103, +201..+203, +301..+303); elastic: a
 6-group cluster at B+8093 (+1..+2306).
@@ -137,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     # Their own report files too (torch_train.md/.json, torch_<example>.png; sparse.md/.json).
     part("torch", lambda: torch_train.bench_part(os.path.join(run_dir, "torch"), B, mode, a.out))
     part("sparse", lambda: sparse.bench_part(os.path.join(run_dir, "sparse"), B + 250, mode, a.out))
-    part("elastic", lambda: elastic.bench_part(os.path.join(run_dir, "elastic"), B + 1040, mode, a.out))   # elastic.md/.json
     part("groups", lambda: groups.bench_part(a.out, mode))    # groups.md/.json/.png
     part("goodput", lambda: goodput.bench_part(os.path.join(run_dir, "goodput"), B, mode, a.out))   # goodput*.md/.json/.png
     part("elastic", lambda: elastic.bench_part(os.path.join(run_dir, "elastic"), B + 8093, mode, a.out))    # elastic.md/.json
