@@ -185,11 +185,14 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         epoch = int(out.split("hosts epoch ")[1].split(":")[0])
         acked, unknown = load.finish()
 
-        # every node holds the newest record (the drained one too: it left by following it)
+        # every node still serving holds the newest record; the drained one left by following a
+        # record that places it in no group (that record, or a later one it saw before it exited)
         def records():
-            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7)]
+            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7) if n != new]
             return got if all(r == got[0] and r["epoch"] == epoch for r in got) else None
         placed = until("every node follows the newest record", records)[0]["placed"]
+        left_by = json.load(open(os.path.join(cl.data_dir(new), "hosts.json")))
+        assert left_by["epoch"] <= epoch and all(new not in m for m in left_by["placed"]), left_by
         assert all(len(m) == 3 and new not in m for m in placed) and placed[2] == [3, 4, late], placed
         for group, members in enumerate(placed):          # each group's replicas agree, one leads
             def agreeing():
