@@ -19,7 +19,7 @@ from raftps.server.node import NodeConfig, RaftNode
 from raftps.server.server import ClientServer
 from tests.conftest import start_cluster
 
-BASE = 25200
+BASE = 14000
 SGD = {"name": "sgd", "lr": 1.0}
 SIZES = {"a": 70_000, "b": 30_000, "c": 50_000, "d": 90_000, "e": 10_000}   # float32 elements
 CHUNK = 420_000                     # bytes: whole tensors, up to three chunks per part

@@ -17,7 +17,7 @@ from raftps.client.transport import TcpTransport
 from raftps.errors import InvalidRequest, PermissionDenied
 from tests.conftest import start_cluster, wait_converged
 
-BASE = 25600
+BASE = 14700
 N = 600_000                         # float32: 2.4 MB, over the 1 MiB above which a probe goes first
 SGD = {"name": "sgd", "lr": 1.0}
 
