@@ -1,5 +1,5 @@
 """Goodput under faults: ``python -m bench --parts goodput`` (or ``python -m bench.goodput
-[--quick|--full]``): time and tokens to a target validation loss when workers and the store's
+[--quick|--full]``; ``--fleet``: on shaped network namespaces, bench/goodput_fleet.py): time and tokens to a target validation loss when workers and the store's
 leader are SIGKILLed, for DDP, DDP with checkpoint-restart, torchft and raftps.
 
 Every configuration trains examples/char_gpt.py's GPT on its data with its seed, global batch
@@ -15,7 +15,7 @@ its launcher starts it again; at 60% the store's leader is SIGKILLed (raftps run
   (c) torchft-ddp / torchft-diloco   torchft 0.2.0 (gloo): each replica group under its own
                     torchrun (``--max-restarts``), a ``torchft_lighthouse --min_replicas 1``;
   (d) raftps-sync   raftps.torch sync (store-side Adam) on a fresh 3-node LocalCluster;
-  (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping AdamW, the outer step in
+  (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping Adam (DDP's), the outer step in
                     the store: ``--outer`` (plain averaging by default, or the paper's Nesterov
                     momentum; torchft's DiLoCo runs the same one), asynchronous: averaging.
 raftps workers run one supervised process each (the supervisor restarts a dead one alone).
@@ -459,6 +459,10 @@ def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--fleet" in argv:            # on shaped network namespaces: bench/goodput_fleet.py
+        from .goodput_fleet_report import main as fleet_main
+        return fleet_main(argv)
     ap = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help=f"{MODES['quick']['budget']} global batches (default)")
