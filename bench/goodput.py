@@ -1,6 +1,7 @@
 """Goodput under faults: ``python -m bench --parts goodput`` (or ``python -m bench.goodput
-[--quick|--full]``; ``--fleet``: on shaped network namespaces, bench/goodput_fleet.py): time and tokens to a target validation loss when workers and the store's
-leader are SIGKILLed, for DDP, DDP with checkpoint-restart, torchft and raftps.
+[--quick|--full]``): time and tokens to a target validation loss when workers and the store's
+leader are SIGKILLed, for DDP, DDP with checkpoint-restart, torchft and raftps, all on one
+loopback. ``--fleet``: on hosts with shaped links instead (bench/goodput_fleet.py).
 
 Every configuration trains examples/char_gpt.py's GPT on its data with its seed, global batch
 (32 windows of 64 tokens) and token budget (``budget`` global batches), 4 workers, one after
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .common import log
-from .goodput_launch import Supervised, Torchrun
+from .goodput_launch import Supervised, Torchrun, char_gpt_lr, char_gpt_module, torchft_available
 from .goodput_report import (ACKED_ROUNDS, BATCH, CHECKPOINT_COST, LABELS, LEADER_KILL_AT, TOKENS_PER_BATCH,
                              WORKER_KILL_AT, WORKERS, batch_rows, read_rows, reached, short_steps, store_check, summarize,
                              target_from, write_report)
@@ -130,30 +131,16 @@ def client_bytes_in(cluster: Any) -> dict[str, float]:
     return out
 
 
-def _char_gpt() -> Any:
-    """examples/char_gpt.py as a module (it imports torch)."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        import char_gpt
-    finally:
-        sys.path.pop(0)
-    return char_gpt
-
-
 def param_bytes() -> int:
-    model = _char_gpt().build(0, BATCH)[0]
+    model = char_gpt_module().build(0, BATCH)[0]
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def char_gpt_lr() -> float:
-    return _char_gpt().DEFAULTS["lr"]
 
 
 def checkpoint_seconds(repeat: int = 5) -> float:
     """Median seconds of one torch.save of the char GPT's model and Adam state (what (b) writes)."""
     import statistics
     import torch
-    model, batch_indices, loss_on, _ = _char_gpt().build(0, BATCH)
+    model, batch_indices, loss_on, _ = char_gpt_module().build(0, BATCH)
     opt = torch.optim.Adam(model.parameters())
     loss_on(model, batch_indices(0)[:2]).backward()
     opt.step()                                          # Adam's state exists
@@ -182,15 +169,6 @@ def raftps_diloco_available() -> str | None:
     if "model" not in params or "diloco" not in modes or "diloco-async" not in modes:
         return (f"raftps.torch.DistributedOptimizer does not take the wrapped form yet (modes {tuple(modes)}, "
                 f"no model= argument): issue 30's mode='diloco'/'diloco-async' is not on this branch")
-    return None
-
-
-def torchft_available() -> str | None:
-    import importlib.util
-    if importlib.util.find_spec("torchft") is None:
-        return "torchft is not installed: bash bench/setup.sh installs it"
-    if shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) is None:
-        return "torchft_lighthouse is not next to this Python"
     return None
 
 

@@ -55,6 +55,7 @@ class Plan:
     run_dir: str
     base_port: int
     schedules: tuple[bool, ...] = (False, True)          # run without the schedule, with it
+    net: tuple[str, str] = ("rpsgp", "10.79.21")           # the fleet's namespace prefix and subnet
     target: float | None = None
     runs: int = 0
 
@@ -413,7 +414,7 @@ def run_link(plan: Plan, link: str, configs: list[str], faults: list[Fault], res
     """One fleet at ``link``: (a) first (the target, from the first link rate, and its step rate),
     the checkpoint's cost, then every configuration without and with the schedule."""
     from raftps.chaos.fleet import Fleet
-    with Fleet(STORE_HOSTS, WORKERS, link=link, prefix="rpsgp", subnet="10.79.21") as fleet:
+    with Fleet(STORE_HOSTS, WORKERS, link=link, prefix=plan.net[0], subnet=plan.net[1]) as fleet:
         server = fleet.net.command_prefix(2) + [sys.executable, "-m", "bench.checkpoint_server",
                                                  os.path.join(plan.run_dir, f"checkpoints-{link}"), fleet.ip(2),
                                                  str(plan.base_port + 498)]

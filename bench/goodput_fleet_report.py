@@ -167,6 +167,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may run")
     ap.add_argument("--schedule", choices=("both", "off", "on"), default="both",
                     help="run every configuration without the failure schedule, with it, or both")
+    ap.add_argument("--net", default="rpsgp,10.79.21", help="the fleet's namespace prefix and /24 subnet (two "
+                    "runs at once need two)")
     ap.add_argument("--base-port", type=int, default=24000)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="goodput_fleet")
@@ -187,7 +189,7 @@ def main(argv: list[str]) -> int:
     unknown = set(configs) - set(CONFIGS)
     if unknown or a.budget < 4 or a.eval_every < 1 or a.sync_every < 1:
         ap.error(f"unknown configurations {sorted(unknown)}" if unknown else "--budget >= 4, --eval-every and --sync-every >= 1")
-    from .goodput import char_gpt_lr, torchft_available
+    from .goodput_launch import char_gpt_lr, torchft_available
     skip = torchft_available()
     faults = schedule(a.seed, a.timeout, a.mean_interval, a.return_delay, WORKERS)
     load0, t0 = os.getloadavg()[0], time.monotonic()
@@ -197,7 +199,7 @@ def main(argv: list[str]) -> int:
         os.makedirs(run_dir, exist_ok=True)
         plan = gf.Plan(links, a.budget, a.eval_every, a.sync_every, a.outer, a.timeout, a.seed, a.mean_interval,
                        a.return_delay, run_dir, a.base_port,
-                       {"both": (False, True), "off": (False,), "on": (True,)}[a.schedule])
+                       {"both": (False, True), "off": (False,), "on": (True,)}[a.schedule], tuple(a.net.split(",")))
         chosen = ["ddp"] + [c for c in configs if c != "ddp" and not (skip and c.startswith("torchft"))]
         for link in links:
             results += [{"config": c, "link": link, "faults": f, "skipped": skip} for c in configs

@@ -1,13 +1,16 @@
 """bench/goodput.py's launchers: torchrun in a session of its own, and one supervised process
-per raftps worker (a dead one restarts alone). Every process started here is stopped by PID."""
+per raftps worker (a dead one restarts alone), and what they load (the char GPT example, torchft).
+Every process started here is stopped by PID."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from raftps.chaos.reap import children, kill_tree
 
@@ -107,4 +110,27 @@ def _resume_step(path: str, rank: int) -> int | None:
                     return int(m.group(1))
     except OSError:
         pass
+    return None
+
+
+def char_gpt_module() -> Any:
+    """examples/char_gpt.py as a module (it imports torch)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    try:
+        import char_gpt
+    finally:
+        sys.path.pop(0)
+    return char_gpt
+
+
+def char_gpt_lr() -> float:
+    return char_gpt_module().DEFAULTS["lr"]
+
+
+def torchft_available() -> str | None:
+    import importlib.util
+    if importlib.util.find_spec("torchft") is None:
+        return "torchft is not installed: bash bench/setup.sh installs it"
+    if shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) is None:
+        return "torchft_lighthouse is not next to this Python"
     return None
