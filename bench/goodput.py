@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .common import log
-from .goodput_launch import Supervised, Torchrun, char_gpt_lr, char_gpt_module, torchft_available
+from .goodput_launch import Supervised, Torchrun, char_gpt_lr, char_gpt_module, raftps_argv, torchft_available
 from .goodput_report import (ACKED_ROUNDS, BATCH, CHECKPOINT_COST, LABELS, LEADER_KILL_AT, TOKENS_PER_BATCH,
                              WORKER_KILL_AT, WORKERS, batch_rows, read_rows, reached, short_steps, store_check, summarize,
                              target_from, write_report)
@@ -288,13 +288,7 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
     os.makedirs(out)
     cluster = LocalCluster(os.path.join(s.run_dir, name + "-cluster"), nodes=3, base_port=s.base_port + 700 + 10 * s.runs)
     prefix = f"goodput-{name}"
-    if name == "raftps-sync":
-        argv = [sys.executable, CHAR_GPT, "--backend", "raftps", "--mode", "sync", "--prefix", prefix,
-                *_char_gpt_args(s, 2 * s.budget, out)]
-    else:
-        argv = [sys.executable, WORKER, "--kind", name, "--steps", str(2 * s.budget), "--eval-every",
-                str(s.eval_every), "--sync-every", str(s.sync_every), "--outer", s.outer, "--prefix", prefix,
-                "--out", out]
+    argv = raftps_argv(name, prefix, 2 * s.budget, s.eval_every, s.sync_every, s.outer, out)
     run = Run(name, out)
     bytes_seen: dict[str, float] = {}
     job = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .common import log
+from .goodput_launch import raftps_argv
 from .goodput_report import ACKED_ROUNDS, WORKERS, batch_rows, read_rows, reached, summarize
 from .goodput_schedule import COORDINATOR, Fault, checkpoint_every, schedule, young_daly_s
 
@@ -311,13 +312,7 @@ def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt
     cluster = fleet.cluster(os.path.join(plan.run_dir, f"{name}-{plan.runs}-cluster"), base_port=plan.base_port + 20 * plan.runs)
     cluster.start(timeout=120)
     prefix = f"goodput-{name}-{plan.runs}"
-    if name == "raftps-sync":
-        argv = [sys.executable, CHAR_GPT, "--backend", "raftps", "--mode", "sync", "--prefix", prefix,
-                *_train_args(plan, 2 * plan.budget, out)]
-    else:
-        argv = [sys.executable, WORKER, "--kind", name, "--steps", str(2 * plan.budget), "--eval-every",
-                str(plan.eval_every), "--sync-every", str(plan.sync_every), "--outer", plan.outer, "--prefix", prefix,
-                "--out", out]
+    argv = raftps_argv(name, prefix, 2 * plan.budget, plan.eval_every, plan.sync_every, plan.outer, out)
     ranks = Ranks(fleet, lambda r, g: argv, lambda r, g: _env({**cluster.client_env, "RANK": str(r),
                                                                 "WORLD_SIZE": str(WORKERS)}), out, clock, whole_group=False)
     ranks.start_all()

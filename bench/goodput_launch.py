@@ -134,3 +134,14 @@ def torchft_available() -> str | None:
     if shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) is None:
         return "torchft_lighthouse is not next to this Python"
     return None
+
+
+def raftps_argv(name: str, prefix: str, steps: int, eval_every: int, sync_every: int, outer: str, out: str) -> list[str]:
+    """A raftps worker's command line: examples/char_gpt.py's sync mode, or bench/goodput_worker.py's DiLoCo."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if name == "raftps-sync":
+        return [sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--backend", "raftps", "--mode", "sync",
+                "--prefix", prefix, "--steps", str(steps), "--eval-every", str(eval_every), "--out", out]
+    return [sys.executable, os.path.join(root, "bench", "goodput_worker.py"), "--kind", name, "--steps", str(steps),
+            "--eval-every", str(eval_every), "--sync-every", str(sync_every), "--outer", outer, "--prefix", prefix,
+            "--out", out]
