@@ -106,8 +106,11 @@ class Ranks:
 
     def preempt(self, r: int) -> None:
         self.down.add(r)
-        for other in (range(WORKERS) if self.whole_group else [r]):
+        killed = list(range(WORKERS)) if self.whole_group else [r]
+        for other in killed:
             self.kill(other)
+        # a returned rank killed before it contributed has no time to contribute: its host's next return does
+        self.waiting = [w for w in self.waiting if w["rank"] not in killed]
 
     def back(self, r: int) -> None:
         self.down.discard(r)
