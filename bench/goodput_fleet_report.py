@@ -1,5 +1,6 @@
-"""``python -m bench.goodput --fleet``: its flags, its run, and its report (goodput_fleet{NAME}.md,
-.json, .png in --out): time to target, useful steps/s, the step rate before any fault, bytes on
+"""``python -m bench.goodput --fleet``: its flags, its run, and its report (NAME.md, .json, .png
+in --out; ``python -m bench.goodput_fleet_report --merge OUT NAME A.json B.json`` puts several
+runs' reports into one): time to target, useful steps/s, the step rate before any fault, bytes on
 the links, how long a returning worker took to contribute, the store check after each raftps
 run, issue 35's targets against what was measured, and time to target against link rate."""
 from __future__ import annotations
@@ -99,6 +100,10 @@ def report(record: dict[str, Any], png: str) -> str:
              "which holds its rendezvous store). Faults (s since the launch): "
              + "; ".join(f"{f['at_s']:.1f} {'worker host ' + str(f['worker'] + 1) if f['worker'] >= 0 else f['what']} "
                          f"(back {f['back_s']:.1f})" for f in m["faults"]) + ".", ""]
+    if m.get("merged_from"):
+        lines += [f"Merged from {', '.join(m['merged_from'])}: each measured in a run of its own (its target "
+                  f"{', '.join(_f(t, '.4f') for t in m['targets_by_run'])}); a ratio below compares configurations "
+                  "of one run, never across runs. The load figures: the lowest start and the highest end.", ""]
     lines += table(results, m["links"])
     lines += ["", "Issue 35's targets against this run:", "", "| target | measured | limit | |", "|---|---|---|---|"]
     for t in record["targets"]:
@@ -150,7 +155,27 @@ def write(record: dict[str, Any], out: str, name: str) -> str:
     return write_results(out, name, record, lambda: report(record, png))
 
 
+def merge(paths: list[str], out: str, name: str) -> str:
+    """One report of several runs' records (each a link rate or more, measured in one run each):
+    their tables side by side and time to target against every link rate in one plot. A ratio
+    compares configurations of one run only (one link rate)."""
+    import json
+    records = [json.load(open(p)) for p in paths]
+    meta = {**records[0]["meta"], "links": [link for r in records for link in r["meta"]["links"]],
+            "command": "; ".join(r["meta"]["command"] for r in records),
+            "date": ", ".join(r["meta"]["date"] for r in records),
+            "commit": ", ".join(r["meta"]["commit"] for r in records),
+            "load": (min(r["meta"]["load"][0] for r in records), max(r["meta"]["load"][1] for r in records)),
+            "merged_from": [os.path.basename(p) for p in paths],
+            "targets_by_run": [r["meta"]["target"] for r in records]}
+    results = [x for r in records for x in r["results"]]
+    return write({"meta": meta, "results": results, "targets": targets(results)}, out, name)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--merge"]:           # python -m bench.goodput_fleet_report --merge OUT NAME A.json B.json ...
+        print(merge(argv[3:], argv[1], argv[2]))
+        return 0
     from . import goodput_fleet as gf
     from .goodput_schedule import schedule
     ap = argparse.ArgumentParser(prog="python -m bench.goodput --fleet", description=gf.__doc__.splitlines()[0])

@@ -1,5 +1,7 @@
 """bench/goodput_report.py's target, recompute, short-step and report logic, and the resume line
-bench/goodput_launch.py reads, on made-up curves (no torch processes, no cluster, no timing)."""
+bench/goodput_launch.py reads, on made-up curves (no torch processes, no cluster, no timing); the
+fleet bench's schedule, checkpoint interval and report the same way; and one tiny run of
+``python -m bench.goodput --fleet`` on network namespaces (skipped without root and tc)."""
 from __future__ import annotations
 
 import json
