@@ -249,3 +249,47 @@ def test_fleet_goodput_runs_on_network_namespaces(tmp_path):
     assert diloco["store_check"]["ok"], diloco["store_check"]["verdict"]
     assert any("SIGKILL" in text or "preempt" in text for _, text in diloco["events"])
     assert diloco["bytes_sent_total"] > 0 and sum(diloco["bytes_sent_by_host"].values()) == diloco["bytes_sent_total"]
+
+
+def test_a_checkpoint_saved_to_the_checkpoint_server_loads_back_the_same(tmp_path):
+    """examples/common.py's save_checkpoint/load_checkpoint over HTTP against bench.checkpoint_server
+    (what DDP + checkpoint-restart uses on the fleet): the same tensors back, None before the first
+    save, a refused name changes nothing."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+    torch = pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    try:
+        from common import load_checkpoint, save_checkpoint
+    finally:
+        sys.path.pop(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "bench.checkpoint_server", str(tmp_path / "ckpt"), "127.0.0.1",
+                               str(port)], cwd=root)
+    try:
+        url = f"http://127.0.0.1:{port}/job.pt"
+        deadline = time.monotonic() + 20
+        while True:                                  # bounded: the server answers within seconds
+            try:
+                assert load_checkpoint(url) is None
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, "the checkpoint server did not answer in 20 s"
+                time.sleep(0.1)
+        state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 7}
+        save_checkpoint(url, state)
+        back = load_checkpoint(url)
+        assert back["step"] == 7 and torch.equal(back["model"]["w"], state["model"]["w"])
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            save_checkpoint(f"http://127.0.0.1:{port}/.hidden", state)
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["job.pt"]
+    finally:
+        server.kill()
+        server.wait(10)
