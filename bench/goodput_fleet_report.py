@@ -189,7 +189,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=35)
     ap.add_argument("--mean-interval", type=float, default=60.0, help="seconds between preemptions (Poisson mean)")
     ap.add_argument("--return-delay", type=float, default=10.0, help="seconds a preempted host stays away")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may run")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may run; also the schedule's horizon (the coordinator is lost "
+                    "between 15%% and 50%% of it)")
     ap.add_argument("--schedule", choices=("both", "off", "on"), default="both",
                     help="run every configuration without the failure schedule, with it, or both")
     ap.add_argument("--net", default="rpsgp,10.79.21", help="the fleet's namespace prefix and /24 subnet (two "

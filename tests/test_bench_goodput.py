@@ -221,6 +221,16 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     assert "skipped: not installed" in md and "| NOT met |" in md and "12.0 worker host 2 (back 22.0)" in md
     for name in ("gf.md", "gf.json", "gf.png"):
         assert os.path.getsize(tmp_path / name) > 0
+    # a second run at another link rate, merged: both runs' rows, each link's ratios from its own run
+    other = [{**r, "link": "unshaped"} for r in results if "skipped" not in r]
+    rep.write({"meta": {**meta, "links": ["unshaped"], "target": 2.61}, "results": other,
+               "targets": rep.targets(other)}, str(tmp_path), "gf2")
+    md = rep.merge([str(tmp_path / "gf.json"), str(tmp_path / "gf2.json")], str(tmp_path), "both")
+    merged = json.loads((tmp_path / "both.json").read_text())
+    assert merged["meta"]["links"] == ["100mbit", "unshaped"] and len(merged["results"]) == len(results) + len(other)
+    assert merged["meta"]["targets_by_run"] == [2.6, 2.61] and "never across runs" in md
+    got = {t["what"]: t["value"] for t in merged["targets"]}
+    assert got["unshaped, raftps DiLoCo under the schedule / DDP without faults, time to target"] == pytest.approx(45 / 30)
 
 
 def test_fleet_goodput_runs_on_network_namespaces(tmp_path):
