@@ -1,6 +1,7 @@
 """Goodput under faults: ``python -m bench --parts goodput`` (or ``python -m bench.goodput
 [--quick|--full]``): time and tokens to a target validation loss when workers and the store's
-leader are SIGKILLed, for DDP, DDP with checkpoint-restart, torchft and raftps.
+leader are SIGKILLed, for DDP, DDP with checkpoint-restart, torchft and raftps, all on one
+loopback. ``--fleet``: on hosts with shaped links instead (bench/goodput_fleet.py).
 
 Every configuration trains examples/char_gpt.py's GPT on its data with its seed, global batch
 (32 windows of 64 tokens) and token budget (``budget`` global batches), 4 workers, one after
@@ -15,7 +16,7 @@ its launcher starts it again; at 60% the store's leader is SIGKILLed (raftps run
   (c) torchft-ddp / torchft-diloco   torchft 0.2.0 (gloo): each replica group under its own
                     torchrun (``--max-restarts``), a ``torchft_lighthouse --min_replicas 1``;
   (d) raftps-sync   raftps.torch sync (store-side Adam) on a fresh 3-node LocalCluster;
-  (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping AdamW, the outer step in
+  (e) raftps-diloco, (f) raftps-diloco-async   raftps.torch wrapping Adam (DDP's), the outer step in
                     the store: ``--outer`` (plain averaging by default, or the paper's Nesterov
                     momentum; torchft's DiLoCo runs the same one), asynchronous: averaging.
 raftps workers run one supervised process each (the supervisor restarts a dead one alone).
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .common import log
-from .goodput_launch import Supervised, Torchrun
+from .goodput_launch import Supervised, Torchrun, char_gpt_lr, char_gpt_module, raftps_argv, torchft_available
 from .goodput_report import (ACKED_ROUNDS, BATCH, CHECKPOINT_COST, LABELS, LEADER_KILL_AT, TOKENS_PER_BATCH,
                              WORKER_KILL_AT, WORKERS, batch_rows, read_rows, reached, short_steps, store_check, summarize,
                              target_from, write_report)
@@ -130,30 +131,16 @@ def client_bytes_in(cluster: Any) -> dict[str, float]:
     return out
 
 
-def _char_gpt() -> Any:
-    """examples/char_gpt.py as a module (it imports torch)."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        import char_gpt
-    finally:
-        sys.path.pop(0)
-    return char_gpt
-
-
 def param_bytes() -> int:
-    model = _char_gpt().build(0, BATCH)[0]
+    model = char_gpt_module().build(0, BATCH)[0]
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def char_gpt_lr() -> float:
-    return _char_gpt().DEFAULTS["lr"]
 
 
 def checkpoint_seconds(repeat: int = 5) -> float:
     """Median seconds of one torch.save of the char GPT's model and Adam state (what (b) writes)."""
     import statistics
     import torch
-    model, batch_indices, loss_on, _ = _char_gpt().build(0, BATCH)
+    model, batch_indices, loss_on, _ = char_gpt_module().build(0, BATCH)
     opt = torch.optim.Adam(model.parameters())
     loss_on(model, batch_indices(0)[:2]).backward()
     opt.step()                                          # Adam's state exists
@@ -182,15 +169,6 @@ def raftps_diloco_available() -> str | None:
     if "model" not in params or "diloco" not in modes or "diloco-async" not in modes:
         return (f"raftps.torch.DistributedOptimizer does not take the wrapped form yet (modes {tuple(modes)}, "
                 f"no model= argument): issue 30's mode='diloco'/'diloco-async' is not on this branch")
-    return None
-
-
-def torchft_available() -> str | None:
-    import importlib.util
-    if importlib.util.find_spec("torchft") is None:
-        return "torchft is not installed: bash bench/setup.sh installs it"
-    if shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) is None:
-        return "torchft_lighthouse is not next to this Python"
     return None
 
 
@@ -310,13 +288,7 @@ def run_raftps(s: Setup, name: str) -> dict[str, Any]:
     os.makedirs(out)
     cluster = LocalCluster(os.path.join(s.run_dir, name + "-cluster"), nodes=3, base_port=s.base_port + 700 + 10 * s.runs)
     prefix = f"goodput-{name}"
-    if name == "raftps-sync":
-        argv = [sys.executable, CHAR_GPT, "--backend", "raftps", "--mode", "sync", "--prefix", prefix,
-                *_char_gpt_args(s, 2 * s.budget, out)]
-    else:
-        argv = [sys.executable, WORKER, "--kind", name, "--steps", str(2 * s.budget), "--eval-every",
-                str(s.eval_every), "--sync-every", str(s.sync_every), "--outer", s.outer, "--prefix", prefix,
-                "--out", out]
+    argv = raftps_argv(name, prefix, 2 * s.budget, s.eval_every, s.sync_every, s.outer, out)
     run = Run(name, out)
     bytes_seen: dict[str, float] = {}
     job = None
@@ -459,6 +431,10 @@ def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--fleet" in argv:            # on shaped network namespaces: bench/goodput_fleet.py
+        from .goodput_fleet_report import main as fleet_main
+        return fleet_main(argv)
     ap = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help=f"{MODES['quick']['budget']} global batches (default)")

@@ -1,13 +1,16 @@
 """bench/goodput.py's launchers: torchrun in a session of its own, and one supervised process
-per raftps worker (a dead one restarts alone). Every process started here is stopped by PID."""
+per raftps worker (a dead one restarts alone), and what they load (the char GPT example, torchft).
+Every process started here is stopped by PID."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from raftps.chaos.reap import children, kill_tree
 
@@ -108,3 +111,37 @@ def _resume_step(path: str, rank: int) -> int | None:
     except OSError:
         pass
     return None
+
+
+def char_gpt_module() -> Any:
+    """examples/char_gpt.py as a module (it imports torch)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    try:
+        import char_gpt
+    finally:
+        sys.path.pop(0)
+    return char_gpt
+
+
+def char_gpt_lr() -> float:
+    return char_gpt_module().DEFAULTS["lr"]
+
+
+def torchft_available() -> str | None:
+    import importlib.util
+    if importlib.util.find_spec("torchft") is None:
+        return "torchft is not installed: bash bench/setup.sh installs it"
+    if shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) is None:
+        return "torchft_lighthouse is not next to this Python"
+    return None
+
+
+def raftps_argv(name: str, prefix: str, steps: int, eval_every: int, sync_every: int, outer: str, out: str) -> list[str]:
+    """A raftps worker's command line: examples/char_gpt.py's sync mode, or bench/goodput_worker.py's DiLoCo."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if name == "raftps-sync":
+        return [sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--backend", "raftps", "--mode", "sync",
+                "--prefix", prefix, "--steps", str(steps), "--eval-every", str(eval_every), "--out", out]
+    return [sys.executable, os.path.join(root, "bench", "goodput_worker.py"), "--kind", name, "--steps", str(steps),
+            "--eval-every", str(eval_every), "--sync-every", str(sync_every), "--outer", outer, "--prefix", prefix,
+            "--out", out]

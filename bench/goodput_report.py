@@ -204,7 +204,7 @@ def write_report(results: list[dict[str, Any]], meta: dict[str, Any], out: str) 
 
 def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
     """What a configuration's figures mean, in one line."""
-    diloco = (f"H = {r.get('sync_every')}, inner AdamW (lr {meta.get('lr')}, weight decay 0.1, betas 0.9/0.95), "
+    diloco = (f"H = {r.get('sync_every')}, inner Adam (lr {meta.get('lr')}, as DDP's), "
               + ("outer Nesterov momentum SGD (lr 0.7, momentum 0.9)" if r.get("outer") == "nesterov" else
                  "outer plain averaging (SGD lr 1.0)"))
     return {
@@ -216,8 +216,8 @@ def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
                     "all 4 ranks, which load the checkpoint; the process group is built on a store prefix per "
                     "restart (examples/common.py, init_gloo), without which the restarted group fails in "
                     "init_process_group (Gloo connectFullMesh failed ... Connection refused).",
-        "torchft-ddp": "torchft.Optimizer over Adam; one manager.allreduce per gradient started as backward "
-                       "produces it and every one waited before the step (bench/goodput_worker.py, WaitedAllreduce): "
+        "torchft-ddp": "torchft.Optimizer over Adam; one manager.allreduce of the flattened gradients per step, "
+                       "waited before the step (bench/goodput_worker.py, flat_allreduce): "
                        "torchft's PureDistributedDataParallel never waits on CPU, so its averaging never ran, and its "
                        "DistributedDataParallel raised AssertionError at ddp.py:76 in the surviving replica groups "
                        "once a peer was SIGKILLed; short steps: steps committed with fewer than 4 participants "
@@ -228,8 +228,8 @@ def note(r: dict[str, Any], meta: dict[str, Any]) -> str:
                        "long for a dead rank; short steps: an upper bound by one (from rank 0's step at the kill "
                        "to the restarted rank's first batch).",
         "raftps-diloco": f"raftps.torch mode='diloco', {diloco} in the store.",
-        "raftps-diloco-async": f"raftps.torch mode='diloco-async', H = {r.get('sync_every')}, inner AdamW (lr "
-                               f"{meta.get('lr')}, weight decay 0.1, betas 0.9/0.95), the asynchronous default outer "
+        "raftps-diloco-async": f"raftps.torch mode='diloco-async', H = {r.get('sync_every')}, inner Adam (lr "
+                               f"{meta.get('lr')}, as DDP's), the asynchronous default outer "
                                "step in the store (averaging: SGD lr 1.0), staleness-aware.",
     }.get(r["config"], "")
 

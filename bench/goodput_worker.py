@@ -31,10 +31,11 @@ from char_gpt import DEFAULTS, build  # noqa: E402
 from common import Metrics  # noqa: E402
 
 KINDS = ("torchft-ddp", "torchft-diloco", "raftps-diloco", "raftps-diloco-async")
-# The DiLoCo paper's (and torchft's train_diloco.py's) inner optimizer, and the two outer steps
-# (as torch.optim.SGD keywords): the paper's, and plain averaging (what reaches a given loss
-# sooner over tens of rounds: bench/results/diloco_quality.md).
-INNER = dict(weight_decay=0.1, betas=(0.9, 0.95))
+# One inner optimizer for every configuration: DDP's, DDP + checkpoint-restart's, torchft's and
+# raftps sync's torch.optim.Adam (default betas 0.9/0.999, no weight decay) is DiLoCo's inner one
+# too (the paper's AdamW, wd 0.1, betas 0.9/0.95, would make the comparison one of optimizers).
+# The two outer steps (as torch.optim.SGD keywords): the paper's, and plain averaging (what
+# reaches a given loss sooner over tens of rounds: bench/results/diloco_quality.md).
 OUTERS = {"nesterov": dict(lr=0.7, momentum=0.9, nesterov=True), "average": dict(lr=1.0)}
 
 
@@ -43,14 +44,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kind", choices=KINDS, required=True)
     ap.add_argument("--steps", type=int, required=True, help="global batches")
     ap.add_argument("--batch", type=int, default=DEFAULTS["batch"])
-    ap.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="(inner) Adam/AdamW learning rate")
+    ap.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="(inner) Adam learning rate")
     ap.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
     ap.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
     ap.add_argument("--outer", choices=sorted(OUTERS), default="average", help="synchronous DiLoCo's outer step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefix", default="goodput", help="raftps tensor prefix")
-    ap.add_argument("--wrapper", choices=["waited", "pure", "ddp"], default="waited",
-                    help="torchft-ddp: per-gradient all-reduces waited before the step (default), "
+    ap.add_argument("--wrapper", choices=["flat", "pure", "ddp"], default="flat",
+                    help="torchft-ddp: one all-reduce of the flattened gradients per step (default), "
                          "torchft.ddp.PureDistributedDataParallel, or its DistributedDataParallel")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
@@ -88,8 +89,17 @@ def _metrics(args: argparse.Namespace, meta: dict, start: int) -> Metrics:
     return rec
 
 
+_KEEP: list = []          # objects that must live as long as the process
+
+
 def _manager(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], rank: int, sync_quorum: bool):
     from torchft import Manager, ProcessGroupGloo
+    if os.environ.get("GOODPUT_REPLICA_STORE"):
+        # A replica group of one process started without torchrun (bench/goodput_fleet.py): the
+        # group's store, which torchrun's agent would hold at MASTER_ADDR:MASTER_PORT, is held here.
+        from torch.distributed import TCPStore
+        _KEEP.append(TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1, is_master=True,
+                              wait_for_workers=False))
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), **{f"optim{i}": o.state_dict() for i, o in enumerate(optimizers)}}
@@ -105,27 +115,28 @@ def _manager(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], ra
                    timeout=timedelta(seconds=10), use_async_quorum=not sync_quorum)
 
 
-class WaitedAllreduce:
-    """One ``manager.allreduce`` per gradient, started as backward produces it (as
-    torchft.ddp.PureDistributedDataParallel does), and every one waited before the optimizer step.
+def flat_allreduce(manager: Any, model: torch.nn.Module) -> None:
+    """The step's gradients averaged in one ``manager.allreduce`` of them flattened (one bucket, as
+    DDP's buckets would be at this model's size), waited before the optimizer step.
 
-    PureDistributedDataParallel (torchft 0.2.0) never waits on its works: on CPU nothing else
-    does either (``should_commit`` synchronises only an accelerator), so the step can read
-    gradients that gloo is still summing, and the division by the participant count, which
-    torchft chains onto ``wait()``, never runs. Its DistributedDataParallel (a comm hook) does
-    wait, but raised AssertionError (ddp.py:76, ``assert fut._fut``) in the surviving replica
-    groups once a peer was SIGKILLed. This is the smallest loop a careful user would write
-    instead."""
+    torchft 0.2.0's PureDistributedDataParallel starts one all-reduce per gradient and never waits
+    on them on CPU (``should_commit`` synchronises only an accelerator), so the step could read
+    gradients gloo is still summing; its DistributedDataParallel (a comm hook) raised
+    AssertionError (ddp.py:76, ``assert fut._fut``) in the surviving replica groups once a peer
+    was SIGKILLed; one waited call per gradient (53 here) is what its docstring calls very slow."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()                  # averages over the participants
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
-    def __init__(self, manager: Any, model: torch.nn.Module) -> None:
-        self.works: list = []
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: self.works.append(manager.allreduce(p.grad)))
 
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works.clear()
+def _contributing(rank: int, step: int) -> bool:
+    """The line bench/goodput_fleet.py times a returning worker to: its first step is done."""
+    print(f"[rank {rank}] contributing: first step done at batch {step}", flush=True)
+    return True
 
 
 def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
@@ -133,20 +144,20 @@ def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks
     from torchft.ddp import PureDistributedDataParallel
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     manager = _manager(model, [inner], rank, sync_quorum=False)
-    waited = WaitedAllreduce(manager, model) if args.wrapper == "waited" else None
     wrap = {"ddp": DistributedDataParallel, "pure": PureDistributedDataParallel}.get(args.wrapper)
     ddp, opt = (wrap(manager, model) if wrap else model), Optimizer(manager, inner)
     rec = _metrics(args, meta, manager.current_step()) if rank == 0 else None
     short = open(os.path.join(args.out, "short_steps.txt"), "a") if rank == 0 else None
-    ema = None
+    ema, said = None, False
     while manager.current_step() < args.steps:
         opt.zero_grad()                               # starts the step's quorum
         g = manager.current_step()
         loss = loss_on(ddp, part(batch_indices(g), rank, ranks))
         loss.backward()
-        if waited is not None:
-            waited.wait()
+        if args.wrapper == "flat":
+            flat_allreduce(manager, model)
         opt.step()                                    # commits only if every participant's all-reduce worked
+        said = said or _contributing(rank, manager.current_step())
         ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
         if rec is not None:
             if manager.num_participants() < ranks:
@@ -160,12 +171,12 @@ def train_torchft_ddp(args, model, batch_indices, loss_on, val_loss, rank, ranks
 
 def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     from torchft.local_sgd import DiLoCo
-    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
+    inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     outer = torch.optim.SGD(model.parameters(), **OUTERS[args.outer])
     manager = _manager(model, [inner, outer], rank, sync_quorum=True)   # train_diloco.py's setting
     H = args.sync_every
     rec = None
-    ema = None
+    ema, said = None, False
     with DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False):
         local = 0                                     # inner steps since the last round
         while manager.current_step() * H + local < args.steps:
@@ -178,6 +189,7 @@ def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ra
             loss.backward()
             inner.step()                              # DiLoCo's hook syncs at the round's H-th step
             local = (local + 1) % H                   # a failed round does not advance the step: redone
+            said = said or _contributing(rank, g + 1)
             ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
             if rec is not None:
                 step = g + 1
@@ -191,7 +203,7 @@ def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ra
 
 def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     import raftps.torch as rpt
-    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, **INNER)
+    inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     mode = args.kind[len("raftps-"):]
     # synchronous: the outer step torchft's DiLoCo runs in the same run; asynchronous: raftps's
     # default (averaging: the paper's momentum diverges when pseudo-gradients apply on arrival)
@@ -210,6 +222,8 @@ def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ran
         loss = loss_on(model, part(batch_indices(g), rank, ranks))
         loss.backward()
         opt.step()
+        if g == start:
+            _contributing(rank, g + 1)
         for r in opt.synced:
             if not r.late:
                 acked.write(f"{rank} {r.fragment} {r.round}\n")

@@ -30,9 +30,12 @@ T_START = time.time()          # about the process's start (before importing tor
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -69,7 +72,8 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: 1 if several ranks, else torch's)")
     ap.add_argument("--out", default=None, help="directory for metrics.csv and summary.json (rank 0)")
     ap.add_argument("--checkpoint", default=None,
-                    help="ddp/local: a torch.save file of model, optimizer and step; loaded at start if it exists")
+                    help="ddp/local: a torch.save file of model, optimizer and step (a path, or an http:// "
+                         "URL of a file server that takes PUT); loaded at start if it exists")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="ddp/local: global batches between checkpoints")
     return ap.parse_args()
 
@@ -106,9 +110,8 @@ class Backend:
             self.start_step = int(self.opt.start_step)
             self.sharded = args.mode in ("sync", "diloco", "diloco-async")
             return
-        saved = None
-        if self.checkpoint and os.path.exists(self.checkpoint):
-            saved = torch.load(self.checkpoint, weights_only=True)
+        saved = load_checkpoint(self.checkpoint) if self.checkpoint else None
+        if saved is not None:
             model.load_state_dict(saved["model"])
             self.start_step = int(saved["step"])
         if args.backend == "ddp":
@@ -126,10 +129,8 @@ class Backend:
         """Rank 0 writes model, optimizer and the next step; a rename, so a kill mid-write leaves the last one."""
         if self.rank != 0 or not self.checkpoint or self.kind == "raftps":
             return
-        tmp = self.checkpoint + ".tmp"
-        torch.save({"model": self.model.module.state_dict() if self.kind == "ddp" else self.model.state_dict(),
-                    "optimizer": self.opt.state_dict(), "step": step}, tmp)
-        os.replace(tmp, self.checkpoint)
+        save_checkpoint(self.checkpoint, {"model": self.model.module.state_dict() if self.kind == "ddp" else
+                                          self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step})
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -143,6 +144,32 @@ class Backend:
         elif self.kind == "ddp":
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def save_checkpoint(where: str, state: dict) -> None:
+    """torch.save to a path (a rename, so a kill mid-write leaves the last one) or an http:// URL
+    (PUT to a file server on another host: bench.checkpoint_server, which renames too)."""
+    if where.startswith("http://"):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        urllib.request.urlopen(urllib.request.Request(where, data=buffer.getvalue(), method="PUT"), timeout=300).close()
+        return
+    torch.save(state, where + ".tmp")
+    os.replace(where + ".tmp", where)
+
+
+def load_checkpoint(where: str) -> dict | None:
+    """The checkpoint at a path, or at an http:// URL (bench.checkpoint_server: a file server on
+    another host, as a shared filesystem would be); None if there is none yet."""
+    if not where.startswith("http://"):
+        return torch.load(where, weights_only=True) if os.path.exists(where) else None
+    try:
+        with urllib.request.urlopen(where, timeout=300) as answer:
+            return torch.load(io.BytesIO(answer.read()), weights_only=True)
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
 
 
 def init_gloo(rank: int, world: int) -> None:
@@ -290,6 +317,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
         backend.step()
         if backend.checkpoint_every and (g + 1) % backend.checkpoint_every == 0:
             backend.save_checkpoint(g + 1)
+        if g == mine.start:         # bench/goodput_fleet.py times a returning worker to this line
+            print(f"[rank {rank}] contributing: first step done at batch {g + 1}", flush=True)
         w = 0.9 ** (1 if backend.sharded else world)    # the same time constant in global batches
         ema = loss.item() if ema is None else w * ema + (1 - w) * loss.item()
         if rec is not None:

@@ -1,5 +1,7 @@
 """bench/goodput_report.py's target, recompute, short-step and report logic, and the resume line
-bench/goodput_launch.py reads, on made-up curves (no torch processes, no cluster, no timing)."""
+bench/goodput_launch.py reads, on made-up curves (no torch processes, no cluster, no timing); the
+fleet bench's schedule, checkpoint interval and report the same way; and one tiny run of
+``python -m bench.goodput --fleet`` on network namespaces (skipped without root and tc)."""
 from __future__ import annotations
 
 import json
@@ -154,3 +156,150 @@ def test_kill_tree_stops_a_worker_that_left_for_a_session_of_its_own():
                 os.kill(pid, 9)
         proc.wait(5)
         proc.stdout.close()
+
+
+# ---- the fleet bench (bench/goodput_schedule.py, goodput_fleet_report.py, goodput_fleet.py) -----
+
+def test_the_schedule_is_seeded_poisson_and_never_preempts_a_host_that_is_down():
+    from bench.goodput_schedule import COORDINATOR, schedule
+    a = schedule(7, 600.0, 40.0, 10.0, 4)
+    assert a == schedule(7, 600.0, 40.0, 10.0, 4) and a != schedule(8, 600.0, 40.0, 10.0, 4)
+    (coord,) = [f for f in a if f.what == COORDINATOR]
+    assert 0.15 * 600 <= coord.at_s <= 0.5 * 600 and coord.back_s == pytest.approx(coord.at_s + 10.0)
+    workers = [f for f in a if f.what == "worker"]
+    for f in workers:
+        assert f.back_s == pytest.approx(f.at_s + 10.0) and 0 <= f.worker < 4
+        same_host = [g for g in workers if g.worker == f.worker and g is not f]
+        assert all(not f.at_s < g.at_s < f.back_s for g in same_host)      # down hosts are not preempted
+    # over a long horizon the gaps average the stated mean (a Poisson process of rate 1/40 s:
+    # 2,500 expected in 100,000 s, sd 50; return delay 0 so that no draw is skipped)
+    long = [f for f in schedule(3, 100_000.0, 40.0, 0.0, 4) if f.what == "worker"]
+    assert 2_500 - 4 * 50 < len(long) < 2_500 + 4 * 50
+    assert {f.worker for f in long} == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="mean interval"):
+        schedule(1, 100.0, 0.0, 1.0, 4)
+
+
+def test_young_daly_interval_minimises_the_expected_waste():
+    """sqrt(2 C M) against a brute-force minimum of the first-order waste C/t + t/(2M)
+    (checkpoint cost per second of work, plus half an interval lost per failure)."""
+    from bench.goodput_schedule import checkpoint_every, young_daly_s
+    cost, mean = 1.7, 45.0
+    grid = [0.01 * k for k in range(1, 20_000)]
+    best = min(grid, key=lambda t: cost / t + t / (2 * mean))
+    assert young_daly_s(cost, mean) == pytest.approx(best, abs=0.01)
+    assert young_daly_s(2.0, 100.0) == pytest.approx(20.0)
+    assert checkpoint_every(2.0, 100.0, 1.5) == 30 and checkpoint_every(0.0, 100.0, 1.5) == 1
+
+
+def _fleet_row(config: str, link: str, faults: bool, ttt: float | None, steps: float, backs=()) -> dict:
+    return {"config": config, "link": link, "faults": faults, "wall_to_target_s": ttt, "steps_before_fault_per_s": steps,
+            "useful_steps_per_s": steps / 2, "val_at_budget": 2.5, "bytes_sent_total": 4e6, "batches": 10,
+            "returns": [{"rank": 3, "back_s": 20.0, "to_contribute_s": b} for b in backs],
+            "curve": [(5.0, 3.0), (ttt or 50.0, 2.5)]}
+
+
+def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import goodput_fleet_report as rep
+    results = [_fleet_row("ddp", "100mbit", False, 30.0, 1.0), _fleet_row("raftps-diloco", "100mbit", False, 20.0, 4.5),
+               _fleet_row("ddp-ckpt", "100mbit", True, 100.0, 1.0), _fleet_row("raftps-diloco", "100mbit", True, 45.0, 4.0, [4.0]),
+               _fleet_row("raftps-sync", "100mbit", True, 95.0, 1.0, [12.5]),
+               {"config": "torchft-diloco", "link": "100mbit", "faults": True, "skipped": "not installed"}]
+    got = {t["what"]: t for t in rep.targets(results)}
+    assert got["100 Mbit/s, no faults: raftps DiLoCo steps/s / DDP's"]["value"] == pytest.approx(4.5)
+    assert got["100 Mbit/s, no faults: raftps DiLoCo steps/s / DDP's"]["met"] is True
+    assert got["100 Mbit/s, schedule: raftps DiLoCo time to target / DDP + checkpoint-restart's"]["met"] is True  # 0.45
+    assert got["100 Mbit/s, schedule: raftps sync time to target / DDP + checkpoint-restart's"]["met"] is False   # 0.95
+    assert got["100 Mbit/s, schedule: raftps DiLoCo time to target / torchft DiLoCo's"]["met"] is None           # skipped
+    assert got["raftps: the slowest returning worker's seconds to contribute again"]["value"] == 12.5
+    meta = {"links": ["100mbit"], "budget": 10, "eval_every": 2, "sync_every": 5, "outer": "average", "seed": 1,
+            "mean_interval_s": 40.0, "return_delay_s": 10.0, "target": 2.6, "command": "c", "date": "d", "commit": "x",
+            "machine": "m", "load": (1.0, 2.0), "torch": "t", "torchft": "f", "lr": 0.002,
+            "faults": [{"at_s": 12.0, "what": "worker", "worker": 1, "back_s": 22.0}]}
+    md = rep.write({"meta": meta, "results": results, "targets": rep.targets(results)}, str(tmp_path), "gf")
+    assert "skipped: not installed" in md and "| NOT met |" in md and "12.0 worker host 2 (back 22.0)" in md
+    for name in ("gf.md", "gf.json", "gf.png"):
+        assert os.path.getsize(tmp_path / name) > 0
+    # a second run at another link rate, merged: both runs' rows, each link's ratios from its own run
+    other = [{**r, "link": "unshaped"} for r in results if "skipped" not in r]
+    rep.write({"meta": {**meta, "links": ["unshaped"], "target": 2.61}, "results": other,
+               "targets": rep.targets(other)}, str(tmp_path), "gf2")
+    md = rep.merge([str(tmp_path / "gf.json"), str(tmp_path / "gf2.json")], str(tmp_path), "both")
+    merged = json.loads((tmp_path / "both.json").read_text())
+    assert merged["meta"]["links"] == ["100mbit", "unshaped"] and len(merged["results"]) == len(results) + len(other)
+    assert merged["meta"]["targets_by_run"] == [2.6, 2.61] and "never across runs" in md
+    got = {t["what"]: t["value"] for t in merged["targets"]}
+    assert got["unshaped, raftps DiLoCo under the schedule / DDP without faults, time to target"] == pytest.approx(45 / 30)
+
+
+def test_fleet_goodput_runs_on_network_namespaces(tmp_path):
+    """The fleet path end to end at a tiny size: (a) DDP sets the target, then raftps DiLoCo runs
+    under a schedule that preempts a worker host and the store leader within its first seconds;
+    the store check after it must pass. Needs root and tc (raftps.chaos.fleet builds a Fleet()
+    of network namespaces)."""
+    import subprocess
+    import sys
+    from raftps.chaos.fleet import available
+    problem = available()
+    if problem:
+        pytest.skip(f"no fleet here: {problem}")
+    pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "bench.goodput", "--fleet", "--links", "unshaped", "--budget", "4", "--eval-every", "2",
+           "--sync-every", "2", "--configs", "raftps-diloco", "--schedule", "on", "--mean-interval", "4",
+           "--return-delay", "2", "--timeout", "90", "--seed", "2", "--net", "rpsgt,10.79.22", "--base-port", "25400",
+           "--out", str(tmp_path), "--name", "smoke"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {(r["config"], r["faults"]): r for r in record["results"]}
+    ddp, diloco = rows[("ddp", False)], rows[("raftps-diloco", True)]
+    assert ddp["target"] == record["meta"]["target"] and ddp["bytes_sent_total"] > 0
+    assert diloco["store_check"]["ok"], diloco["store_check"]["verdict"]
+    assert any("SIGKILL" in text or "preempt" in text for _, text in diloco["events"])
+    assert diloco["bytes_sent_total"] > 0 and sum(diloco["bytes_sent_by_host"].values()) == diloco["bytes_sent_total"]
+
+
+def test_a_checkpoint_saved_to_the_checkpoint_server_loads_back_the_same(tmp_path):
+    """examples/common.py's save_checkpoint/load_checkpoint over HTTP against bench.checkpoint_server
+    (what DDP + checkpoint-restart uses on the fleet): the same tensors back, None before the first
+    save, a refused name changes nothing."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+    torch = pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    try:
+        from common import load_checkpoint, save_checkpoint
+    finally:
+        sys.path.pop(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "bench.checkpoint_server", str(tmp_path / "ckpt"), "127.0.0.1",
+                               str(port)], cwd=root)
+    try:
+        url = f"http://127.0.0.1:{port}/job.pt"
+        deadline = time.monotonic() + 20
+        while True:                                  # bounded: the server answers within seconds
+            try:
+                assert load_checkpoint(url) is None
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, "the checkpoint server did not answer in 20 s"
+                time.sleep(0.1)
+        state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 7}
+        save_checkpoint(url, state)
+        back = load_checkpoint(url)
+        assert back["step"] == 7 and torch.equal(back["model"]["w"], state["model"]["w"])
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            save_checkpoint(f"http://127.0.0.1:{port}/.hidden", state)
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["job.pt"]
+    finally:
+        server.kill()
+        server.wait(10)
