@@ -107,7 +107,8 @@ class Hosts(Addressing):
                     raise InvalidRequest(f"draining node {node} ({self.nodes[node - 1]}) would leave Raft group {group} "
                                          f"with {len(self.members(group)) - 1} replicas: add a host first")
                 target = free[0][1]
-            load[target] += 1
+            if target in load:       # a move in flight may target an avoided (silent) node: never a new target
+                load[target] += 1
             plan.append((group, target))
         return plan
 

@@ -117,3 +117,12 @@ def test_a_dead_node_is_never_a_target():
     assert hosts.drain_plan(3, avoid=frozenset({5})) == [(0, 4), (1, 1), (2, 2)]
     with pytest.raises(InvalidRequest, match="would leave Raft group 0 with 2 replicas"):
         hosts.drain_plan(3, avoid=frozenset({4, 5}))
+
+
+def test_a_move_in_flight_to_a_silent_node_keeps_its_target_in_a_drain_plan():
+    """The placement loop plans a drain with the silent nodes avoided, while a move off the
+    draining node may still target one of them (its catch-up stage, the target gone quiet)."""
+    hosts = start().change({"action": "add_host", "address": "127.0.0.1:9005"})
+    moving = hosts.change({"action": "move_start", "move_group": 1, "source": 3, "target": 5})
+    # group 0 -> 4 (outside {1,2,3}, 5 avoided), group 1 keeps its move's target 5, group 2 -> 2
+    assert moving.drain_plan(3, avoid=frozenset({5})) == [(0, 4), (1, 5), (2, 2)]
