@@ -77,7 +77,7 @@ def cluster(args: argparse.Namespace) -> int:
     """A stopped cluster or node is named in one line (exit 1), a node the cluster never had too
     (exit 2); stop and wipe of a stopped cluster succeed, saying nothing was running."""
     if args.action == "kill" and not (args.node or "").isdigit():
-        raise UsageError("give the number of the node to kill")
+        raise UsageError("give the number of the node to kill" + (f", not {args.node!r}" if args.node else ""))
     if args.action in ("add-host", "drain-host") and not args.node:
         raise UsageError(f"give the Raft address HOST:PORT of the host to {args.action.split('-')[0]}")
     if args.action in ("add-host", "drain-host") and os.environ.get("RAFTPS_CLUSTER"):
