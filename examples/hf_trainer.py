@@ -11,6 +11,7 @@ the Trainer's own.
 """
 from __future__ import annotations
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from raftps.torch.hf import without_ddp
@@ -41,6 +42,8 @@ def main() -> None:
     val_loss = trainer.evaluate()["eval_loss"]      # every rank its share, gathered: the Trainer's own
     if trainer.is_world_process_zero():
         write_summary(args, val_loss=val_loss, steps_per_s=clock.clock.steady_rate())
+    if torch.distributed.is_initialized():   # the Trainer's gloo group, closed before exit: torn down at
+        torch.distributed.destroy_process_group()   # interpreter exit it aborted a finished rank (SIGABRT)
 
 
 if __name__ == "__main__":
