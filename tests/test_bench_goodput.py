@@ -240,15 +240,19 @@ def test_fleet_goodput_runs_on_network_namespaces(tmp_path):
     of network namespaces)."""
     import subprocess
     import sys
+    from bench.goodput_schedule import schedule
     from raftps.chaos.fleet import available
     problem = available()
     if problem:
         pytest.skip(f"no fleet here: {problem}")
     pytest.importorskip("torch")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # seed 10's first preemptions fall 3.4, 6.0 and 7.0 s after the launch (seed 2's at 12.5 s:
+    # an idle machine finished the run before it, and no fault was exercised)
+    assert schedule(10, 90, 4, 2, 4)[0].at_s < 4
     cmd = [sys.executable, "-m", "bench.goodput", "--fleet", "--links", "unshaped", "--budget", "4", "--eval-every", "2",
            "--sync-every", "2", "--configs", "raftps-diloco", "--schedule", "on", "--mean-interval", "4",
-           "--return-delay", "2", "--timeout", "90", "--seed", "2", "--net", "rpsgt,10.79.22", "--base-port", "25400",
+           "--return-delay", "2", "--timeout", "90", "--seed", "10", "--net", "rpsgt,10.79.22", "--base-port", "25400",
            "--out", str(tmp_path), "--name", "smoke"]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
