@@ -116,17 +116,14 @@ class NodeCollector(Collector):
                 connected.add_metric(label(g) + [peer], float(up))
         yield match
         yield connected
-        for key, help_text in [("pushes", "Pushes applied by the state machine (a sync step counts once)"),
-                               ("rejected", "Writes the state machine refused (changed nothing)"),
-                               ("duplicates", "Retried writes answered from a client session, not applied again")]:
-            counter = family(CounterMetricFamily, f"raftps_store_{key}", help_text)
-            for g in groups:
-                counter.add_metric(label(g), float(getattr(views[g], key)))
-            yield counter
-        for key, help_text in [("read_rounds", "Leader: confirmation rounds that linearizable reads waited for"),
-                               ("lease_reads", "Leader: linearizable reads served on its lease, without a round"),
-                               ("votes_withheld", "Vote requests refused while this node's lease promise held")]:
-            counter = family(CounterMetricFamily, f"raftps_{key}", help_text)
+        for name, key, help_text in [
+                ("raftps_store_pushes", "pushes", "Pushes applied by the state machine (a sync step counts once)"),
+                ("raftps_store_rejected", "rejected", "Writes the state machine refused (changed nothing)"),
+                ("raftps_store_duplicates", "duplicates", "Retried writes answered from a client session, not applied again"),
+                ("raftps_read_rounds", "read_rounds", "Leader: confirmation rounds that linearizable reads waited for"),
+                ("raftps_lease_reads", "lease_reads", "Leader: linearizable reads served on its lease, without a round"),
+                ("raftps_votes_withheld", "votes_withheld", "Vote requests refused while this node's lease promise held")]:
+            counter = family(CounterMetricFamily, name, help_text)
             for g in groups:
                 counter.add_metric(label(g), float(getattr(views[g], key)))
             yield counter
