@@ -85,6 +85,8 @@ _RECORDS = [
     # aggregated at the leader (aggregate.py): one "step" entry per sync step
     Op("push_step", request_record({**WRITE, "tensors": (TENSORS, True), "step": (Int(0), True), "workers": (Int(1), True),
                              "rank": (Int(0, nullable=True), False), "job": (JOB, False),
+                             # a pair's sum (pair_steps.py): the ranks it covers, lowest first
+                             "ranks": (ListOf(Int(0), min_len=1, max_len=2), False),
                              "timeout": (Seconds(), False), "pull": (Bool(), False), "hyper": (HYPER, False),
                              "clip_norm": (Number(("> 0", lambda x: x > 0), nullable=True), False),
                              "encoding": (ENCODING, False)}),

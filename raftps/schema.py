@@ -376,6 +376,8 @@ def _cross_checks(op: str, request: dict) -> None:
         raise SchemaError("ack", f"an int in [1, seq={request['seq']}]", request["ack"])
     if op in ("push_sync", "push_step") and request.get("rank") is not None and request["rank"] >= request["workers"]:
         raise SchemaError("rank", f"an int in [0, workers={request['workers']})", request["rank"])
+    if op == "push_step" and "ranks" in request:
+        _check_ranks(request)
     if ("tensors" in request) == ("held" in request) and request.get("op") in HELD_OPS:
         raise SchemaError("tensors", "an array map, or held (a payload sent before) instead", None,
                           got="both" if "held" in request else "nothing")
@@ -394,6 +396,18 @@ def _cross_checks(op: str, request: dict) -> None:
                     raise SchemaError(f"tensors[{idx!r}]", f"a 1-D int32 or int64 array (the indices of "
                                       f"{enc['kind']} tensor {name!r})", tensors.get(idx),
                                       got=None if idx in tensors else "nothing")
+
+
+def _check_ranks(request: dict) -> None:
+    """A pair's contribution names the ranks it covers: distinct, in [0, workers), in increasing
+    order, and ``rank`` (if given) is the lowest of them: the step sums by it."""
+    ranks, workers = request["ranks"], request["workers"]
+    if ranks != sorted(set(ranks)):
+        raise SchemaError("ranks", "distinct ranks in increasing order", ranks)
+    if ranks[-1] >= workers:
+        raise SchemaError("ranks", f"ranks in [0, workers={workers})", ranks)
+    if request.get("rank") is not None and request["rank"] != ranks[0]:
+        raise SchemaError("rank", f"the lowest of ranks ({ranks[0]}), or nothing", request["rank"])
 
 
 def check_request(request: Any, requests: Mapping[str, Record]) -> dict:

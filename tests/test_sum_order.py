@@ -41,8 +41,8 @@ def test_a_steps_sum_is_the_rank_order_sum_whatever_the_arrival_order() -> None:
     for order in ORDERS:
         s = _Step("job", 0, 4, ["w"], True, None, None, deadline=0.0)
         for rank in order:
-            assert s.add({"w": grads[rank]}, rank)
-        assert not s.add({"w": grads[order[0]]}, order[0]), "a rank's second contribution is not counted"
+            assert s.add({"w": grads[rank]}, [rank])
+        assert not s.add({"w": grads[order[0]]}, [order[0]]), "a rank's second contribution is not counted"
         assert s.total()["w"].tobytes() == rank_order.tobytes()
 
 
@@ -64,7 +64,7 @@ def test_read_only_contributions_are_left_as_they_are() -> None:
         g.flags.writeable = False
     s = _Step("job", 0, 4, ["w"], True, None, None, deadline=0.0)
     for rank in (1, 0, 3, 2):
-        s.add({"w": frozen[rank]}, rank)
+        s.add({"w": frozen[rank]}, [rank])
     s.total()
     assert all(np.array_equal(f, g) for f, g in zip(frozen, grads))
 

@@ -80,17 +80,19 @@ class _Step:
     proposed_at: float | None = None   # time.monotonic() when its proposer began
     skipped: bool = False              # a contribution's skip flag (jobs.skip_flag) is set: no gradient applies
 
-    def add(self, grads: dict[str, np.ndarray], rank: int | None, client: str = "", seq: int = 0) -> bool:
-        """Hold a contribution for the sum (False: its rank had contributed, so it changes nothing)."""
-        if rank is not None and rank in self.ranks:
+    def add(self, grads: dict[str, np.ndarray], ranks: list[int] | None, client: str = "", seq: int = 0) -> bool:
+        """Hold a contribution for the sum (False: one of the ``ranks`` it covers had been counted,
+        so it changes nothing). A pair's sum covers two ranks and counts two; it is summed at its
+        lowest rank's place, so the bits do not depend on arrival order."""
+        if ranks is not None and not self.ranks.isdisjoint(ranks):
             return False
-        self.parts[(0, rank, "", 0) if rank is not None else (1, 0, client, seq)] = grads
-        self.count += 1
+        self.parts[(0, ranks[0], "", 0) if ranks is not None else (1, 0, client, seq)] = grads
+        self.count += len(ranks) if ranks is not None else 1
         # A rank that skips the step (its GradScaler found an inf) says so in its skip flag: then
         # the step applies no gradient on any rank, as DDP's all-reduced inf skips it on all.
         self.skipped = self.skipped or any(is_skip_flag(name) and bool(np.any(grad != 0)) for name, grad in grads.items())
-        if rank is not None:
-            self.ranks.add(rank)
+        if ranks is not None:
+            self.ranks.update(ranks)
         return True
 
     def total(self) -> dict[str, np.ndarray]:
@@ -149,21 +151,22 @@ class StepAggregator:
               deadline: float) -> tuple[_Step, int | None, bool]:
         """(caller holds the lock) Add a contribution to its step, opening it if needed: (the step,
         the contribution's place in it or None if the step's entry already left, propose now)."""
-        job, step, workers, rank = request.get("job") or "", request["step"], request["workers"], request.get("rank")
+        job, step, workers = request.get("job") or "", request["step"], request["workers"]
+        ranks = covered_ranks(request)
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         if s is None:
             if len(self._open) >= self.max_open_steps:
                 raise LimitExceeded(f"{len(self._open)} sync steps are open on this leader (the limit); "
                                     "finish or close some first")
-            s = self._open[(job, step)] = _Step(job, step, workers, sorted(grads), rank is not None,
+            s = self._open[(job, step)] = _Step(job, step, workers, sorted(grads), ranks is not None,
                                                   request.get("hyper"), request.get("clip_norm"), deadline)
         else:
-            _check_matches(s, grads, workers, rank, request)
+            _check_matches(s, grads, workers, ranks, request)
             if not s.proposed:
                 s.deadline = max(s.deadline, deadline)    # the timeout counts from the latest arrival
         mine = next((i for i, c in enumerate(s.contributors) if c[0] == client and c[1] == seq), None)
         if mine is None and not s.proposed:
-            s.contributors.append([client, seq, ack, s.add(grads, rank, client, seq)])
+            s.contributors.append([client, seq, ack, s.add(grads, ranks, client, seq)])
             mine = len(s.contributors) - 1
         if mine is not None and request.get("pull"):
             s.pullers.add(mine)
@@ -362,8 +365,17 @@ def _decoded(grads: dict[str, np.ndarray], encoding: Any, tensors: dict) -> dict
     return compress.decode_push(grads, encoding, like)
 
 
-def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: int | None, request: dict) -> None:
-    who = f"rank {rank}" if rank is not None else "this contribution"
+def covered_ranks(request: dict) -> list[int] | None:
+    """The ranks a (checked) push_step request covers: its ``ranks`` (a pair's sum), else its
+    ``rank`` alone; None when unranked."""
+    if request.get("ranks"):
+        return list(request["ranks"])
+    return None if request.get("rank") is None else [request["rank"]]
+
+
+def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, ranks: list[int] | None,
+                   request: dict) -> None:
+    who = f"ranks {ranks}" if ranks is not None else "this contribution"
     if request.get("hyper") != s.hyper:
         theirs, mine = s.hyper or {}, request.get("hyper") or {}
         name = next((n for n in sorted(set(theirs) | set(mine)) if theirs.get(n) != mine.get(n)), "?")
@@ -376,7 +388,7 @@ def _check_matches(s: _Step, grads: dict[str, np.ndarray], workers: int, rank: i
     if sorted(grads) != s.names or workers != s.workers:
         raise InvalidRequest(f"sync step {s.step}: contribution for {sorted(grads)} with workers={workers} does "
                              f"not match {s.names} with workers={s.workers}")
-    if s.ranked != (rank is not None):
+    if s.ranked != (ranks is not None):
         raise InvalidRequest(f"sync step {s.step}: contributions with and without rank cannot be mixed")
     first = next(iter(s.parts.values()), {})
     for name, grad in grads.items():
