@@ -32,6 +32,7 @@ from raftps import auth, codec
 from raftps.deprecated import renamed_keyword
 from raftps.errors import ProtocolError
 from raftps.client.job_steps import JobSteps
+from raftps.client.pair_steps import PairSteps
 from raftps.client.pipeline import Pipeline
 from raftps.client.router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from raftps.client.router import merge as _merge
@@ -71,6 +72,7 @@ class Client:
         # push_async: up to max_in_flight pushes on their way at once, each lane a transport of its own
         self._pipeline = Pipeline(max_in_flight, new_transport)
         self._steps = JobSteps(self._router, self._lock, self._pipeline.submit)
+        self._pairs = PairSteps(self, self._steps, self._router, self._lock, self._pipeline.submit)
 
     @property
     def addresses(self) -> list[str]:
@@ -239,7 +241,7 @@ class Client:
     def push_step(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None = None,
                   rank: int | None = None, timeout: float = 10.0, pull: bool = False, hyper: dict | None = None,
                   clip_norm: float | None = None, encoding: dict | None = None, spread_answers: bool = False,
-                  chunk_bytes: int = 0) -> dict:
+                  chunk_bytes: int = 0, pairs: bool = False) -> dict:
         """One worker's contribution to synchronous step ``step`` of job ``job``, summed on
         the leader with the step's other contributions (in rank order, so the sum's bits do not
         depend on arrival order) and replicated once as the step (aggregation
@@ -264,9 +266,22 @@ class Client:
         the first), so a chunk's replication and answer overlap the next chunk's arrival; every
         rank of a job must pass the same value. A skip flag (jobs.skip_flag) goes in every chunk,
         so a skipped step skips them all. Not with ``clip_norm`` (its norm spans the whole part):
-        the part then goes whole."""
+        the part then goes whole.
+
+        ``pairs`` (with ``pull``, ``rank`` and ``chunk_bytes``; every rank of the job the same):
+        ranks 2i and 2i + 1 add up half of the step's chunks each and send the store their sum,
+        then relay its answers to each other (pair_steps.py): the links of the workers carry a
+        ring all-reduce's bytes and the store's links less. A pair's sum is added to the step's as
+        one contribution: the step's bits are those of the pairwise sum (g0 + g1) + (g2 + g3),
+        the same every run. An odd world's last rank, and a rank whose partner is gone, go
+        unpaired. Not with ``encoding`` or ``clip_norm`` (the step then goes unpaired)."""
         if not (math.isfinite(timeout) and timeout >= 0):
             raise ValueError(f"push_step timeout must be a finite number of seconds >= 0, not {timeout!r}")
+        if pairs and not (pull and rank is not None and chunk_bytes > 0):
+            raise ValueError("push_step pairs=True needs pull=True, a rank and chunk_bytes > 0 (the pair "
+                             f"splits the step by its chunks); got pull={pull}, rank={rank}, chunk_bytes={chunk_bytes}")
+        if pairs and not encoding and clip_norm is None:
+            return self._pairs.contribute(grads, step, workers, job, int(rank), float(timeout), int(chunk_bytes), hyper)
         extra: dict[str, Any] = {"pull": True, "spread_answers": spread_answers} if pull else {}
         if hyper:
             extra["hyper"] = hyper
@@ -460,6 +475,7 @@ class Client:
         return out
 
     def close(self) -> None:
+        self._pairs.close()
         self._pipeline.close()
         with self._lock:
             self._router.transport.close()

@@ -288,7 +288,7 @@ class Router:
         wait(futures)                   # every part's outcome, before any error is raised
         for future in futures:
             for g, reply in future.result().items():
-                replies[g] = _merge_same_group(replies[g], reply) if g in replies else reply
+                replies[g] = merge_same_group(replies[g], reply) if g in replies else reply
         return merge(dict(sorted(replies.items())))
 
     def _replies(self, write: Any, parts: dict[int, Any]) -> dict[int, dict]:
@@ -314,7 +314,7 @@ class Router:
                 pause = min(pause * 2, 0.25)
                 queue.insert(0, (g, part))
                 continue
-            replies[g] = _merge_same_group(replies[g], reply) if g in replies else reply
+            replies[g] = merge_same_group(replies[g], reply) if g in replies else reply
         raise Unavailable("a request kept being re-routed between groups: the placement keeps changing")
 
     def reroute(self, moved: Moved, group: int, part: Any) -> list[tuple[int, Any]]:
@@ -395,7 +395,7 @@ def _requeue(queue: list[tuple[int, Any]], rerouted: list[tuple[int, Any]]) -> l
     return first + queue
 
 
-def _merge_same_group(first: dict, second: dict) -> dict:
+def merge_same_group(first: dict, second: dict) -> dict:
     """Two replies of one group (a part re-routed there by a move joined another): one reply."""
     out = dict(first)
     for key, value in second.items():

@@ -1,0 +1,137 @@
+"""Synchronous steps in pairs (push_step's ``pairs``, pair_steps.py) on a real 3-node cluster
+with two Raft groups, four ranks on loopback (each a client of its own, partners connected by
+their own authenticated TCP connection): the parameters after the steps are those of the
+pairwise sum, computed here by numpy; when a rank's client dies mid-run (its sockets closed),
+its partner falls back to contributing alone, every step applies, no rank is counted twice,
+and the run ends."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from raftps.client.pair_steps import halves
+from tests.conftest import start_cluster
+
+BASE = 33470
+SGD = {"name": "sgd", "lr": 1.0}
+SIZES = {"a": 30_000, "b": 20_000, "c": 25_000, "d": 40_000, "e": 5_000}   # float32 elements
+CHUNK = 90_000                       # bytes: several chunks per group, split between partners
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = start_cluster(tmp_path_factory.mktemp("pairs"), BASE, groups=2)
+    yield cl
+    cl.wipe()
+
+
+def gradients(rank: int, step: int) -> dict[str, np.ndarray]:
+    """Values whose float32 sums round differently by order (magnitudes 1e-3..1e3, mixed signs)."""
+    rng = np.random.default_rng(1000 * step + rank)
+    return {k: (rng.choice([-1.0, 1.0], n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
+            for k, n in SIZES.items()}
+
+
+def start_values() -> dict[str, np.ndarray]:
+    return {k: np.linspace(-1, 1, n, dtype=np.float32) for k, n in SIZES.items()}
+
+
+def run_ranks(cl, prefix: str, steps: range, ranks: list[int], answers: dict, clients: dict,
+              timeout: float = 10.0) -> dict[int, BaseException]:
+    """Each rank in ``ranks`` on a thread with a client of its own, pairs on, steps ``steps``;
+    each answer into answers[(rank, step)]; the errors by rank."""
+    errors: dict[int, BaseException] = {}
+
+    def rank_loop(rank: int) -> None:
+        try:
+            for step in steps:
+                grads = {f"{prefix}/{k}": v for k, v in gradients(rank, step).items()}
+                answers[(rank, step)] = clients[rank].push_step(grads, step, WORLD, job=prefix, rank=rank,
+                                                                timeout=timeout, pull=True, chunk_bytes=CHUNK,
+                                                                pairs=True)
+        except BaseException as exc:        # reported to the test
+            errors[rank] = exc
+    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120.0)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish within 120 s"
+    return errors
+
+
+def test_halves_split_a_steps_chunks_by_bytes_the_same_on_both_partners() -> None:
+    items = [(0, {"x": np.zeros(n, np.float32)}) for n in (100, 100, 300, 50, 50, 100)]
+    assert halves(items, 2) == [2, 3, 2, 3, 3, 3]        # bytes: 400 and 300 after the fifth
+    assert halves(items, 2) == halves(list(items), 2)
+
+
+def test_paired_steps_leave_the_pairwise_sums_bits(cluster) -> None:
+    prefix = "pairs-ok"
+    with cluster.client() as c:
+        c.create_many({f"{prefix}/{k}": v for k, v in start_values().items()},
+                      {f"{prefix}/{k}": SGD for k in SIZES})
+    clients = {r: cluster.client(timeout=30) for r in range(WORLD)}
+    answers: dict = {}
+    try:
+        errors = run_ranks(cluster, prefix, range(3), list(range(WORLD)), answers, clients)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert not errors, errors
+    want = start_values()
+    series_differs = False
+    for step in range(3):
+        g = [gradients(r, step) for r in range(WORLD)]
+        for k in SIZES:
+            pairwise = np.add(np.add(g[0][k], g[1][k]), np.add(g[2][k], g[3][k]))
+            series = np.add(np.add(np.add(g[0][k], g[1][k]), g[2][k]), g[3][k])
+            series_differs |= pairwise.tobytes() != series.tobytes()
+            want[k] = want[k] - pairwise / np.float32(4)
+    assert series_differs, "the sums in series and in pairs must differ, or this test cannot fail"
+    with cluster.client() as c:
+        got, _ = c.pull([f"{prefix}/{k}" for k in SIZES])
+    for k in SIZES:
+        assert got[f"{prefix}/{k}"].tobytes() == want[k].tobytes(), k
+        for rank in range(WORLD):       # every rank's answer: the step's values, half of them relayed
+            assert answers[(rank, 2)]["tensors"][f"{prefix}/{k}"].tobytes() == want[k].tobytes(), (rank, k)
+    assert all(answers[(r, s)]["count"] == WORLD for r in range(WORLD) for s in range(3))
+
+
+def test_a_partner_gone_mid_run_costs_its_rank_not_the_run(cluster) -> None:
+    prefix = "pairs-kill"
+    with cluster.client() as c:
+        c.create_many({f"{prefix}/{k}": v for k, v in start_values().items()},
+                      {f"{prefix}/{k}": SGD for k in SIZES})
+    clients = {r: cluster.client(timeout=30) for r in range(WORLD)}
+    answers: dict = {}
+    try:
+        assert not run_ranks(cluster, prefix, range(2), list(range(WORLD)), answers, clients)
+        # rank 1 dies at the start of step 2: its sockets close (its partner's link breaks)
+        clients[1].close()
+        started = time.monotonic()
+        errors = run_ranks(cluster, prefix, range(2, 4), [0, 2, 3], answers, clients, timeout=3.0)
+        elapsed = time.monotonic() - started
+    finally:
+        for client in clients.values():
+            client.close()
+    assert not errors, errors
+    assert elapsed < 60.0
+    for step in (2, 3):      # rank 0 alone, the pair [2, 3]: three gradients, none twice
+        assert all(answers[(r, step)]["count"] == 3 for r in (0, 2, 3)), [answers[(r, step)]["count"] for r in (0, 2, 3)]
+    want = start_values()
+    for step in range(4):
+        g = [gradients(r, step) for r in range(WORLD)]
+        for k in SIZES:
+            if step < 2:
+                want[k] = want[k] - np.add(np.add(g[0][k], g[1][k]), np.add(g[2][k], g[3][k])) / np.float32(4)
+            else:
+                want[k] = want[k] - np.add(g[0][k], np.add(g[2][k], g[3][k])) / np.float32(3)
+    with cluster.client() as c:
+        got, _ = c.pull([f"{prefix}/{k}" for k in SIZES])
+    for k in SIZES:
+        np.testing.assert_array_equal(got[f"{prefix}/{k}"], want[k], err_msg=k)
