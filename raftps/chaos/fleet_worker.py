@@ -1,6 +1,6 @@
 """One worker of a fleet run, on a worker host (tests/fault/test_slow_links.py, bench/fleet_step.py).
 
-    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT [LANES [WIRE [ANSWERS [CHUNK]]]]
+    python -m raftps.chaos.fleet_worker MODE ADDRESSES PREFIX RANK WORLD BYTES STEPS TIMEOUT [LANES [WIRE [ANSWERS [CHUNK [PAIRS]]]]]
 
 MODE ``create``: every rank creates the job's tensors itself, all at once (what the ranks of
 raftps.torch and DiLoCo did before one rank became the creator), and reports the time.
@@ -15,7 +15,8 @@ their gradients as fp16 (push_step's encoding; raftps.compress.encode_fp16), the
 reduces fp16 tensors (the bytes of DDP's fp16_compress_hook); default ``fp32``. ANSWERS
 ``spread``: sync-pull's tensors read from store member rank mod 3 (push_step's spread_answers).
 CHUNK: push_step's chunk_bytes (0, the default: each group's part whole). With several Raft
-groups the model is 32 tensors of equal bytes per group (chunks are whole tensors).
+groups the model is 32 tensors of equal bytes per group (chunks are whole tensors). PAIRS
+``pairs``: push_step's pairs (ranks 2i and 2i + 1 add up half the chunks each; needs CHUNK).
 MODE ``allreduce``: the DDP baseline, no store: STEPS gloo all-reduces (torch.distributed) of
 one float32 tensor of BYTES among WORLD ranks, ADDRESSES being rank 0's host:port for the
 rendezvous; the ranks' interface is eth0 (GLOO_SOCKET_IFNAME); ``times`` as sync-pull's.
@@ -99,6 +100,7 @@ def main() -> dict:
     wire = sys.argv[10] if len(sys.argv) > 10 else "fp32"
     spread = len(sys.argv) > 11 and sys.argv[11] == "spread"
     chunk = int(sys.argv[12]) if len(sys.argv) > 12 else 0
+    pairs = len(sys.argv) > 13 and sys.argv[13] == "pairs"
     rank, world, steps, timeout = int(rank), int(world), int(steps), float(timeout)
     if mode == "allreduce":
         return allreduce(addresses, rank, world, int(nbytes), steps, timeout, wire)
@@ -139,7 +141,7 @@ def main() -> dict:
                 grads, encoding = {n: e[0] for n, e in encoded.items()}, {n: e[1] for n, e in encoded.items()}
             reply = client.push_step(grads, step, world, job=prefix, rank=rank, timeout=timeout,
                                      pull=mode == "sync-pull", encoding=encoding, spread_answers=spread,
-                                     chunk_bytes=chunk)
+                                     chunk_bytes=chunk, pairs=pairs)
             times.append([began, time.time()])
             counts.append(reply["count"])
         return {"ok": True, "counts": counts, "seconds": time.monotonic() - started, "times": times}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,8 @@ import numpy as np
 
 from raftps import codec
 from raftps.errors import ProtocolError, RaftpsError
+
+log = logging.getLogger("raftps.client.peers")
 
 HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
 ADDRESS_SLOTS = 64                  # float64 slots of the published address: its length, then its characters
@@ -108,7 +111,8 @@ class PeerLink:
             with self._send_lock:
                 codec.send_frame(self.sock, message, mac=self.mac)
             return True
-        except OSError:
+        except Exception as exc:         # a broken link, or a message the codec refuses: either ends the pair
+            log.warning("pair link to rank %d: send failed (%s: %s); closing it", self.partner, type(exc).__name__, exc)
             self.close()
             return False
 
@@ -140,7 +144,9 @@ class PeerLink:
                 with self._changed:
                     self._arrived[(msg["kind"], msg["step"], msg["item"])] = msg
                     self._changed.notify_all()
-        except (OSError, ConnectionError, RaftpsError):
+        except Exception as exc:         # any: the partner waiting on this link must learn it broke
+            if not self.broken:
+                log.info("pair link to rank %d: closed (%s: %s)", self.partner, type(exc).__name__, exc)
             self.close()
 
     def close(self) -> None:

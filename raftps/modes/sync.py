@@ -35,11 +35,12 @@ class SyncSteps:
     """Job ``job``'s steps (None: the store-wide default job) for rank ``rank`` of ``world_size``."""
 
     def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float,
-                 skip_flags: Iterable[str] = (), chunk_bytes: int = 0):
+                 skip_flags: Iterable[str] = (), chunk_bytes: int = 0, pairs: bool = False):
         self.link, self.job = link, job
         self.world_size, self.rank, self.step_timeout = world_size, rank, step_timeout
         self.skip_flags = list(skip_flags)    # jobs.skip_flag per Raft group: every contribution carries them
         self.chunk_bytes = chunk_bytes        # push_step's: each part streamed in chunks (every rank the same)
+        self.pairs = pairs                    # push_step's: partners add up half the chunks each (needs chunk_bytes)
 
     def applied(self) -> int:
         """The job's last applied step (-1 if none), read linearizably."""
@@ -68,7 +69,7 @@ class SyncSteps:
         with self.link.timing("push"):
             answer = client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
                                       timeout=self.step_timeout, pull=True, hyper=hyper or None, clip_norm=clip_norm,
-                                      chunk_bytes=self.chunk_bytes)
+                                      chunk_bytes=self.chunk_bytes, pairs=self.pairs)
         next_step = step + 1
         if answer.get("late"):     # applied without us (we were away): rejoin at the job's next step
             next_step = max(step, self.applied()) + 1

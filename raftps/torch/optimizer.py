@@ -248,7 +248,9 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     ``cluster``: "host:port,..." or a list (None: $RAFTPS_CLUSTER), or a ready Client.
     ``options``: the Worker's (worker.py): n_push, n_fetch, compress, prefix, rank, world_size,
     ssp_staleness, easgd_alpha, step_timeout, ssp_timeout, token, timeout, chunk_bytes (sync:
-    each step streamed in chunks of whole tensors of up to this many bytes; Client.push_step).
+    each step streamed in chunks of whole tensors of up to this many bytes; Client.push_step),
+    pairs (sync, with chunk_bytes: ranks 2i and 2i + 1 add up half of each step's chunks each and
+    relay the store's answers to each other, so the workers' links carry an all-reduce's bytes).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -73,7 +73,8 @@ class Worker:
                  compress: str | None = None, prefix: str = "job",
                  rank: int | None = None, world_size: int | None = None, ssp_staleness: int | None = 2,
                  easgd_alpha: float | None = None, step_timeout: float = 10.0, ssp_timeout: float = 10.0,
-                 token: str | None = None, timeout: float = 60.0, local_step: Any = None, chunk_bytes: int = 0):
+                 token: str | None = None, timeout: float = 60.0, local_step: Any = None, chunk_bytes: int = 0,
+                 pairs: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         for what, n in (("n_push", n_push), ("n_fetch", n_fetch)):
@@ -87,6 +88,10 @@ class Worker:
         self.n_push, self.n_fetch = (1, 1) if mode in ("sync", "ssp") else (n_push, n_fetch)
         self.step_timeout = step_timeout
         self.chunk_bytes = chunk_bytes      # sync: push_step's chunk_bytes (a step streamed in chunks)
+        self.pairs = pairs                  # sync: push_step's pairs (ranks 2i, 2i + 1 add up half the chunks each)
+        if pairs and not (mode == "sync" and chunk_bytes > 0):
+            raise ValueError(f"pairs=True works in mode 'sync' with chunk_bytes > 0 (the pair splits a step by its "
+                             f"chunks); got mode={mode!r}, chunk_bytes={chunk_bytes}")
         if codecs.parse(compress or "none")[0] != "none" and mode == "sync":
             raise ValueError("compress works in the async modes; a sync step averages dense contributions")
         self.local_step = local_step
@@ -202,7 +207,7 @@ class Worker:
     def _engine(self, compress: str | None) -> SyncSteps | Downpour | Easgd:
         if self.mode == "sync":
             return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout, self.skip_flags,
-                             self.chunk_bytes)
+                             self.chunk_bytes, self.pairs)
         if self.mode == "easgd":      # the spec's optimizer in numpy, unless torch's own runs locally
             return Easgd(self.link, self.easgd_alpha, self.n_push, self.specs if self.local_step is None else None)
         return Downpour(self.link, self.n_push, self.n_fetch, compress)
