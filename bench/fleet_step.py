@@ -2,7 +2,7 @@
 
     python -m bench.fleet_step [--link 100mbit] [--workers 4] [--mb 5.1] [--steps 5] [--mode sync-pull]
                                [--groups 1] [--parts both] [--answers leader] [--wire fp32] [--chunk-mb 0]
-                               [--ddp]
+                               [--pairs off] [--ddp]
                                [--out bench/results] [--name fleet_step]
 
 3 store hosts and ``--workers`` worker hosts, one rank each (raftps.chaos.fleet_worker), every
@@ -26,6 +26,8 @@ hosts, as DDP does with a step's gradients (one bucket). Steps/s counts steps 1.
 ``--chunk-mb A,B``: a configuration per value, each group's part streamed in chunks of up to
 that many MB (push_step's chunk_bytes; 0: whole). Per step, each host's link busy time: the
 seconds it sent (received) at more than half the link's rate, from the same samples.
+``--pairs on``: each chunked configuration with push_step's ``pairs`` (ranks 2i and 2i + 1 add up
+half the chunks each and relay the answers to each other), ``both``: without, then with.
 Writes NAME.md and NAME.json in --out.
 """
 from __future__ import annotations
@@ -111,7 +113,8 @@ def balanced_leaders(cluster, groups: int, timeout: float = 60.0) -> dict[int, i
 
 
 def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, prefix: str, lanes: int,
-              env: dict, samples: list, hosts: dict | None, answers: str = "leader", chunk: int = 0) -> dict:
+              env: dict, samples: list, hosts: dict | None, answers: str = "leader", chunk: int = 0,
+              pairs: bool = False) -> dict:
     """One configuration: ``--workers`` ranks of fleet_worker MODE, one per worker host; their
     reports, the bytes per host, and per step after the first its seconds (and phases when
     ``hosts`` names the one leader's)."""
@@ -119,7 +122,8 @@ def run_ranks(fleet: Fleet, args: argparse.Namespace, mode: str, address: str, p
     t_start = time.time()
     procs = [fleet.start_worker(r + 1, [sys.executable, "-m", "raftps.chaos.fleet_worker", mode, address, prefix,
                                         str(r), str(workers), str(int(args.mb * MB)), str(args.steps),
-                                        str(args.timeout), str(lanes), args.wire, answers, str(chunk)],
+                                        str(args.timeout), str(lanes), args.wire, answers, str(chunk),
+                                        "pairs" if pairs else "whole"],
                                   env=env, log=subprocess.PIPE)
              for r in range(workers)]
     reports = []
@@ -169,19 +173,21 @@ def run(args: argparse.Namespace) -> dict:
         sampler = threading.Thread(target=sample_links, args=(fleet, stop, samples), daemon=True)
         sampler.start()
         env = {**cluster.client_env, "PYTHONPATH": os.getcwd()}
-        configs = [("one Raft group", 16)] if args.groups == 1 else \
-            [("parts at once", 16), ("parts in turn", 1)] if args.parts == "both" else \
-            [("parts in turn", 1)] if args.parts == "in-turn" else [("parts at once", 16)]
+        lanes = args.lanes
+        configs = [("one Raft group", lanes)] if args.groups == 1 else \
+            [("parts at once", lanes), ("parts in turn", 1)] if args.parts == "both" else \
+            [("parts in turn", 1)] if args.parts == "in-turn" else [("parts at once", lanes)]
         answers = ["leader", "spread"] if args.answers == "both" else [args.answers]
         chunk_mbs = [float(v) for v in str(args.chunk_mb).split(",")]
+        pairs = {"off": [False], "on": [True], "both": [False, True]}[args.pairs]
         configs = [(name + (", answers from member rank mod 3" if a == "spread" else "")
-                    + (f", chunks of {mb:g} MB" if mb else ""), lanes, a, int(mb * MB))
-                   for name, lanes in configs for a in answers for mb in chunk_mbs]
+                    + (f", chunks of {mb:g} MB" if mb else "") + (", pairs" if p else ""), lanes, a, int(mb * MB), p)
+                   for name, lanes in configs for a in answers for mb in chunk_mbs for p in pairs if mb or not p]
         runs = {}
         try:
-            for i, (name, lanes, a, chunk) in enumerate(configs):
+            for i, (name, lanes, a, chunk, p) in enumerate(configs):
                 runs[name] = run_ranks(fleet, args, args.mode, cluster.addresses, f"bench{i}", lanes, env, samples,
-                                       hosts if args.mode == "sync-pull" else None, a, chunk)
+                                       hosts if args.mode == "sync-pull" else None, a, chunk, p)
             if args.ddp:
                 runs["DDP (gloo all-reduce)"] = run_ranks(fleet, args, "allreduce", f"{fleet.ip(fleet.worker_host(1))}:29555",
                                                           "ddp", 1, {"GLOO_SOCKET_IFNAME": "eth0"}, samples, None)
@@ -199,6 +205,7 @@ def report(record: dict) -> str:
              f"--mb {record['mb']} --mode {record['mode']} --steps {record['steps']} --timeout {record['timeout']:g} "
              f"--groups {record['groups']} --parts {record.get('parts', 'both')} --wire {record.get('wire', 'fp32')} "
              f"--answers {record.get('answers', 'leader')} --chunk-mb {record.get('chunk_mb', 0)}"
+             f" --pairs {record.get('pairs', 'off')} --lanes {record.get('lanes', 16)}"
              f"{' --ddp' if record.get('ddp') else ''}`"
              f" (commit {record.get('commit', '?')}); leaders (group: store host) {record['leaders']} "
              "(hosts 1-3 store, then workers). Every configuration ran in this one run, on this one fleet."
@@ -254,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="fp16: sync steps send fp16 gradients (push_step's encoding), DDP all-reduces fp16")
     p.add_argument("--chunk-mb", default="0", help="comma-separated: a configuration per value, each group's part "
                    "streamed in chunks of up to that many MB (push_step's chunk_bytes; 0: whole)")
+    p.add_argument("--pairs", choices=("off", "on", "both"), default="off",
+                   help="chunked configurations with push_step's pairs (on), without (off), or each both ways")
+    p.add_argument("--lanes", type=int, default=16, help="each rank's writes on their way at once (the client's "
+                   "max_in_flight) when a step's parts go at once")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--name", default="fleet_step")
     args = p.parse_args(argv)
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     record["load_average"] = {"before": [round(x, 2) for x in load_before],
                               "after": [round(x, 2) for x in os.getloadavg()]}
     record["parts"], record["ddp"], record["wire"], record["answers"] = args.parts, args.ddp, args.wire, args.answers
-    record["chunk_mb"] = args.chunk_mb
+    record["chunk_mb"], record["pairs"], record["lanes"] = args.chunk_mb, args.pairs, args.lanes
     record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=1)

@@ -23,6 +23,7 @@ import hmac
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -36,7 +37,7 @@ log = logging.getLogger("raftps.client.peers")
 
 HANDSHAKE_LIMITS = codec.Limits(max_header_bytes=512, max_blob_bytes=0, max_arrays=0)
 ADDRESS_SLOTS = 64                  # float64 slots of the published address: its length, then its characters
-IDLE = 3600.0                       # a pair's connection may sit idle between steps this long
+SEND_TIMEOUT = 60                   # seconds one send to the partner may block (the kernel's SO_SNDTIMEO)
 
 
 def pair_of(rank: int, world: int) -> tuple[int, int] | None:
@@ -96,6 +97,12 @@ class PeerLink:
 
     def __init__(self, sock: socket.socket, mac: codec.FrameMac, partner: int):
         self.sock, self.mac, self.partner = sock, mac, partner
+        # Two threads use the socket at once (a sender, the reader), so its mode never changes:
+        # blocking, no Python timeout (a timeout set by one thread made the other's send fail with
+        # EAGAIN); the kernel bounds a send to a partner that stopped reading, and a take's own
+        # timeout (then close) bounds a wait on one that stopped sending.
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT, 0))
         self._send_lock = threading.Lock()
         self._arrived: dict[tuple, dict] = {}
         self._changed = threading.Condition()
@@ -137,7 +144,7 @@ class PeerLink:
     def _receive(self) -> None:
         try:
             while True:
-                msg = codec.recv_frame(self.sock, first_byte_timeout=IDLE, frame_timeout=60.0, mac=self.mac)
+                msg = codec.recv_frame(self.sock, mac=self.mac)
                 if not (isinstance(msg, dict) and isinstance(msg.get("kind"), str)
                         and type(msg.get("step")) is int and type(msg.get("item")) is int):
                     raise ProtocolError("a pair message needs kind, step and item")
@@ -197,7 +204,6 @@ def _accepted(sock: socket.socket, key: bytes, lower: int) -> PeerLink | None:
         if not (isinstance(answer, dict) and isinstance(answer.get("proof"), bytes)
                 and hmac.compare_digest(answer["proof"], _proof(key, b"higher", nonce))):
             raise ProtocolError("the partner failed authentication")
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return PeerLink(sock, _macs(key, nonce, hello["nonce"], lower=True), lower + 1)
     except (OSError, ConnectionError, RaftpsError):
@@ -239,7 +245,6 @@ def _connected(address: str, key: bytes, lower: int) -> PeerLink | None:
                 and hmac.compare_digest(reply["proof"], _proof(key, b"lower", nonce))):
             raise ProtocolError("the partner failed authentication")
         codec.send_frame(sock, {"proof": _proof(key, b"higher", reply["nonce"])})
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return PeerLink(sock, _macs(key, reply["nonce"], nonce, lower=False), lower)
     except (OSError, ConnectionError, RaftpsError):
