@@ -40,6 +40,14 @@ def start_values() -> dict[str, np.ndarray]:
     return {k: np.linspace(-1, 1, n, dtype=np.float32) for k, n in SIZES.items()}
 
 
+def start_job(cl, prefix: str) -> dict:
+    """The job's tensors created; a client per rank."""
+    with cl.client() as c:
+        c.create_many({f"{prefix}/{k}": v for k, v in start_values().items()},
+                      {f"{prefix}/{k}": SGD for k in SIZES})
+    return {r: cl.client(timeout=30) for r in range(WORLD)}
+
+
 def run_ranks(cl, prefix: str, steps: range, ranks: list[int], answers: dict, clients: dict,
               timeout: float = 10.0) -> dict[int, BaseException]:
     """Each rank in ``ranks`` on a thread with a client of its own, pairs on, steps ``steps``;
@@ -72,10 +80,7 @@ def test_halves_split_a_steps_chunks_by_bytes_the_same_on_both_partners() -> Non
 
 def test_paired_steps_leave_the_pairwise_sums_bits(cluster) -> None:
     prefix = "pairs-ok"
-    with cluster.client() as c:
-        c.create_many({f"{prefix}/{k}": v for k, v in start_values().items()},
-                      {f"{prefix}/{k}": SGD for k in SIZES})
-    clients = {r: cluster.client(timeout=30) for r in range(WORLD)}
+    clients = start_job(cluster, prefix)
     answers: dict = {}
     try:
         errors = run_ranks(cluster, prefix, range(3), list(range(WORLD)), answers, clients)
@@ -104,10 +109,7 @@ def test_paired_steps_leave_the_pairwise_sums_bits(cluster) -> None:
 
 def test_a_partner_gone_mid_run_costs_its_rank_not_the_run(cluster) -> None:
     prefix = "pairs-kill"
-    with cluster.client() as c:
-        c.create_many({f"{prefix}/{k}": v for k, v in start_values().items()},
-                      {f"{prefix}/{k}": SGD for k in SIZES})
-    clients = {r: cluster.client(timeout=30) for r in range(WORLD)}
+    clients = start_job(cluster, prefix)
     answers: dict = {}
     try:
         assert not run_ranks(cluster, prefix, range(2), list(range(WORLD)), answers, clients)
