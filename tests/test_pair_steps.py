@@ -6,6 +6,11 @@ its partner falls back to contributing alone, every step applies, no rank is cou
 and the run ends."""
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -137,3 +142,34 @@ def test_a_partner_gone_mid_run_costs_its_rank_not_the_run(cluster) -> None:
         got, _ = c.pull([f"{prefix}/{k}" for k in SIZES])
     for k in SIZES:
         np.testing.assert_array_equal(got[f"{prefix}/{k}"], want[k], err_msg=k)
+
+
+def test_a_partner_sigkilled_mid_run_leaves_its_partner_stepping_alone(cluster) -> None:
+    """Four ranks as processes (raftps.chaos.fleet_worker, sync-pull with pairs); rank 1 is
+    SIGKILLed while the ranks step; the other three finish every step, no step counts more ranks
+    than are alive, and rank 0, alone, is counted beside the pair [2, 3]."""
+    steps, timeout = 6, 2.0
+    argv = [sys.executable, "-m", "raftps.chaos.fleet_worker", "sync-pull", cluster.addresses, "pairs-sigkill"]
+    env = {**os.environ, **cluster.client_env, "PYTHONPATH": os.getcwd()}
+    procs = [subprocess.Popen(argv + [str(r), str(WORLD), "600000", str(steps), str(timeout), "8", "fp32", "leader",
+                                      "100000", "pairs"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(WORLD)]
+    try:
+        with cluster.client() as c:            # once the ranks are stepping, paired
+            deadline = time.monotonic() + 60.0
+            while c.sync_applied("pairs-sigkill") < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        outs = {r: procs[r].communicate(timeout=90)[0].decode() for r in (0, 2, 3)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    reports = {r: json.loads(out.strip().splitlines()[-1]) for r, out in outs.items()}
+    assert all(rep["ok"] for rep in reports.values()), outs
+    counts = {r: rep["counts"] for r, rep in reports.items()}
+    # never more than the ranks alive; 0: a contribution answered late (its step applied without it)
+    assert all(len(c) == steps and all(0 <= n <= WORLD for n in c) for c in counts.values()), counts
+    assert counts[2][:2] == [WORLD, WORLD] and counts[2][-1] < WORLD, counts
+    assert 3 in counts[0], f"rank 0 never counted beside the pair [2, 3] after its partner died: {counts}"

@@ -209,9 +209,11 @@ class _PairStep:
         router = self.pairs._router
         versions = self.pairs._steps.wait(self.step, 2 * self.timeout + router.timeout, self.job)
         versions = versions if isinstance(versions, dict) else {0: versions}
-        for i in missing:
-            g, part = self.items[i]
-            request = {"op": "pull", "names": sorted(part), "linearizable": False, "min_version": int(versions[g])}
+        names: dict[int, set[str]] = {}
+        for i in missing:                  # one read per group
+            names.setdefault(self.items[i][0], set()).update(self.items[i][1])
+        for g, wanted in sorted(names.items()):
+            request = {"op": "pull", "names": sorted(wanted), "linearizable": False, "min_version": int(versions[g])}
             with self.pairs._lock:
                 read = router.request(request, to_leader=False, raft_group=g)
             self.replies.append((g, {"version": read["version"], "step": self.step, "applied": True,
