@@ -75,3 +75,12 @@ def test_rank_beside_ranks_must_be_their_lowest() -> None:
     with pytest.raises(InvalidRequest, match="the lowest of ranks"):
         check_request(request(ranks=[2, 3], rank=3))
     assert check_request(request(ranks=[2, 3], rank=2))["ranks"] == [2, 3]
+
+
+def test_pairs_without_what_they_need_are_refused_before_any_io() -> None:
+    from raftps.client.client import Client
+    with Client("127.0.0.1:1", token="t") as client:     # nothing listens there: nothing is sent
+        for kwargs in ({"pull": True, "rank": 0}, {"pull": False, "rank": 0, "chunk_bytes": 100},
+                       {"pull": True, "chunk_bytes": 100}):
+            with pytest.raises(ValueError, match="pairs=True needs pull=True, a rank and chunk_bytes > 0"):
+                client.push_step({"w": np.zeros(2, np.float32)}, 0, 4, pairs=True, **kwargs)

@@ -97,10 +97,13 @@ def test_sync_two_workers_equal_one_process_with_torch_optim(cluster, spec, refe
 
 def test_sync_steps_in_chunks_leave_the_bits_of_whole_steps(cluster):
     """chunk_bytes=64: every tensor of the model a chunk of its own, each its own entry; the
-    parameters end as the same job's in whole steps, bit for bit, and as torch's SGD."""
+    parameters end as the same job's in whole steps, bit for bit, and as torch's SGD. With
+    pairs (the two ranks partners: their pair sum is the sum in rank order), the same bits."""
     model, data = mlp(), batches(STEPS)
     whole, _ = run_sync_workers(cluster, model, {"name": "sgd", "lr": 0.1}, "whole-steps", data)
     chunked, _ = run_sync_workers(cluster, model, {"name": "sgd", "lr": 0.1}, "chunked-steps", data, chunk_bytes=64)
+    paired, _ = run_sync_workers(cluster, model, {"name": "sgd", "lr": 0.1}, "paired-steps", data, chunk_bytes=64,
+                                 pairs=True)
     local = copy.deepcopy(model)
     opt = torch.optim.SGD(local.parameters(), lr=0.1)
     for x, y in data:
@@ -109,6 +112,7 @@ def test_sync_steps_in_chunks_leave_the_bits_of_whole_steps(cluster):
         opt.step()
     for name, p in local.named_parameters():
         assert torch.equal(dict(whole[0].named_parameters())[name], dict(chunked[0].named_parameters())[name]), name
+        assert torch.equal(dict(whole[0].named_parameters())[name], dict(paired[1].named_parameters())[name]), name
         assert (dict(chunked[1].named_parameters())[name] - p).abs().max().item() < 1e-5, name
 
 
