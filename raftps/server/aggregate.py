@@ -24,6 +24,10 @@ holds every contribution of an open step until it proposes it: K times the model
 open step, where a running sum held one (at K = 4 and a 5.1 MB model, 20 MB per step; a
 leader has at most ``max_open_steps`` open).
 
+A contribution may cover two ranks (``ranks``: a pair's sum, client/pair_steps.py): it counts as
+its ranks, sums at its lowest rank's place, and one that covers a rank already counted changes
+nothing (answered ``duplicate_rank``, as a rank's second contribution is).
+
 A step's ``timeout`` counts from its latest contribution, not its first: a contribution is
 counted once its last byte has arrived, and on a slow link K contributions share the leader's
 link for K times one's transfer time, so counting from the first dropped live ranks whose
