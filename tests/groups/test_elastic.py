@@ -245,27 +245,40 @@ def test_the_placement_loop_refills_a_dead_hosts_replica(tmp_path):
     outside the group, with no one asking. Pushes go on throughout; nothing is lost or doubled."""
     cl = LocalCluster(str(tmp_path), nodes=4, base_port=LOOP_BASE, groups=2, extra_args=["--dead-host-timeout", "3"])
     try:
-        cl.start(timeout=90)
-        names = [f"ctr{i}" for i in range(8)]
-        with cl.client() as c:
-            c.create_many({n: np.zeros(1) for n in names}, {n: {"name": "sgd", "lr": 1.0} for n in names})
-        load = Load(cl, names)
-        load.wait(10)
+        names, load = started_under_load(cl)
         cl.kill(4)
         until("node 1 serves group 1", lambda: 1 in group_rows(cl, 1), timeout=90)
         assert "group 1: nodes 1,2,3\n" in until("the move is done", lambda: (lambda out: out if "moving" not in out
                                                                              else None)(hosts_cmd(cl, "list")))
-        load.wait(10)
-        acked, unknown = load.finish()
-        def agreeing():
-            rows = [group_rows(cl, n).get(1) for n in (1, 2, 3)]
-            return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
-        rows = until("group 1's replicas agree", agreeing)
+        rows = refilled_on_node_1(cl, load, names)
         group_1_ports = [f"127.0.0.1:{LOOP_BASE + 400 + n}" for n in (1, 2, 3)]     # Raft port + 400 g
         assert all(sorted(r["members"]) == group_1_ports for r in rows), rows
-        with cl.client() as c:
-            totals = c.pull(names)[0]
-        for n in names:
-            assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
     finally:
         cl.wipe()
+
+
+def started_under_load(cl):
+    """Start ``cl``, create 8 counters and push to them (a Load, 10 pushes in): (names, load)."""
+    cl.start(timeout=90)
+    names = [f"ctr{i}" for i in range(8)]
+    with cl.client() as c:
+        c.create_many({n: np.zeros(1) for n in names}, {n: {"name": "sgd", "lr": 1.0} for n in names})
+    load = Load(cl, names)
+    load.wait(10)
+    return names, load
+
+
+def refilled_on_node_1(cl, load, names):
+    """Once node 4's replica of group 1 went to node 1: 10 more pushes, the load stopped, group
+    1's replicas on nodes 1, 2, 3 agree (their rows), every acknowledged push applied once."""
+    load.wait(10)
+    acked, unknown = load.finish()
+    def agreeing():
+        rows = [group_rows(cl, n).get(1) for n in (1, 2, 3)]
+        return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
+    rows = until("group 1's replicas agree", agreeing)
+    with cl.client() as c:
+        totals = c.pull(names)[0]
+    for n in names:
+        assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
+    return rows

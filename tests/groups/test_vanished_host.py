@@ -7,12 +7,11 @@ a push load: every acknowledged push applied once, group 1's replicas agree. Nee
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 
 from raftps.chaos import netns
 from raftps.tools.localcluster import LocalCluster
-from tests.groups.test_elastic import Load, group_rows, hosts_cmd, until
+from tests.groups.test_elastic import group_rows, hosts_cmd, refilled_on_node_1, started_under_load, until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 PREFIX, SUBNET = "rpsvh", "10.77.23"
@@ -34,12 +33,7 @@ def test_a_host_whose_packets_are_dropped_is_refilled(tmp_path):
     cl = LocalCluster(str(tmp_path), nodes=4, base_port=BASE, hosts=net.hosts(), command_prefix=net.command_prefix,
                       groups=2, extra_args=["--dead-host-timeout", "3"])
     try:
-        cl.start(timeout=90)
-        names = [f"ctr{i}" for i in range(8)]
-        with cl.client() as c:
-            c.create_many({n: np.zeros(1) for n in names}, {n: {"name": "sgd", "lr": 1.0} for n in names})
-        load = Load(cl, names)
-        load.wait(10)
+        names, load = started_under_load(cl)
         vanished_at = time.monotonic()
         for chain in ("INPUT", "OUTPUT"):
             net.iptables(VANISHED, "-A", chain, "-j", "DROP")
@@ -52,17 +46,7 @@ def test_a_host_whose_packets_are_dropped_is_refilled(tmp_path):
         took = heartbeat_seconds(cl, loop_node)
         print(f"vanished host refilled after {refilled:.1f} s (dead-host timeout 3 s); heartbeat {took:.2f} s")
         assert took is not None and took < 1.6, took
-        load.wait(10)
-        acked, unknown = load.finish()
-
-        def agreeing():
-            rows = [group_rows(cl, n).get(1) for n in (1, 2, 3)]
-            return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
-        until("group 1's replicas agree", agreeing)
-        with cl.client() as c:
-            totals = c.pull(names)[0]
-        for n in names:
-            assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
+        refilled_on_node_1(cl, load, names)
     finally:
         net.heal()
         cl.wipe()
