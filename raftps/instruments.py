@@ -67,5 +67,8 @@ class PlacementInstruments:
         self.host_load = Gauge("raftps_host_load", "Each host's load as of the placement loop's last heartbeat: "
                                "replicas, leaders, bytes (of the groups it serves), pushes_per_second (applied by "
                                "the groups it leads)", ["node", "kind"], registry=r)
+        self.heartbeat_seconds = Gauge("raftps_placement_heartbeat_seconds", "How long the placement loop's last "
+                                       "heartbeat of every host took (the hosts are asked at once: a host whose "
+                                       "packets are dropped costs one connect timeout, 1 s)", registry=r)
         self.under_replicated = Gauge("raftps_groups_under_replicated", "Raft groups with fewer answering "
                                       "replicas than the hosts record places (as of the last heartbeat)", registry=r)

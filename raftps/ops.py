@@ -131,8 +131,8 @@ _RECORDS = [
     Op("hosts", request_record({}), None, (), "_hosts"),                 # group 0's record; nodes follow it
     Op("hosts_change", request_record({
         **WRITE, "action": (Enum(HOSTS_ACTIONS), True),
-        "address": (_ADDRESS, False), "move_group": (RAFT_GROUP, False), "source": (Int(1, 64), False),
-        "target": (Int(1, 64), False),
+        "address": (_ADDRESS, False), "new": (_ADDRESS, False), "move_group": (RAFT_GROUP, False),
+        "source": (Int(1, 64), False), "target": (Int(1, 64), False),
         # the formula's record, which the first change starts from (the state machine has no
         # layout): group 0's leader puts its own in the entry, whatever a client sent
         "base_nodes": (ListOf(Str("a Raft address HOST:PORT", max_len=255), min_len=1, max_len=64), False),

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from raftps import auth, codec
 from raftps.errors import InvalidRequest, Unavailable
@@ -36,9 +37,9 @@ class HostsAdmin:
     """Requests to one cluster's Raft groups, by group: a router and a session of its own."""
 
     def __init__(self, addresses: str | list[str] | None, token: str | None = None, tls: Any = None,
-                 timeout: float = 60.0, attempt_timeout: float = 30.0):
+                 timeout: float = 60.0, attempt_timeout: float = 30.0, connect_timeout: float = 2.0):
         self._transport = TcpTransport(auth.client_token(token), auth.client_tls_context(tls), codec.DEFAULT_LIMITS,
-                                       connect_timeout=2.0)
+                                       connect_timeout=connect_timeout)
         self._router = Router(parse_addresses(addresses), self._transport, Session(), timeout, attempt_timeout,
                               threading.RLock())
         self.timeout = timeout
@@ -54,6 +55,10 @@ class HostsAdmin:
         self.close()
 
     # ---- reads and writes ------------------------------------------------------------------
+
+    def groups(self) -> int:
+        """How many Raft groups the cluster runs."""
+        return self._router.groups()
 
     def hosts(self) -> Hosts:
         """Group 0's hosts record (as its leader has applied it), or the formula when there is none."""
@@ -82,17 +87,20 @@ class HostsAdmin:
 
     def status_rows(self, hosts: Hosts, timeout: float = 5.0) -> dict[int, list[dict]]:
         """Every answering node's status rows (one per Raft group it serves), by node id: the
-        hosts' heartbeat (groups, leaders, bytes of state, pushes)."""
-        answered = {}
-        for node, address in enumerate(hosts.nodes, 1):
+        hosts' heartbeat (groups, leaders, bytes of state, pushes). The nodes are asked at once,
+        one thread each (each node has its own connection), so a host whose packets are dropped costs
+        the call one connect timeout (or ``timeout``), not one per silent host."""
+        def ask(address: str) -> list[dict] | None:
             try:
                 reply = self._transport.call(offset_address(address, CLIENT_OFFSET), {"op": "status", "digest": False},
                                              timeout)
             except (OSError, ConnectionError):
-                continue
+                return None
             # a reply without a role is a refusal (a node still starting): it answered, with no rows
-            answered[node] = [r for r in reply.get("groups", [reply]) if r.get("role") not in (None, "down")]
-        return answered
+            return [r for r in reply.get("groups", [reply]) if r.get("role") not in (None, "down")]
+        with ThreadPoolExecutor(max_workers=len(hosts.nodes), thread_name_prefix="heartbeat") as pool:
+            replies = list(pool.map(ask, hosts.nodes))
+        return {node: rows for node, rows in enumerate(replies, 1) if rows is not None}
 
     # ---- the operations --------------------------------------------------------------------
 
@@ -139,19 +147,24 @@ class HostsAdmin:
         self.member(group, "remove", hosts.raft_address(src, group))
         return self.change("move_done", move_group=group), True
 
-    def drain(self, address: str, catch_up_timeout: float = 120.0) -> tuple[Hosts, int]:
-        """Move every replica off node ``address`` (hosts.drain_plan chooses where), one group
-        at a time; its node then exits. Refused, with nothing changed, when a group would fall
-        short of replicas or the node serves group 0. Returns the record and the moves made."""
+    def drain(self, address: str, catch_up_timeout: float = 120.0,
+              on_plan: Callable[[int, int], None] = lambda done, total: None) -> tuple[Hosts, int]:
+        """Move every replica off node ``address`` (hosts.drain_plan chooses where: a node being
+        replaced sends them all to its replacement), one group at a time; its node then exits.
+        Refused, with nothing changed, when a group would fall short of replicas or the node
+        serves group 0. ``on_plan(done, total)``: before each move and after the last. Returns
+        the record and the moves made."""
         hosts = self.hosts()
         plan = hosts.drain_plan(hosts.node_of(address))
         if any(group == 0 for group, _ in plan):
             raise InvalidRequest(f"{address} serves Raft group 0, whose replica cannot be moved yet: "
                                  "draining it is not built")
         moved = 0
-        for group, target in plan:
+        for done, (group, target) in enumerate(plan):
+            on_plan(done, len(plan))
             hosts, made = self.move(group, address, hosts.nodes[target - 1], catch_up_timeout)
             moved += made
+        on_plan(len(plan), len(plan))
         return hosts, moved
 
     def abort(self, group: int) -> Hosts:

@@ -176,6 +176,7 @@ class Hosting:
                 return
             self._save(newest)
             self.current = newest
+            hosted = bool(self.replicas)
             wanted = set(newest.hosted_by(self.node))
             for group in sorted(wanted - set(self.replicas)):
                 log.warning("hosts epoch %d: starting this node's replica of Raft group %d", newest.epoch, group)
@@ -187,7 +188,9 @@ class Hosting:
                 self._set_aside(group, newest.epoch)
             for group, replica in self.replicas.items():      # the named leaders (set_leader)
                 replica.set_preferred_leader(newest.raft_address(newest.preferred_leader(group), group))
-            if not self.replicas:
+            # a node that served and now serves nothing was drained; a host started with --join
+            # before the record gives it a group (replace, add-host) waits for one
+            if not self.replicas and (hosted or self.node in newest.draining):
                 self.drained.set()
 
     def _set_aside(self, group: int, epoch: int) -> None:

@@ -69,9 +69,11 @@ class PlacementLoop:
     def turn(self, hosts: Hosts) -> Step | None:
         """One heartbeat of every node, then one step of the plan (None: nothing to do)."""
         addresses = [offset_address(a, CLIENT_OFFSET) for a in hosts.nodes]
-        with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0) as admin:
+        with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0, connect_timeout=1.0) as admin:
+            asked = time.monotonic()
             beat = admin.status_rows(hosts, timeout=1.0)
             now = time.monotonic()
+            self.instruments.heartbeat_seconds.set(now - asked)
             for node in range(1, len(hosts.nodes) + 1):
                 self._seen.setdefault(node, now)
                 if node in beat:

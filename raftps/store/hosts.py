@@ -30,7 +30,8 @@ from raftps.errors import InvalidRequest
 from raftps.groups import REPLICAS, Addressing, Layout
 
 STAGES = ("add", "catch_up")
-ACTIONS = ("add_host", "move_start", "move_stage", "move_done", "move_abort", "drain_host", "set_leader")
+ACTIONS = ("add_host", "move_start", "move_stage", "move_done", "move_abort", "drain_host", "set_leader",
+           "replace_host")
 MIN_HOSTS = 3           # drain_host refuses to leave fewer hosts that are not draining
 
 
@@ -50,6 +51,7 @@ class Hosts(Addressing):
     epoch: int = 0                          # changes applied since the formula
     draining: tuple[int, ...] = ()          # nodes being emptied (drain-host); once empty, retired
     leaders: tuple[int, ...] = ()           # Raft group -> the node that should lead it (0: the default rule)
+    replacing: tuple[tuple[int, int], ...] = ()     # (old, new): a draining node's replicas all go to new
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "Hosts":
@@ -91,16 +93,21 @@ class Hosts(Addressing):
 
     def drain_plan(self, node: int, avoid: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """(group, target) for every group ``node`` serves, in group order: a move in flight off
-        ``node`` keeps its target; otherwise the node serving the fewest replicas among those
+        ``node`` keeps its target; a node being replaced (replace_host) sends each replica to its
+        replacement (the same groups: the spread of replicas is kept) while that is not avoided;
+        otherwise the node serving the fewest replicas among those
         outside the group, not draining and not in ``avoid`` (dead ones), counting the plan's earlier moves,
         the lowest id on a tie. InvalidRequest when a group has no such node: draining would
         leave it short of replicas."""
         load = {n: len(self.hosted_by(n)) for n in self.active() if n != node and n not in avoid}
+        replacement = dict(self.replacing).get(node)
         plan = []
         for group in self.hosted_by(node):
             move = self.move_of(group)
             if move is not None and move.source == node:
                 target = move.target
+            elif replacement in load and replacement not in self.members(group):
+                target = replacement
             else:
                 free = sorted((count, n) for n, count in load.items() if n not in self.members(group))
                 if not free:
@@ -121,6 +128,8 @@ class Hosts(Addressing):
             record["draining"] = list(self.draining)
         if self.leaders:
             record["leaders"] = list(self.leaders)
+        if self.replacing:
+            record["replacing"] = [list(pair) for pair in self.replacing]
         return record
 
     @classmethod
@@ -132,13 +141,15 @@ class Hosts(Addressing):
             moves = tuple(Move(int(g), int(s), int(t), str(st)) for g, s, t, st in record.get("moves", []))
             hosts = cls(nodes, placed, moves, int(record.get("epoch", 0)),
                         tuple(sorted(int(n) for n in record.get("draining", []))),
-                        tuple(int(n) for n in record.get("leaders", [])))
+                        tuple(int(n) for n in record.get("leaders", [])),
+                        tuple((int(old), int(new)) for old, new in record.get("replacing", [])))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a hosts record: {exc}") from None
         if not 1 <= hosts.groups <= 64 or any(not 1 <= n <= len(nodes) for m in placed for n in m) \
                 or any(not m for m in placed) or any(m.stage not in STAGES for m in moves) \
                 or any(not 1 <= n <= len(nodes) for n in hosts.draining) \
-                or len(hosts.leaders) not in (0, hosts.groups) or any(not 0 <= n <= len(nodes) for n in hosts.leaders):
+                or len(hosts.leaders) not in (0, hosts.groups) or any(not 0 <= n <= len(nodes) for n in hosts.leaders) \
+                or any(not 1 <= n <= len(nodes) for pair in hosts.replacing for n in pair):
             raise ValueError("not a hosts record: a group without members, a node id out of range or a bad stage")
         return hosts
 
@@ -155,6 +166,8 @@ class Hosts(Addressing):
             return self._add_host(command.get("address"))
         if action == "drain_host":
             return self._drain_host(command.get("address"))
+        if action == "replace_host":
+            return self._replace_host(command.get("address"), command.get("new"))
         group = command.get("move_group")
         if type(group) is not int or not 0 <= group < self.groups:
             raise InvalidRequest(f"hosts_change {action}: Raft group {group!r} is out of range 0..{self.groups - 1}")
@@ -176,6 +189,11 @@ class Hosts(Addressing):
                 raise InvalidRequest(f"hosts_change move_done: Raft group {group}'s move has not reached catch_up")
             members = tuple(sorted({*self.placed[group], move.target} - {move.source}))
             placed = self.placed[:group] + (members,) + self.placed[group + 1:]
+            if (move.source, move.target) in self.replacing and self.preferred_leader(group) == move.source:
+                # a replacement takes over what its old host led: the spread of leaders is kept
+                leaders = list(self.leaders) or [0] * self.groups
+                leaders[group] = move.target
+                return self._next(placed=placed, moves=others, leaders=tuple(leaders))
             return self._next(placed=placed, moves=others)
         return self._next(moves=others)           # move_abort
 
@@ -200,6 +218,27 @@ class Hosts(Addressing):
         if node in self.members(0):
             raise InvalidRequest(f"drain-host: {address} serves Raft group 0, whose replica cannot be moved yet")
         return self._next(draining=tuple(sorted((*self.draining, node))))
+
+    def _replace_host(self, old: Any, new: Any) -> "Hosts":
+        """``new`` joins as a host and ``old`` drains into it: every replica old serves moves to
+        new (drain_plan). Repeating it changes nothing, so a replace run again resumes."""
+        if not isinstance(old, str) or not isinstance(new, str) or ":" not in new:
+            raise InvalidRequest(f"replace: OLD and NEW are hosts' Raft addresses HOST:PORT, not {old!r} and {new!r}")
+        if old == new:
+            raise InvalidRequest(f"replace: OLD and NEW are the same address {old}")
+        node = self.node_of(old)
+        if new in self.nodes:
+            if (node, self.nodes.index(new) + 1) in self.replacing:
+                return self           # the same replace again: under way
+            raise InvalidRequest(f"replace: {new} is already host {self.nodes.index(new) + 1} of this cluster; "
+                                 "a replacement is a new host (to empty a host into the others: drain-host)")
+        if node in self.draining:
+            raise InvalidRequest(f"replace: {old} (node {node}) is already draining or drained")
+        if node in self.members(0):
+            raise InvalidRequest(f"replace: {old} serves Raft group 0, whose replica cannot be moved yet")
+        added = self._add_host(new)
+        return dataclasses.replace(added, draining=tuple(sorted((*self.draining, node))),
+                                   replacing=tuple(sorted((*self.replacing, (node, len(added.nodes))))))
 
     def _set_leader(self, group: int, leader: Any) -> "Hosts":
         if type(leader) is not int or leader not in self.placed[group]:

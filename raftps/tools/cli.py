@@ -288,11 +288,11 @@ def member(args: argparse.Namespace) -> int:
             print("raftps member: list | add NODE | remove NODE | replace OLD NEW (NODE: a Raft address host:port)",
                   file=sys.stderr)
             return 2
+        if args.action == "replace" and elastic_cli.replace_member(args):    # several Raft groups
+            return 0
         with _client(args, timeout=args.timeout) as client:
-            if args.action == "replace":
-                out = client.members("replace", node=args.nodes[1], old=args.nodes[0])
-            else:
-                out = client.members(args.action, node=args.nodes[0] if args.nodes else None)
+            old = {"old": args.nodes[0], "node": args.nodes[1]} if args.action == "replace" else {}
+            out = client.members(args.action, **{"node": args.nodes[0] if args.nodes else None, **old})
         if "changed" in out:
             print("changed" if out["changed"] else "nothing to change")
         print("members: " + ", ".join(out["members"]))

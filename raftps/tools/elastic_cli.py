@@ -125,22 +125,42 @@ def change_and_wait(args: argparse.Namespace, action: str, address: str) -> int:
     return 0
 
 
-def _bar(total: int) -> Any:
+def replace_member(args: argparse.Namespace) -> bool:
+    """``raftps member replace OLD NEW`` on a cluster of several Raft groups (False when it runs
+    one: the member op replaces there): NEW joins the hosts record and OLD drains into it, one
+    group at a time, with a bar (replace_host, docs/design/elastic.md). Run again, it resumes."""
+    old, new = args.nodes
+    with open_admin(args) as admin:
+        if admin.groups() == 1:
+            return False
+        record = admin.change("replace_host", address=old, new=new)
+        node = record.node_of(old)
+        print(f"{new} is node {record.node_of(new)}, replacing {old} (node {node}): start it with serve --join; "
+              "the replicas move to it one Raft group at a time", flush=True)
+        with _bar(max(1, len(record.hosted_by(node))), "replacing") as advance:
+            record, moved = admin.drain(old, catch_up_timeout=args.timeout, on_plan=lambda done, _: advance(done))
+    print(f"replaced {old} with {new}: {moved} replica(s) moved; the old node exits. Its id {node} stays in the "
+          "record, retired: a running node knows itself by its id, so ids are never renumbered or reused")
+    print(describe(record))
+    return True
+
+
+def _bar(total: int, label: str = "rebalancing") -> Any:
     """A rich progress bar of the placement loop's steps (a line per step without rich)."""
     try:
         from rich.progress import Progress
     except ImportError:                        # rich comes with raftps[ops]
-        return _TextBar(total)
-    return _RichBar(Progress(transient=False), total)
+        return _TextBar(total, label)
+    return _RichBar(Progress(transient=False), total, label)
 
 
 class _RichBar:
-    def __init__(self, progress: Any, total: int):
-        self.progress, self.total = progress, total
+    def __init__(self, progress: Any, total: int, label: str):
+        self.progress, self.total, self.label = progress, total, label
 
     def __enter__(self) -> Callable[[int], None]:
         self.progress.start()
-        task = self.progress.add_task("rebalancing", total=self.total)
+        task = self.progress.add_task(self.label, total=self.total)
         return lambda done: self.progress.update(task, completed=done)
 
     def __exit__(self, *exc: object) -> None:
@@ -148,8 +168,8 @@ class _RichBar:
 
 
 class _TextBar:
-    def __init__(self, total: int):
-        self.total, self.done = total, -1
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done = total, label, -1
 
     def __enter__(self) -> Callable[[int], None]:
         return self.advance
@@ -157,7 +177,7 @@ class _TextBar:
     def advance(self, done: int) -> None:
         if done != self.done:
             self.done = done
-            print(f"rebalancing: {done}/{self.total} steps", flush=True)
+            print(f"{self.label}: {done}/{self.total} steps", flush=True)
 
     def __exit__(self, *exc: object) -> None:
         pass

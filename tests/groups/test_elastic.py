@@ -7,6 +7,7 @@ clients routed by the old layout keep working, and every node follows the same h
 Bad commands change nothing."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,8 +25,8 @@ GROUP = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def hosts_cmd(cl, *args, ok=True, timeout=90):
-    done = subprocess.run([sys.executable, "-m", "raftps", "hosts", *args, "--cluster", cl.addresses,
+def hosts_cmd(cl, *args, ok=True, timeout=90, command="hosts"):
+    done = subprocess.run([sys.executable, "-m", "raftps", command, *args, "--cluster", cl.addresses,
                            "--timeout", str(timeout)], env={**os.environ, **cl.client_env, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=150)
     assert (done.returncode == 0) == ok, (args, done.stdout, done.stderr)
@@ -150,6 +151,12 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
             ok = message == "nothing to change"           # a finished move, run again
             said = hosts_cmd(cl, *args, ok=ok)
             assert message in said.splitlines()[0] and (ok or len(said.strip().splitlines()) == 1), (args, said)
+        for args, message in [((cl.peers[3], cl.peers[3]), "the same address"),
+                              (("127.0.0.1:1", "127.0.0.1:2"), "127.0.0.1:1 is not a host"),
+                              ((cl.peers[3], cl.peers[1]), "is already host 2"),
+                              ((cl.peers[0], "127.0.0.1:2"), "serves Raft group 0")]:
+            said = hosts_cmd(cl, "replace", *args, ok=False, command="member")
+            assert message in said and len(said.strip().splitlines()) == 1, (args, said)
         assert f"hosts epoch {epoch}:" in hosts_cmd(cl, "list")
 
         # a move whose target is not up is rolled back; group 2 commits throughout (3 live voters
@@ -182,18 +189,39 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         assert f"drained {new_addr}: 1 replica(s) moved" in out, out
         until("the drained node exits", lambda: not cl.is_up(new))
         load.wait(10)
+
+        # node 4 is replaced by a seventh host (member replace), started first: a joining host
+        # waits for the record to give it a group. Interrupted (the new host paused with SIGSTOP
+        # through the first catch-up), then run again, it moves each of node 4's replicas to the
+        # new host; node 4 exits
+        spare = cl.add_node()
+        cl.start_node(spare, ("--join",))
+        time.sleep(3)                                     # three polls of a record that names it nowhere
+        assert cl.is_up(spare)
+        os.kill(cl.pid(spare), signal.SIGSTOP)
+        try:
+            said = hosts_cmd(cl, "replace", cl.peers[3], cl.peers[spare - 1], ok=False, timeout=3, command="member")
+            assert "did not catch up" in said, said
+        finally:
+            os.kill(cl.pid(spare), signal.SIGCONT)
+        out = hosts_cmd(cl, "replace", cl.peers[3], cl.peers[spare - 1], command="member")
+        assert f"replaced {cl.peers[3]} with {cl.peers[spare - 1]}: " in out and "id 4 stays" in out, out
+        until("the replaced node exits", lambda: not cl.is_up(4))
+        load.wait(10)
         epoch = int(out.split("hosts epoch ")[1].split(":")[0])
         acked, unknown = load.finish()
 
-        # every node still serving holds the newest record; the drained one left by following a
-        # record that places it in no group (that record, or a later one it saw before it exited)
+        # every node still serving holds the newest record; the drained ones left by following a
+        # record that places them in no group (that record, or a later one seen before exiting)
         def records():
-            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in range(1, 7) if n != new]
+            got = [json.load(open(os.path.join(cl.data_dir(n), "hosts.json"))) for n in (1, 2, 3, late, spare)]
             return got if all(r == got[0] and r["epoch"] == epoch for r in got) else None
         placed = until("every node follows the newest record", records)[0]["placed"]
-        left_by = json.load(open(os.path.join(cl.data_dir(new), "hosts.json")))
-        assert left_by["epoch"] <= epoch and all(new not in m for m in left_by["placed"]), left_by
-        assert all(len(m) == 3 and new not in m for m in placed) and placed[2] == [3, 4, late], placed
+        for gone in (new, 4):
+            left_by = json.load(open(os.path.join(cl.data_dir(gone), "hosts.json")))
+            assert left_by["epoch"] <= epoch and all(gone not in m for m in left_by["placed"]), left_by
+        assert all(len(m) == 3 and new not in m and 4 not in m for m in placed), placed
+        assert placed[2] == [3, late, spare], placed         # node 4's place, taken by the new host
         for group, members in enumerate(placed):          # each group's replicas agree, one leads
             def agreeing():
                 rows = [group_rows(cl, n).get(group) for n in members]
@@ -217,27 +245,40 @@ def test_the_placement_loop_refills_a_dead_hosts_replica(tmp_path):
     outside the group, with no one asking. Pushes go on throughout; nothing is lost or doubled."""
     cl = LocalCluster(str(tmp_path), nodes=4, base_port=LOOP_BASE, groups=2, extra_args=["--dead-host-timeout", "3"])
     try:
-        cl.start(timeout=90)
-        names = [f"ctr{i}" for i in range(8)]
-        with cl.client() as c:
-            c.create_many({n: np.zeros(1) for n in names}, {n: {"name": "sgd", "lr": 1.0} for n in names})
-        load = Load(cl, names)
-        load.wait(10)
+        names, load = started_under_load(cl)
         cl.kill(4)
         until("node 1 serves group 1", lambda: 1 in group_rows(cl, 1), timeout=90)
         assert "group 1: nodes 1,2,3\n" in until("the move is done", lambda: (lambda out: out if "moving" not in out
                                                                              else None)(hosts_cmd(cl, "list")))
-        load.wait(10)
-        acked, unknown = load.finish()
-        def agreeing():
-            rows = [group_rows(cl, n).get(1) for n in (1, 2, 3)]
-            return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
-        rows = until("group 1's replicas agree", agreeing)
+        rows = refilled_on_node_1(cl, load, names)
         group_1_ports = [f"127.0.0.1:{LOOP_BASE + 400 + n}" for n in (1, 2, 3)]     # Raft port + 400 g
         assert all(sorted(r["members"]) == group_1_ports for r in rows), rows
-        with cl.client() as c:
-            totals = c.pull(names)[0]
-        for n in names:
-            assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
     finally:
         cl.wipe()
+
+
+def started_under_load(cl):
+    """Start ``cl``, create 8 counters and push to them (a Load, 10 pushes in): (names, load)."""
+    cl.start(timeout=90)
+    names = [f"ctr{i}" for i in range(8)]
+    with cl.client() as c:
+        c.create_many({n: np.zeros(1) for n in names}, {n: {"name": "sgd", "lr": 1.0} for n in names})
+    load = Load(cl, names)
+    load.wait(10)
+    return names, load
+
+
+def refilled_on_node_1(cl, load, names):
+    """Once node 4's replica of group 1 went to node 1: 10 more pushes, the load stopped, group
+    1's replicas on nodes 1, 2, 3 agree (their rows), every acknowledged push applied once."""
+    load.wait(10)
+    acked, unknown = load.finish()
+    def agreeing():
+        rows = [group_rows(cl, n).get(1) for n in (1, 2, 3)]
+        return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
+    rows = until("group 1's replicas agree", agreeing)
+    with cl.client() as c:
+        totals = c.pull(names)[0]
+    for n in names:
+        assert acked <= int(totals[n][0]) <= acked + unknown, (n, acked, unknown, totals[n])
+    return rows

@@ -126,3 +126,34 @@ def test_a_move_in_flight_to_a_silent_node_keeps_its_target_in_a_drain_plan():
     moving = hosts.change({"action": "move_start", "move_group": 1, "source": 3, "target": 5})
     # group 0 -> 4 (outside {1,2,3}, 5 avoided), group 1 keeps its move's target 5, group 2 -> 2
     assert moving.drain_plan(3, avoid=frozenset({5})) == [(0, 4), (1, 5), (2, 2)]
+
+
+def test_a_replaced_host_hands_its_groups_and_the_leaders_it_had_to_its_replacement():
+    """replace_host: node 4 (groups 1, 2; named leader of group 2) is replaced by a new node 5.
+    Each of its replicas goes to node 5, whatever the loads; node 5 takes over group 2's lead."""
+    hosts = start().change({"action": "set_leader", "move_group": 2, "target": 4})
+    replacing = hosts.change({"action": "replace_host", "address": NODES[3], "new": "127.0.0.1:9005"})
+    assert replacing.nodes[4] == "127.0.0.1:9005" and replacing.draining == (4,) and replacing.epoch == 2
+    assert replacing.drain_plan(4) == [(1, 5), (2, 5)]
+    # run again (an interrupted replace resumed): nothing changes
+    assert replacing.change({"action": "replace_host", "address": NODES[3], "new": "127.0.0.1:9005"}) is replacing
+    done = replacing
+    for group in (1, 2):
+        done = done.change({"action": "move_start", "move_group": group, "source": 4, "target": 5})
+        done = done.change({"action": "move_stage", "move_group": group})
+        done = done.change({"action": "move_done", "move_group": group})
+    assert done.placed == ((1, 2, 3), (2, 3, 5), (1, 3, 5)) and done.hosted_by(4) == []
+    assert done.preferred_leader(2) == 5 and done.preferred_leader(1) == 2
+    assert Hosts.from_record(done.record()) == done
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("127.0.0.1:1", "127.0.0.1:9005", r"127.0.0.1:1 is not a host of this cluster"),
+    (NODES[3], NODES[1], "127.0.0.1:9002 is already host 2 of this cluster"),
+    (NODES[3], NODES[3], "the same address 127.0.0.1:9004"),
+    (NODES[0], "127.0.0.1:9005", "serves Raft group 0"),
+    (NODES[3], "nohost", "HOST:PORT"),
+])
+def test_a_bad_replace_is_refused(old, new, message):
+    with pytest.raises(InvalidRequest, match=message):
+        start().change({"action": "replace_host", "address": old, "new": new})

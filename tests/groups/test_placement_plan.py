@@ -86,3 +86,19 @@ def test_a_draining_node_is_emptied_and_drain_refusals():
         hosts.change({"action": "move_start", "move_group": 1, "source": 2, "target": 5})
     assert hosts.change({"action": "drain_host", "address": NODES[4]}) is hosts
     assert Hosts.from_record(hosts.record()) == hosts
+
+
+def test_an_added_host_that_never_answered_is_rolled_back_from_never_refilled_from():
+    """Node 6 was added and a move of g2 to it reached catch_up, but node 6 was never started
+    (it never answered a heartbeat). While within the dead-host timeout the loop waits; past it,
+    the move is rolled back: node 6's share of g2 was never a replica, so nothing is re-created
+    from it (placement_loop.py counts a silent node as dead only while it serves a group)."""
+    hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
+    hosts = hosts.change({"action": "move_start", "move_group": 2, "source": 3, "target": 6})
+    hosts = hosts.change({"action": "move_stage", "move_group": 2})
+    up = frozenset(range(1, 6))
+    assert hosts.hosted_by(6) == [2]
+    assert next_step(hosts, up) is None
+    assert next_step(hosts, up, dead=frozenset({6})) == Step("abort", 2, 3, 6)
+    rolled_back = apply(hosts, Step("abort", 2, 3, 6))
+    assert rolled_back.hosted_by(6) == [] and rolled_back.placed == six_groups_five_nodes().placed

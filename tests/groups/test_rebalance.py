@@ -185,7 +185,7 @@ def test_bad_commands_change_nothing(cl):
     for args, message in [(("add-host", cl.peers[0]), "already host 1"),
                           (("drain-host", "127.0.0.1:1"), "not a host of this cluster"),
                           (("drain-host", cl.peers[0]), "serves Raft group 0"),
-                          (("member", "replace", cl.peers[3], "127.0.0.1:1"), "drain-host OLD")]:
+                          (("member", "replace", cl.peers[3], cl.peers[1]), "is already host 2")]:
         command = "member" if args[0] == "member" else "cluster"
         said = cluster_cmd(cl, *args[command == "member":], ok=False, command=command)
         assert message in said and len(said.strip().splitlines()) == 1, (args, said)
