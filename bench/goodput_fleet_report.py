@@ -124,6 +124,15 @@ def report(record: dict[str, Any], png: str) -> str:
     return "\n".join(lines)
 
 
+def raftps_setup(setup: dict[str, Any]) -> str:
+    """The raftps configuration the run used, as the report's header states it."""
+    chunks = (f"sync steps streamed in chunks of {setup['chunk_bytes']:,} bytes on links of at most 100 Mbit/s "
+              "(whole parts on faster ones)" if setup["chunk_bytes"] else "sync steps sent whole")
+    return (f"raftps as documented for a fleet: the model sharded over {setup['groups']} Raft group(s), their leaders "
+            f"on different store hosts; {chunks}; DiLoCo's pseudo-gradients as {setup['compress']} (the asynchronous "
+            "DiLoCo's dense).")
+
+
 def plot(results: list[dict], links: list[str], png: str) -> str:
     """Time to target against link rate, one line per configuration (dashed: under the schedule)."""
     import matplotlib
@@ -193,6 +202,12 @@ def main(argv: list[str]) -> int:
                     "between 15%% and 50%% of it)")
     ap.add_argument("--schedule", choices=("both", "off", "on"), default="both",
                     help="run every configuration without the failure schedule, with it, or both")
+    ap.add_argument("--groups", type=int, default=3, help="raftps: Raft groups the model is sharded over (leaders "
+                    "on different store hosts)")
+    ap.add_argument("--chunk-bytes", type=int, default=53_000, help="raftps sync: a step streamed in chunks of this "
+                    "many bytes on links of at most 100 Mbit/s (0: whole parts everywhere)")
+    ap.add_argument("--compress", choices=("none", "fp16", "int8"), default="int8",
+                    help="raftps DiLoCo: its pseudo-gradients on the wire")
     ap.add_argument("--net", default="rpsgp,10.79.21", help="the fleet's namespace prefix and /24 subnet (two "
                     "runs at once need two)")
     ap.add_argument("--base-port", type=int, default=24000)
@@ -225,7 +240,8 @@ def main(argv: list[str]) -> int:
         os.makedirs(run_dir, exist_ok=True)
         plan = gf.Plan(links, a.budget, a.eval_every, a.sync_every, a.outer, a.timeout, a.seed, a.mean_interval,
                        a.return_delay, run_dir, a.base_port,
-                       {"both": (False, True), "off": (False,), "on": (True,)}[a.schedule], tuple(a.net.split(",")))
+                       {"both": (False, True), "off": (False,), "on": (True,)}[a.schedule], tuple(a.net.split(",")),
+                       groups=a.groups, chunk_bytes=a.chunk_bytes, compress=a.compress)
         chosen = ["ddp"] + [c for c in configs if c != "ddp" and not (skip and c.startswith("torchft"))]
         for link in links:
             results += [{"config": c, "link": link, "faults": f, "skipped": skip} for c in configs
@@ -238,7 +254,7 @@ def main(argv: list[str]) -> int:
             "load": (load0, os.getloadavg()[0]), "seconds": round(time.monotonic() - t0),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "torch": __import__("torch").__version__, "torchft": "missing" if skip else _version("torchft"),
-            "lr": char_gpt_lr()}
+            "lr": char_gpt_lr(), "raftps": {"groups": a.groups, "chunk_bytes": a.chunk_bytes, "compress": a.compress}}
     record = {"meta": meta, "results": results, "targets": targets(results)}
     print(write(record, a.out, a.name))
     return 1 if any("error" in r for r in results) else 0

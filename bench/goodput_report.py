@@ -114,20 +114,28 @@ def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, 
     return out
 
 
-def store_check(applied: int, versions: dict[str, int], acked: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Synchronous DiLoCo through the kills: rounds 0..``applied`` applied, so every global tensor
-    must have had exactly ``applied`` + 1 updates (none applied twice, none half-applied), and no
-    round acknowledged to a worker (``acked``: rank, fragment, round) may lie past ``applied``."""
-    rounds = applied + 1
-    wrong = {n: v for n, v in sorted(versions.items()) if v != rounds}
-    lost = sorted({r for _, _, r in acked if r > applied})
+def store_check(applied: int | dict[str, int], versions: dict[str, int],
+                acked: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Synchronous DiLoCo (or sync) through the kills: rounds 0..``applied`` applied, so every
+    global tensor must have had exactly ``applied`` + 1 updates (none applied twice, none
+    half-applied), and no round acknowledged to a worker (``acked``: rank, fragment, round) may lie
+    past ``applied``. ``applied`` per tensor ({name: the last round its unit applied}): a round that
+    applies in units (Raft groups, a sync step's chunks) may have applied in some units and not yet
+    in others when the workers were stopped; an acknowledgement is checked against the lowest unit."""
+    per = applied if isinstance(applied, dict) else {n: applied for n in versions}
+    lowest = min(per.values(), default=-1)
+    wrong = {n: v for n, v in sorted(versions.items()) if v != per.get(n, lowest) + 1}
+    lost = sorted({r for _, _, r in acked if r > lowest})
     ok = bool(versions) and not wrong and not lost
-    verdict = (f"{rounds} rounds applied, each of the {len(versions)} global tensors updated exactly {rounds} times; "
-               f"{len(acked)} acknowledgements (rounds up to {max((r for _, _, r in acked), default=-1)}), none "
+    counts = sorted({per.get(n, lowest) + 1 for n in versions}) or [lowest + 1]
+    times = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    verdict = (f"{lowest + 1} rounds applied, each of the {len(versions)} global tensors updated exactly {times} times"
+               + ("" if len(counts) == 1 else " (each as often as its unit applied: a round in flight at the stop)")
+               + f"; {len(acked)} acknowledgements (rounds up to {max((r for _, _, r in acked), default=-1)}), none "
                "past the store's last applied round" if ok else
-               f"FAILED: {rounds} rounds applied; tensors with another update count: {wrong}; acknowledged rounds "
+               f"FAILED: {lowest + 1} rounds applied; tensors with another update count: {wrong}; acknowledged rounds "
                f"the store has not applied: {lost}" + ("; no global tensors found" if not versions else ""))
-    return {"ok": ok, "rounds_applied": rounds, "tensors": len(versions), "acknowledged": len(acked),
+    return {"ok": ok, "rounds_applied": lowest + 1, "tensors": len(versions), "acknowledged": len(acked),
             "verdict": verdict}
 
 

@@ -49,6 +49,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
     ap.add_argument("--outer", choices=sorted(OUTERS), default="average", help="synchronous DiLoCo's outer step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compress", choices=["none", "fp16", "int8"], default="none",
+                    help="raftps DiLoCo: pseudo-gradients on the wire (int8: per-block scales, decoded in the store)")
     ap.add_argument("--prefix", default="goodput", help="raftps tensor prefix")
     ap.add_argument("--wrapper", choices=["flat", "pure", "ddp"], default="flat",
                     help="torchft-ddp: one all-reduce of the flattened gradients per step (default), "
@@ -210,7 +212,8 @@ def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ran
     spec = OUTERS[args.outer]
     outer = ({"outer": {"name": "momentum" if spec.get("momentum") else "sgd", **spec}} if mode == "diloco" else {})
     opt = rpt.DistributedOptimizer(inner, model=model, mode=mode, sync_every=args.sync_every, prefix=args.prefix,
-                                   rank=rank, world_size=ranks, **outer)
+                                   rank=rank, world_size=ranks, compress=None if args.compress == "none" else args.compress,
+                                   **outer)
     start = int(opt.start_step)
     if rank != 0 and start:
         print(f"[rank {rank}] char_gpt: resumed at global batch {start}", flush=True)

@@ -62,6 +62,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--n-push", type=int, default=1, help="raftps async: local steps summed per push")
     ap.add_argument("--n-fetch", type=int, default=1, help="raftps async: steps between pulls")
     ap.add_argument("--staleness-aware", action="store_true", help="raftps async: store divides lr by staleness")
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="raftps sync: each step streamed in chunks of whole tensors of up to this many bytes "
+                         "(pays on slow links: docs/design/write-path.md); 0 sends each group's part whole")
     ap.add_argument("--steps", type=int, default=defaults["steps"], help="global batches in the whole run")
     ap.add_argument("--batch", type=int, default=defaults["batch"], help="global batch (split over ranks in sync/ddp)")
     ap.add_argument("--lr", type=float, default=defaults["lr"], help="Adam learning rate")
@@ -105,6 +108,10 @@ class Backend:
             adam = torch.optim.Adam(model.parameters(), lr=args.lr)
             options = (dict(sync_every=args.sync_every, outer=OUTERS[args.outer]) if args.mode.startswith("diloco")
                        else dict(n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware))
+            if args.chunk_bytes:
+                if args.mode != "sync":
+                    raise SystemExit(f"--chunk-bytes is for --mode sync, not {args.mode}")
+                options["chunk_bytes"] = args.chunk_bytes
             self.opt = rpt.DistributedOptimizer(adam, model=model, cluster=args.cluster, mode=args.mode,
                                                 prefix=prefix, rank=rank, world_size=world, **options)
             self.start_step = int(self.opt.start_step)

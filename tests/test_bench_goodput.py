@@ -115,6 +115,22 @@ def test_store_check_finds_a_round_applied_twice_or_acknowledged_and_lost():
     assert not store_check(4, {}, acked)["ok"]
 
 
+def test_store_check_per_unit_counts_a_step_stopped_halfway_through_its_chunks():
+    """A sync step streamed in chunks (or sharded over Raft groups) applies unit by unit: workers
+    stopped mid-step leave some units one step ahead. Each tensor is checked against its own
+    unit's applied step; an acknowledgement is checked against the lowest unit's."""
+    store_check = goodput_report.store_check
+    applied = {"p/a": 6, "p/b": 5}              # p/a's chunk applied step 6, p/b's not yet
+    acked = [(0, 0, n) for n in range(6)]        # rank 0 was acknowledged steps 0..5
+    good = store_check(applied, {"p/a": 7, "p/b": 6}, acked)
+    assert good["ok"] and good["rounds_applied"] == 6, good["verdict"]
+    assert "6-7 times" in good["verdict"]
+    twice = store_check(applied, {"p/a": 7, "p/b": 7}, acked)
+    assert not twice["ok"] and "'p/b': 7" in twice["verdict"]
+    lost = store_check({"p/a": 4, "p/b": 5}, {"p/a": 5, "p/b": 6}, acked)
+    assert not lost["ok"] and "not applied: [5]" in lost["verdict"]
+
+
 def _gone(pid: int) -> bool:
     """No such process, or a zombie (dead, waiting for init to reap it)."""
     try:
