@@ -44,8 +44,19 @@ def targets(results: list[dict]) -> list[dict[str, Any]]:
     clean, faulty = _by(results, "100mbit", False), _by(results, "100mbit", True)
     steps = lambda r: r.get("steps_before_fault_per_s") if r else None       # noqa: E731
     ttt = lambda r: r.get("wall_to_target_s") if r else None                  # noqa: E731
+    val = lambda r: r.get("val_at_budget") if r else None                     # noqa: E731
+    unshaped = _by(results, "unshaped", False)
+    add("100 Mbit/s, no faults: raftps sync steps/s / DDP's", _ratio(steps(clean.get("raftps-sync")),
+                                                                   steps(clean.get("ddp"))), 1.0, at_most=False)
+    add("unshaped, no faults: raftps sync steps/s / DDP's", _ratio(steps(unshaped.get("raftps-sync")),
+                                                                 steps(unshaped.get("ddp"))), 0.9, at_most=False)
+    same = [abs(val(by.get("raftps-sync")) - val(by.get("ddp"))) for by in (clean, unshaped)
+            if val(by.get("raftps-sync")) is not None and val(by.get("ddp")) is not None]
+    add("no faults: raftps sync's validation loss at the budget - DDP's (the largest gap)", max(same) if same else None, 0.0)
     add("100 Mbit/s, no faults: raftps DiLoCo steps/s / DDP's", _ratio(steps(clean.get("raftps-diloco")),
                                                                        steps(clean.get("ddp"))), 4.0, at_most=False)
+    add("100 Mbit/s, no faults: raftps DiLoCo's validation loss at the budget / sync's",
+        _ratio(val(clean.get("raftps-diloco")), val(clean.get("raftps-sync"))), 1.05)
     add("100 Mbit/s, schedule: raftps DiLoCo time to target / DDP + checkpoint-restart's",
         _ratio(ttt(faulty.get("raftps-diloco")), ttt(faulty.get("ddp-ckpt"))), 0.5)
     add("100 Mbit/s, schedule: raftps DiLoCo time to target / torchft DiLoCo's",
@@ -56,6 +67,9 @@ def targets(results: list[dict]) -> list[dict[str, Any]]:
         _ratio(ttt(_by(results, "unshaped", True).get("raftps-diloco")), ttt(_by(results, "unshaped", False).get("ddp"))), 1.1)
     backs = [b["to_contribute_s"] for r in results if r.get("config", "").startswith("raftps") for b in r.get("returns", [])]
     add("raftps: the slowest returning worker's seconds to contribute again", max(backs) if backs else None, RETURN_LIMIT_S)
+    checks = [r["store_check"]["ok"] for r in results if r.get("store_check")]
+    add("raftps store checks failed (nothing acknowledged lost or applied twice)",
+        float(checks.count(False)) if checks else None, 0.0)
     return out
 
 

@@ -229,6 +229,19 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     assert got["100 Mbit/s, schedule: raftps sync time to target / DDP + checkpoint-restart's"]["met"] is False   # 0.95
     assert got["100 Mbit/s, schedule: raftps DiLoCo time to target / torchft DiLoCo's"]["met"] is None           # skipped
     assert got["raftps: the slowest returning worker's seconds to contribute again"]["value"] == 12.5
+    assert got["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["met"] is None                   # not run
+    assert got["raftps store checks failed (nothing acknowledged lost or applied twice)"]["value"] is None
+    both = results + [_fleet_row("raftps-sync", "100mbit", False, 40.0, 0.8), _fleet_row("raftps-sync", "unshaped", False, 9.0, 2.7),
+                      _fleet_row("ddp", "unshaped", False, 8.0, 3.0)]
+    both[-3].update(val_at_budget=2.4, store_check={"ok": True})           # sync 2.4, DiLoCo 2.5: 1.04x
+    both[-2]["store_check"] = {"ok": False}
+    more = {t["what"]: t for t in rep.targets(both)}
+    assert more["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["value"] == pytest.approx(0.8)
+    assert more["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["met"] is False
+    assert more["unshaped, no faults: raftps sync steps/s / DDP's"]["met"] is True                   # 0.9
+    assert more["no faults: raftps sync's validation loss at the budget - DDP's (the largest gap)"]["value"] == pytest.approx(0.1)
+    assert more["100 Mbit/s, no faults: raftps DiLoCo's validation loss at the budget / sync's"]["met"] is True
+    assert more["raftps store checks failed (nothing acknowledged lost or applied twice)"]["value"] == 1.0
     meta = {"links": ["100mbit"], "budget": 10, "eval_every": 2, "sync_every": 5, "outer": "average", "seed": 1,
             "mean_interval_s": 40.0, "return_delay_s": 10.0, "target": 2.6, "command": "c", "date": "d", "commit": "x",
             "machine": "m", "load": (1.0, 2.0), "torch": "t", "torchft": "f", "lr": 0.002,
