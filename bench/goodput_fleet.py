@@ -153,10 +153,13 @@ class Ranks:
             with open(w["path"], "rb") as f:
                 f.seek(w["offset"])
                 text = f.read().decode(errors="replace")
-            if re.search(CONTRIBUTING.format(rank=w["rank"]), text):
+            line = re.search(CONTRIBUTING.format(rank=w["rank"]) + r".*", text)
+            if line:
                 self.waiting.remove(w)
+                phases = re.search(r"\((since the process started [^)]*)\)", line.group(0))
                 self.clock.returns.append({"rank": w["rank"], "back_s": round(w["unix"] - self.clock.launch_unix, 1),
-                                           "to_contribute_s": round(time.time() - w["unix"], 1)})
+                                           "to_contribute_s": round(time.time() - w["unix"], 1),
+                                           "phases": phases.group(1) if phases else None})
 
     def done(self) -> bool:
         p = self.procs.get(0)

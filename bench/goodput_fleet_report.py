@@ -129,6 +129,14 @@ def report(record: dict[str, Any], png: str) -> str:
                   "measured on each fleet from worker host 1 to the checkpoint server on store host 2): "
                   + "; ".join(f"{r['link']}: save {r['checkpoint_save_s']:.2f} s, {r['young_daly_s']:.1f} s = every "
                               f"{r['checkpoint_every']} batches" for r in ckpts if not r["faults"]) + "."]
+    slowest = [(max(r["returns"], key=lambda b: b["to_contribute_s"]), r) for r in results
+               if r.get("config", "").startswith("raftps") and r.get("returns")]
+    slowest = [(b, r) for b, r in slowest if b.get("phases")]
+    if slowest:
+        lines += ["", "Where a returning raftps worker's time went (the slowest return of each run, from its own "
+                  "clock; the rest of the seconds to contribute is its launch into the host's namespace):", ""]
+        lines += [f"- {r['link']}, {LABELS[r['config']]}: rank {b['rank']} back at {b['back_s']:.1f} s, contributing "
+                  f"{b['to_contribute_s']:.1f} s later ({b['phases']})" for b, r in slowest]
     checks = [f"- {r['link']}, {'schedule' if r['faults'] else 'no faults'}, {LABELS[r['config']]}: "
               f"{r['store_check']['verdict']}." for r in results if r.get("store_check")]
     if checks:

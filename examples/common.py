@@ -291,6 +291,13 @@ class Metrics:
         return s
 
 
+def startup(imported: float, backend_ready: float, started: float = T_START) -> str:
+    """A process's start, in phases (s): what a returning worker's time to contribute went to."""
+    now = time.time()
+    return (f"since the process started {now - started:.1f} s: imports and model {imported - started:.1f}, "
+            f"backend {backend_ready - imported:.1f}, first step {now - backend_ready:.1f}")
+
+
 def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: Callable[[int], np.ndarray],
           loss_on: Callable[[nn.Module, np.ndarray], torch.Tensor], evaluate: Callable[[nn.Module], float],
           metric: str, higher_is_better: bool) -> dict | None:
@@ -299,7 +306,9 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
     Returns rank 0's summary (None on other ranks)."""
     rank, world = rank_world()
     torch.set_num_threads(args.threads or (1 if world > 1 else torch.get_num_threads()))
+    trained_from = time.time()                  # imports and the model built: the backend (store, rendezvous) next
     backend = Backend(args, model, rank, world, args.prefix or name)
+    backend_ready = time.time()
     label = args.backend + (f" {args.mode}" if args.backend == "raftps" else "") + f" x{world}"
     if args.backend == "raftps" and (args.n_push, args.n_fetch) != (1, 1):
         label += f" (n_push {args.n_push}, n_fetch {args.n_fetch})"
@@ -325,7 +334,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
         if backend.checkpoint_every and (g + 1) % backend.checkpoint_every == 0:
             backend.save_checkpoint(g + 1)
         if g == mine.start:         # bench/goodput_fleet.py times a returning worker to this line
-            print(f"[rank {rank}] contributing: first step done at batch {g + 1}", flush=True)
+            print(f"[rank {rank}] contributing: first step done at batch {g + 1} ({startup(trained_from, backend_ready)})",
+                  flush=True)
         w = 0.9 ** (1 if backend.sharded else world)    # the same time constant in global batches
         ema = loss.item() if ema is None else w * ema + (1 - w) * loss.item()
         if rec is not None:

@@ -233,8 +233,8 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     assert got["raftps store checks failed (nothing acknowledged lost or applied twice)"]["value"] is None
     both = results + [_fleet_row("raftps-sync", "100mbit", False, 40.0, 0.8), _fleet_row("raftps-sync", "unshaped", False, 9.0, 2.7),
                       _fleet_row("ddp", "unshaped", False, 8.0, 3.0)]
-    both[-3].update(val_at_budget=2.4, store_check={"ok": True})           # sync 2.4, DiLoCo 2.5: 1.04x
-    both[-2]["store_check"] = {"ok": False}
+    both[-3].update(val_at_budget=2.4, store_check={"ok": True, "verdict": "fine"})           # sync 2.4, DiLoCo 2.5: 1.04x
+    both[-2]["store_check"] = {"ok": False, "verdict": "FAILED"}
     more = {t["what"]: t for t in rep.targets(both)}
     assert more["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["value"] == pytest.approx(0.8)
     assert more["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["met"] is False
@@ -246,6 +246,10 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
             "mean_interval_s": 40.0, "return_delay_s": 10.0, "target": 2.6, "command": "c", "date": "d", "commit": "x",
             "machine": "m", "load": (1.0, 2.0), "torch": "t", "torchft": "f", "lr": 0.002,
             "faults": [{"at_s": 12.0, "what": "worker", "worker": 1, "back_s": 22.0}]}
+    both[4]["returns"] = [{"rank": 1, "back_s": 20.0, "to_contribute_s": 4.0, "phases": "since the process started 3.9 s"},
+                          {"rank": 2, "back_s": 60.0, "to_contribute_s": 9.0, "phases": "since the process started 8.8 s"}]
+    text = rep.report({"meta": {**meta, "links": ["unshaped", "100mbit"]}, "results": both, "targets": rep.targets(both)}, "x.png")
+    assert "rank 2 back at 60.0 s, contributing 9.0 s later (since the process started 8.8 s)" in text
     md = rep.write({"meta": meta, "results": results, "targets": rep.targets(results)}, str(tmp_path), "gf")
     assert "skipped: not installed" in md and "| NOT met |" in md and "12.0 worker host 2 (back 22.0)" in md
     for name in ("gf.md", "gf.json", "gf.png"):
