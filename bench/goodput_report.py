@@ -94,12 +94,16 @@ def short_steps(kill_step: int | None, resume_step: int | None) -> int | None:
     return max(0, resume_step - kill_step)
 
 
+# how a fault's event text starts: the loopback bench's kills, the fleet bench's preemptions and coordinator loss
+FAULT_EVENTS = ("SIGKILL", "preempt", "lose the coordinator")
+
+
 def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, budget: int, target: float,
               events: list[tuple[float, str]], extra: dict[str, Any]) -> dict[str, Any]:
     """One configuration's report row from its metrics rows and fault events (unix, text)."""
     rows = batch_rows(rows, completed)
     hit = reached(rows, target)
-    first_fault = min((u for u, text in events if text.startswith("SIGKILL")), default=None)
+    first_fault = min((u for u, text in events if text.startswith(FAULT_EVENTS)), default=None)
     evals = [r for r in rows if r["val"] is not None]
     out = {"config": name, "label": LABELS.get(name, name), "target": target, "budget": budget,
            "batches": len(rows), "last_step": rows[-1]["step"] if rows else 0,

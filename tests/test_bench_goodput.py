@@ -44,6 +44,10 @@ def test_a_resume_from_a_checkpoint_counts_recomputed_batches_and_their_tokens()
     assert s["tokens_to_target"] == 26 * goodput_report.TOKENS_PER_BATCH
     assert s["recomputed_steps"] == 2 and s["val_at_budget"] == 2.6 and s["final_val"] == 2.45
     assert s["steps_before_fault_per_s"] == pytest.approx(1.0)   # the rows before the kill only
+    # the fleet bench's faults (bench/goodput_fleet.py's marks) end the rate's window the same way
+    for text in ("preempt worker host 2: ", "lose the coordinator: store node 1"):
+        fleet = goodput_report.summarize("raftps-sync", r, False, T0, 20, 2.5, [(T0 + 17.0, text)], {})
+        assert fleet["steps_before_fault_per_s"] == pytest.approx(1.0), text
 
 
 def test_a_run_that_never_reaches_the_target_reports_none():
