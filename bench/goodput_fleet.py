@@ -334,10 +334,14 @@ def start_torchft(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckp
 
 
 def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt: dict[str, Any]) -> tuple:
-    """(d)-(f): a fresh cluster, one node per store host; one worker per worker host."""
+    """(d)-(f): a fresh cluster, one node per store host, and one worker per worker host, started
+    together."""
     cluster = fleet.cluster(os.path.join(plan.run_dir, f"{name}-{plan.runs}-cluster"), base_port=plan.base_port + 20 * plan.runs,
                             groups=plan.groups)
-    cluster.start(timeout=120)
+    # The store nodes and the workers start together, as torchft's lighthouse and replica groups
+    # do: a worker's client retries until the store answers, so its imports overlap the election.
+    for node in range(1, cluster.nodes + 1):
+        cluster.start_node(node)
     prefix = f"goodput-{name}-{plan.runs}"
     argv = raftps_argv(name, prefix, 2 * plan.budget, plan.eval_every, plan.sync_every, plan.outer, out,
                        chunk_bytes_for(plan, fleet), plan.compress if name == "raftps-diloco" else "none")
@@ -345,6 +349,12 @@ def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt
                                                                 "WORLD_SIZE": str(WORKERS)}), out, clock, whole_group=False)
     ranks.start_all()
     ranks.cluster, ranks.prefix = cluster, prefix
+    try:
+        cluster.wait_ready(120)
+    except BaseException:
+        ranks.stop()
+        cluster.stop()
+        raise
 
     def cleanup() -> None:
         cluster.stop()
