@@ -78,7 +78,11 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
                     help="ddp/local: a torch.save file of model, optimizer and step (a path, or an http:// "
                          "URL of a file server that takes PUT); loaded at start if it exists")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="ddp/local: global batches between checkpoints")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.chunk_bytes < 0 or (args.chunk_bytes and (args.backend, args.mode) != ("raftps", "sync")):
+        ap.error(f"--chunk-bytes {args.chunk_bytes}: a byte count >= 0, for --backend raftps --mode sync only "
+                 f"(here --backend {args.backend} --mode {args.mode})")
+    return args
 
 
 def rank_world() -> tuple[int, int]:
@@ -108,9 +112,7 @@ class Backend:
             adam = torch.optim.Adam(model.parameters(), lr=args.lr)
             options = (dict(sync_every=args.sync_every, outer=OUTERS[args.outer]) if args.mode.startswith("diloco")
                        else dict(n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware))
-            if args.chunk_bytes:
-                if args.mode != "sync":
-                    raise SystemExit(f"--chunk-bytes is for --mode sync, not {args.mode}")
+            if args.chunk_bytes:                          # sync only (parse_args)
                 options["chunk_bytes"] = args.chunk_bytes
             self.opt = rpt.DistributedOptimizer(adam, model=model, cluster=args.cluster, mode=args.mode,
                                                 prefix=prefix, rank=rank, world_size=world, **options)

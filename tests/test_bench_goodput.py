@@ -119,6 +119,18 @@ def test_store_check_finds_a_round_applied_twice_or_acknowledged_and_lost():
     assert not store_check(4, {}, acked)["ok"]
 
 
+def test_char_gpt_refuses_chunk_bytes_outside_raftps_sync():
+    """examples/char_gpt.py's --chunk-bytes (the fleet bench's raftps sync) is refused, naming it,
+    with another mode or backend, before any model or store is touched."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for extra in (["--backend", "raftps", "--mode", "diloco"], ["--backend", "raftps", "--chunk-bytes", "-1"]):
+        done = subprocess.run([sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--chunk-bytes", "53000", *extra],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "RAFTPS_CLUSTER": "127.0.0.1:9"})
+        assert done.returncode == 2 and "--chunk-bytes" in done.stderr and "raftps --mode sync only" in done.stderr, done.stderr
+
+
 def test_store_check_per_unit_counts_a_step_stopped_halfway_through_its_chunks():
     """A sync step streamed in chunks (or sharded over Raft groups) applies unit by unit: workers
     stopped mid-step leave some units one step ahead. Each tensor is checked against its own
