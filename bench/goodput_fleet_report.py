@@ -195,7 +195,8 @@ def merge(paths: list[str], out: str, name: str) -> str:
     compares configurations of one run only (one link rate)."""
     import json
     records = [json.load(open(p)) for p in paths]
-    meta = {**records[0]["meta"], "links": [link for r in records for link in r["meta"]["links"]],
+    # two runs at one link rate (some configurations each) share its rows and its point on the plot
+    meta = {**records[0]["meta"], "links": list(dict.fromkeys(link for r in records for link in r["meta"]["links"])),
             "command": "; ".join(r["meta"]["command"] for r in records),
             "date": ", ".join(r["meta"]["date"] for r in records),
             "commit": ", ".join(r["meta"]["commit"] for r in records),

@@ -280,6 +280,8 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     md = rep.merge([str(tmp_path / "gf.json"), str(tmp_path / "gf2.json")], str(tmp_path), "both")
     merged = json.loads((tmp_path / "both.json").read_text())
     assert merged["meta"]["links"] == ["100mbit", "unshaped"] and len(merged["results"]) == len(results) + len(other)
+    rep.merge([str(tmp_path / "gf.json"), str(tmp_path / "gf2.json"), str(tmp_path / "gf2.json")], str(tmp_path), "thrice")
+    assert json.loads((tmp_path / "thrice.json").read_text())["meta"]["links"] == ["100mbit", "unshaped"]
     assert merged["meta"]["targets_by_run"] == [2.6, 2.61] and "never across runs" in md
     got = {t["what"]: t["value"] for t in merged["targets"]}
     assert got["unshaped, raftps DiLoCo under the schedule / DDP without faults, time to target"] == pytest.approx(45 / 30)
