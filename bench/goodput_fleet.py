@@ -362,36 +362,13 @@ def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt
     return ranks, StoreLeader(cluster), cleanup
 
 
-def unit_applied(cluster: Any, job: str, prefix: str, chunk_bytes: int) -> dict[str, int]:
-    """{tensor: the last step (round) its unit applied}: a unit is one Raft group's chunk of a
-    step (its whole part without chunks), with a step sequence of its own (client/job_steps.py's
-    chunk_job). Each unit is read alone: a client told that the unit's job lives in that group."""
-    import numpy as np
-    from raftps.client.job_steps import chunk_job, chunks
-    with cluster.client(timeout=60) as c:
-        parts: dict[int, dict[str, Any]] = {}
-        for row in c.tensors(prefix + "/"):
-            if "/_raftps" not in row["name"]:
-                parts.setdefault(c.group_of(row["name"]), {})[row["name"]] = \
-                    np.broadcast_to(np.zeros((), row["dtype"]), tuple(row["shape"]))
-    out: dict[str, int] = {}
-    for group, part in sorted(parts.items()):
-        with cluster.client(timeout=60) as c:
-            for i, names in enumerate(chunks(part, chunk_bytes)):
-                unit = chunk_job(job, i)
-                c.expect_chunks(unit, {names[0]: (part[names[0]].shape, part[names[0]].dtype.str)}, 0)
-                applied = c.sync_applied(unit)
-                out.update({n: applied for n in names})
-    return out
-
-
 def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list[dict], chunk_bytes: int) -> dict[str, Any]:
     """Nothing acknowledged lost or applied twice: synchronous DiLoCo's rounds (the workers'
     acknowledged rounds against the store's), sync's steps (rank 0's logged steps, each one
     acknowledged to it, against the store's applied steps); every tensor updated once per step
     its unit (Raft group, chunk) applied."""
     from raftps import jobs
-    from .goodput_report import store_check
+    from .goodput_report import store_check, unit_applied
     if name == "raftps-diloco":
         job, chunk_bytes = jobs.diloco_job(prefix, 0, 1), 0
         acked_path = os.path.join(out, ACKED_ROUNDS)

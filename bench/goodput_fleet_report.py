@@ -116,7 +116,6 @@ def report(record: dict[str, Any], png: str) -> str:
                          f"(back {f['back_s']:.1f})" for f in m["faults"]) + ".", ""]
     if m.get("raftps"):
         lines += [raftps_setup(m["raftps"]), ""]
-    lines += [note + "\n" for note in m.get("notes", [])]
     if m.get("merged_from"):
         lines += [f"Merged from {', '.join(m['merged_from'])}: each measured in a run of its own (its target "
                   f"{', '.join(_f(t, '.4f') for t in m['targets_by_run'])}); a ratio below compares configurations "
@@ -202,8 +201,7 @@ def merge(paths: list[str], out: str, name: str) -> str:
             "commit": ", ".join(r["meta"]["commit"] for r in records),
             "load": (min(r["meta"]["load"][0] for r in records), max(r["meta"]["load"][1] for r in records)),
             "merged_from": [os.path.basename(p) for p in paths],
-            "targets_by_run": [r["meta"]["target"] for r in records],
-            "notes": sorted({n for r in records for n in r["meta"].get("notes", [])})}
+            "targets_by_run": [r["meta"]["target"] for r in records]}
     results = [x for r in records for x in r["results"]]
     return write({"meta": meta, "results": results, "targets": targets(results)}, out, name)
 

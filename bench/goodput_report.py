@@ -143,6 +143,29 @@ def store_check(applied: int | dict[str, int], versions: dict[str, int],
             "verdict": verdict}
 
 
+def unit_applied(cluster: Any, job: str, prefix: str, chunk_bytes: int) -> dict[str, int]:
+    """{tensor: the last step (round) its unit applied}: a unit is one Raft group's chunk of a
+    step (its whole part without chunks), with a step sequence of its own (client/job_steps.py's
+    chunk_job). Each unit is read alone: a client told that the unit's job lives in that group."""
+    import numpy as np
+    from raftps.client.job_steps import chunk_job, chunks
+    with cluster.client(timeout=60) as c:
+        parts: dict[int, dict[str, Any]] = {}
+        for row in c.tensors(prefix + "/"):
+            if "/_raftps" not in row["name"]:
+                parts.setdefault(c.group_of(row["name"]), {})[row["name"]] = \
+                    np.broadcast_to(np.zeros((), row["dtype"]), tuple(row["shape"]))
+    out: dict[str, int] = {}
+    for group, part in sorted(parts.items()):
+        with cluster.client(timeout=60) as c:
+            for i, names in enumerate(chunks(part, chunk_bytes)):
+                unit = chunk_job(job, i)
+                c.expect_chunks(unit, {names[0]: (part[names[0]].shape, part[names[0]].dtype.str)}, 0)
+                applied = c.sync_applied(unit)
+                out.update({n: applied for n in names})
+    return out
+
+
 # ---- report ---------------------------------------------------------------------------------
 
 def _f(x: Any, fmt: str = ".2f") -> str:
