@@ -59,6 +59,26 @@ class Plan:
     net: tuple[str, str] = ("rpsgp", "10.79.21")           # the fleet's namespace prefix and subnet
     target: float | None = None
     runs: int = 0
+    # raftps in its best documented configuration on a fleet (docs/choosing-a-mode.md): the model
+    # sharded over ``groups`` Raft groups, their leaders on different store hosts; sync steps
+    # streamed in chunks of ``chunk_bytes`` on links of at most CHUNKED_AT_MOST bits/s (where
+    # bench/results/fleet_step_100mbit_stream.md measured them to pay; unshaped they only cost:
+    # fleet_step_unshaped_stream.md); DiLoCo's pseudo-gradients as ``compress`` (int8: the same
+    # validation loss, bench/results/diloco_quality_int8.md).
+    groups: int = 3
+    chunk_bytes: int = 53_000
+    compress: str = "int8"
+
+
+CHUNKED_AT_MOST = 100e6
+
+
+def chunk_bytes_for(plan: Plan, fleet: Any) -> int:
+    """The sync step's chunk_bytes on this fleet: ``plan.chunk_bytes`` where every link is shaped
+    to at most CHUNKED_AT_MOST, else 0 (whole parts)."""
+    rates = list(fleet.rates.values())
+    slow = all(r is not None and r <= CHUNKED_AT_MOST for r in rates)
+    return plan.chunk_bytes if slow else 0
 
 
 @dataclass
@@ -133,10 +153,13 @@ class Ranks:
             with open(w["path"], "rb") as f:
                 f.seek(w["offset"])
                 text = f.read().decode(errors="replace")
-            if re.search(CONTRIBUTING.format(rank=w["rank"]), text):
+            line = re.search(CONTRIBUTING.format(rank=w["rank"]) + r".*", text)
+            if line:
                 self.waiting.remove(w)
+                phases = re.search(r"\((since the process started [^)]*)\)", line.group(0))
                 self.clock.returns.append({"rank": w["rank"], "back_s": round(w["unix"] - self.clock.launch_unix, 1),
-                                           "to_contribute_s": round(time.time() - w["unix"], 1)})
+                                           "to_contribute_s": round(time.time() - w["unix"], 1),
+                                           "phases": phases.group(1) if phases else None})
 
     def done(self) -> bool:
         p = self.procs.get(0)
@@ -311,15 +334,27 @@ def start_torchft(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckp
 
 
 def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt: dict[str, Any]) -> tuple:
-    """(d)-(f): a fresh cluster, one node per store host; one worker per worker host."""
-    cluster = fleet.cluster(os.path.join(plan.run_dir, f"{name}-{plan.runs}-cluster"), base_port=plan.base_port + 20 * plan.runs)
-    cluster.start(timeout=120)
+    """(d)-(f): a fresh cluster, one node per store host, and one worker per worker host, started
+    together."""
+    cluster = fleet.cluster(os.path.join(plan.run_dir, f"{name}-{plan.runs}-cluster"), base_port=plan.base_port + 20 * plan.runs,
+                            groups=plan.groups)
+    # The store nodes and the workers start together, as torchft's lighthouse and replica groups
+    # do: a worker's client retries until the store answers, so its imports overlap the election.
+    for node in range(1, cluster.nodes + 1):
+        cluster.start_node(node)
     prefix = f"goodput-{name}-{plan.runs}"
-    argv = raftps_argv(name, prefix, 2 * plan.budget, plan.eval_every, plan.sync_every, plan.outer, out)
+    argv = raftps_argv(name, prefix, 2 * plan.budget, plan.eval_every, plan.sync_every, plan.outer, out,
+                       chunk_bytes_for(plan, fleet), plan.compress if name == "raftps-diloco" else "none")
     ranks = Ranks(fleet, lambda r, g: argv, lambda r, g: _env({**cluster.client_env, "RANK": str(r),
                                                                 "WORLD_SIZE": str(WORKERS)}), out, clock, whole_group=False)
     ranks.start_all()
     ranks.cluster, ranks.prefix = cluster, prefix
+    try:
+        cluster.wait_ready(120)
+    except BaseException:
+        ranks.stop()
+        cluster.stop()
+        raise
 
     def cleanup() -> None:
         cluster.stop()
@@ -327,21 +362,23 @@ def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt
     return ranks, StoreLeader(cluster), cleanup
 
 
-def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list[dict]) -> dict[str, Any]:
+def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list[dict], chunk_bytes: int) -> dict[str, Any]:
     """Nothing acknowledged lost or applied twice: synchronous DiLoCo's rounds (the workers'
     acknowledged rounds against the store's), sync's steps (rank 0's logged steps, each one
-    acknowledged to it, against the store's applied steps; every tensor updated once per step)."""
+    acknowledged to it, against the store's applied steps); every tensor updated once per step
+    its unit (Raft group, chunk) applied."""
     from raftps import jobs
-    from .goodput_report import store_check
+    from .goodput_report import store_check, unit_applied
+    if name == "raftps-diloco":
+        job, chunk_bytes = jobs.diloco_job(prefix, 0, 1), 0
+        acked_path = os.path.join(out, ACKED_ROUNDS)
+        lines = open(acked_path).read().split("\n") if os.path.exists(acked_path) else []
+        acked = [tuple(map(int, line.split())) for line in lines if line.strip()]
+    else:
+        job = jobs.job_name(prefix)
+        acked = [(0, 0, int(r["step"]) - 1) for r in rows]
+    applied = unit_applied(cluster, job, prefix, chunk_bytes)
     with cluster.client(timeout=60) as c:
-        if name == "raftps-diloco":
-            applied = c.sync_applied(jobs.diloco_job(prefix, 0, 1))
-            acked_path = os.path.join(out, ACKED_ROUNDS)
-            lines = open(acked_path).read().split("\n") if os.path.exists(acked_path) else []
-            acked = [tuple(map(int, line.split())) for line in lines if line.strip()]
-        else:
-            applied = c.sync_applied(jobs.job_name(prefix))
-            acked = [(0, 0, int(r["step"]) - 1) for r in rows]
         versions = {n: v for n, v in c.export(prefix + "/")["tensor_versions"].items() if "/_raftps" not in n}
     return store_check(applied, versions, acked)
 
@@ -365,7 +402,8 @@ def run_config(fleet: Any, plan: Plan, name: str, link: str, faults: list[Fault]
         if name in ("raftps-sync", "raftps-diloco"):
             ranks.stop()
             try:
-                check = store_check_after(name, ranks.cluster, ranks.prefix, out, batch_rows(rows, completed))
+                check = store_check_after(name, ranks.cluster, ranks.prefix, out, batch_rows(rows, completed),
+                                          chunk_bytes_for(plan, fleet))
             except Exception as e:               # noqa: BLE001 - reported: a check that could not run
                 check = {"ok": False, "verdict": f"FAILED to read the store: {type(e).__name__}: {e}"}
             log(f"goodput fleet {tag}: {check['verdict']}")

@@ -44,8 +44,19 @@ def targets(results: list[dict]) -> list[dict[str, Any]]:
     clean, faulty = _by(results, "100mbit", False), _by(results, "100mbit", True)
     steps = lambda r: r.get("steps_before_fault_per_s") if r else None       # noqa: E731
     ttt = lambda r: r.get("wall_to_target_s") if r else None                  # noqa: E731
+    val = lambda r: r.get("val_at_budget") if r else None                     # noqa: E731
+    unshaped = _by(results, "unshaped", False)
+    add("100 Mbit/s, no faults: raftps sync steps/s / DDP's", _ratio(steps(clean.get("raftps-sync")),
+                                                                   steps(clean.get("ddp"))), 1.0, at_most=False)
+    add("unshaped, no faults: raftps sync steps/s / DDP's", _ratio(steps(unshaped.get("raftps-sync")),
+                                                                 steps(unshaped.get("ddp"))), 0.9, at_most=False)
+    same = [abs(val(by.get("raftps-sync")) - val(by.get("ddp"))) for by in (clean, unshaped)
+            if val(by.get("raftps-sync")) is not None and val(by.get("ddp")) is not None]
+    add("no faults: raftps sync's validation loss at the budget - DDP's (the largest gap)", max(same) if same else None, 0.0)
     add("100 Mbit/s, no faults: raftps DiLoCo steps/s / DDP's", _ratio(steps(clean.get("raftps-diloco")),
                                                                        steps(clean.get("ddp"))), 4.0, at_most=False)
+    add("100 Mbit/s, no faults: raftps DiLoCo's validation loss at the budget / sync's",
+        _ratio(val(clean.get("raftps-diloco")), val(clean.get("raftps-sync"))), 1.05)
     add("100 Mbit/s, schedule: raftps DiLoCo time to target / DDP + checkpoint-restart's",
         _ratio(ttt(faulty.get("raftps-diloco")), ttt(faulty.get("ddp-ckpt"))), 0.5)
     add("100 Mbit/s, schedule: raftps DiLoCo time to target / torchft DiLoCo's",
@@ -56,6 +67,9 @@ def targets(results: list[dict]) -> list[dict[str, Any]]:
         _ratio(ttt(_by(results, "unshaped", True).get("raftps-diloco")), ttt(_by(results, "unshaped", False).get("ddp"))), 1.1)
     backs = [b["to_contribute_s"] for r in results if r.get("config", "").startswith("raftps") for b in r.get("returns", [])]
     add("raftps: the slowest returning worker's seconds to contribute again", max(backs) if backs else None, RETURN_LIMIT_S)
+    checks = [r["store_check"]["ok"] for r in results if r.get("store_check")]
+    add("raftps store checks failed (nothing acknowledged lost or applied twice)",
+        float(checks.count(False)) if checks else None, 0.0)
     return out
 
 
@@ -100,6 +114,8 @@ def report(record: dict[str, Any], png: str) -> str:
              "which holds its rendezvous store). Faults (s since the launch): "
              + "; ".join(f"{f['at_s']:.1f} {'worker host ' + str(f['worker'] + 1) if f['worker'] >= 0 else f['what']} "
                          f"(back {f['back_s']:.1f})" for f in m["faults"]) + ".", ""]
+    if m.get("raftps"):
+        lines += [raftps_setup(m["raftps"]), ""]
     if m.get("merged_from"):
         lines += [f"Merged from {', '.join(m['merged_from'])}: each measured in a run of its own (its target "
                   f"{', '.join(_f(t, '.4f') for t in m['targets_by_run'])}); a ratio below compares configurations "
@@ -115,6 +131,14 @@ def report(record: dict[str, Any], png: str) -> str:
                   "measured on each fleet from worker host 1 to the checkpoint server on store host 2): "
                   + "; ".join(f"{r['link']}: save {r['checkpoint_save_s']:.2f} s, {r['young_daly_s']:.1f} s = every "
                               f"{r['checkpoint_every']} batches" for r in ckpts if not r["faults"]) + "."]
+    slowest = [(max(r["returns"], key=lambda b: b["to_contribute_s"]), r) for r in results
+               if r.get("config", "").startswith("raftps") and r.get("returns")]
+    slowest = [(b, r) for b, r in slowest if b.get("phases")]
+    if slowest:
+        lines += ["", "Where a returning raftps worker's time went (the slowest return of each run, from its own "
+                  "clock; the rest of the seconds to contribute is its launch into the host's namespace):", ""]
+        lines += [f"- {r['link']}, {LABELS[r['config']]}: rank {b['rank']} back at {b['back_s']:.1f} s, contributing "
+                  f"{b['to_contribute_s']:.1f} s later ({b['phases']})" for b, r in slowest]
     checks = [f"- {r['link']}, {'schedule' if r['faults'] else 'no faults'}, {LABELS[r['config']]}: "
               f"{r['store_check']['verdict']}." for r in results if r.get("store_check")]
     if checks:
@@ -122,6 +146,15 @@ def report(record: dict[str, Any], png: str) -> str:
     lines += ["", "raftps async DiLoCo has no such check: its updates carry no round number to count them by.",
               "", f"![time to target against link rate]({os.path.basename(png)})", ""]
     return "\n".join(lines)
+
+
+def raftps_setup(setup: dict[str, Any]) -> str:
+    """The raftps configuration the run used, as the report's header states it."""
+    chunks = (f"sync steps streamed in chunks of {setup['chunk_bytes']:,} bytes on links of at most 100 Mbit/s "
+              "(whole parts on faster ones)" if setup["chunk_bytes"] else "sync steps sent whole")
+    return (f"raftps as documented for a fleet: the model sharded over {setup['groups']} Raft group(s), their leaders "
+            f"on different store hosts; {chunks}; DiLoCo's pseudo-gradients as {setup['compress']} (the asynchronous "
+            "DiLoCo's dense).")
 
 
 def plot(results: list[dict], links: list[str], png: str) -> str:
@@ -161,7 +194,8 @@ def merge(paths: list[str], out: str, name: str) -> str:
     compares configurations of one run only (one link rate)."""
     import json
     records = [json.load(open(p)) for p in paths]
-    meta = {**records[0]["meta"], "links": [link for r in records for link in r["meta"]["links"]],
+    # two runs at one link rate (some configurations each) share its rows and its point on the plot
+    meta = {**records[0]["meta"], "links": list(dict.fromkeys(link for r in records for link in r["meta"]["links"])),
             "command": "; ".join(r["meta"]["command"] for r in records),
             "date": ", ".join(r["meta"]["date"] for r in records),
             "commit": ", ".join(r["meta"]["commit"] for r in records),
@@ -193,6 +227,12 @@ def main(argv: list[str]) -> int:
                     "between 15%% and 50%% of it)")
     ap.add_argument("--schedule", choices=("both", "off", "on"), default="both",
                     help="run every configuration without the failure schedule, with it, or both")
+    ap.add_argument("--groups", type=int, default=3, help="raftps: Raft groups the model is sharded over (leaders "
+                    "on different store hosts)")
+    ap.add_argument("--chunk-bytes", type=int, default=53_000, help="raftps sync: a step streamed in chunks of this "
+                    "many bytes on links of at most 100 Mbit/s (0: whole parts everywhere)")
+    ap.add_argument("--compress", choices=("none", "fp16", "int8"), default="int8",
+                    help="raftps DiLoCo: its pseudo-gradients on the wire")
     ap.add_argument("--net", default="rpsgp,10.79.21", help="the fleet's namespace prefix and /24 subnet (two "
                     "runs at once need two)")
     ap.add_argument("--base-port", type=int, default=24000)
@@ -225,7 +265,8 @@ def main(argv: list[str]) -> int:
         os.makedirs(run_dir, exist_ok=True)
         plan = gf.Plan(links, a.budget, a.eval_every, a.sync_every, a.outer, a.timeout, a.seed, a.mean_interval,
                        a.return_delay, run_dir, a.base_port,
-                       {"both": (False, True), "off": (False,), "on": (True,)}[a.schedule], tuple(a.net.split(",")))
+                       {"both": (False, True), "off": (False,), "on": (True,)}[a.schedule], tuple(a.net.split(",")),
+                       groups=a.groups, chunk_bytes=a.chunk_bytes, compress=a.compress)
         chosen = ["ddp"] + [c for c in configs if c != "ddp" and not (skip and c.startswith("torchft"))]
         for link in links:
             results += [{"config": c, "link": link, "faults": f, "skipped": skip} for c in configs
@@ -238,7 +279,7 @@ def main(argv: list[str]) -> int:
             "load": (load0, os.getloadavg()[0]), "seconds": round(time.monotonic() - t0),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "torch": __import__("torch").__version__, "torchft": "missing" if skip else _version("torchft"),
-            "lr": char_gpt_lr()}
+            "lr": char_gpt_lr(), "raftps": {"groups": a.groups, "chunk_bytes": a.chunk_bytes, "compress": a.compress}}
     record = {"meta": meta, "results": results, "targets": targets(results)}
     print(write(record, a.out, a.name))
     return 1 if any("error" in r for r in results) else 0

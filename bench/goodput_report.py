@@ -94,12 +94,16 @@ def short_steps(kill_step: int | None, resume_step: int | None) -> int | None:
     return max(0, resume_step - kill_step)
 
 
+# how a fault's event text starts: the loopback bench's kills, the fleet bench's preemptions and coordinator loss
+FAULT_EVENTS = ("SIGKILL", "preempt", "lose the coordinator")
+
+
 def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, budget: int, target: float,
               events: list[tuple[float, str]], extra: dict[str, Any]) -> dict[str, Any]:
     """One configuration's report row from its metrics rows and fault events (unix, text)."""
     rows = batch_rows(rows, completed)
     hit = reached(rows, target)
-    first_fault = min((u for u, text in events if text.startswith("SIGKILL")), default=None)
+    first_fault = min((u for u, text in events if text.startswith(FAULT_EVENTS)), default=None)
     evals = [r for r in rows if r["val"] is not None]
     out = {"config": name, "label": LABELS.get(name, name), "target": target, "budget": budget,
            "batches": len(rows), "last_step": rows[-1]["step"] if rows else 0,
@@ -114,21 +118,52 @@ def summarize(name: str, rows: list[dict], completed: bool, launch_unix: float, 
     return out
 
 
-def store_check(applied: int, versions: dict[str, int], acked: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Synchronous DiLoCo through the kills: rounds 0..``applied`` applied, so every global tensor
-    must have had exactly ``applied`` + 1 updates (none applied twice, none half-applied), and no
-    round acknowledged to a worker (``acked``: rank, fragment, round) may lie past ``applied``."""
-    rounds = applied + 1
-    wrong = {n: v for n, v in sorted(versions.items()) if v != rounds}
-    lost = sorted({r for _, _, r in acked if r > applied})
+def store_check(applied: int | dict[str, int], versions: dict[str, int],
+                acked: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Synchronous DiLoCo (or sync) through the kills: rounds 0..``applied`` applied, so every
+    global tensor must have had exactly ``applied`` + 1 updates (none applied twice, none
+    half-applied), and no round acknowledged to a worker (``acked``: rank, fragment, round) may lie
+    past ``applied``. ``applied`` per tensor ({name: the last round its unit applied}): a round that
+    applies in units (Raft groups, a sync step's chunks) may have applied in some units and not yet
+    in others when the workers were stopped; an acknowledgement is checked against the lowest unit."""
+    per = applied if isinstance(applied, dict) else {n: applied for n in versions}
+    lowest = min(per.values(), default=-1)
+    wrong = {n: v for n, v in sorted(versions.items()) if v != per.get(n, lowest) + 1}
+    lost = sorted({r for _, _, r in acked if r > lowest})
     ok = bool(versions) and not wrong and not lost
-    verdict = (f"{rounds} rounds applied, each of the {len(versions)} global tensors updated exactly {rounds} times; "
-               f"{len(acked)} acknowledgements (rounds up to {max((r for _, _, r in acked), default=-1)}), none "
+    counts = sorted({per.get(n, lowest) + 1 for n in versions}) or [lowest + 1]
+    times = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    verdict = (f"{lowest + 1} rounds applied, each of the {len(versions)} global tensors updated exactly {times} times"
+               + ("" if len(counts) == 1 else " (each as often as its unit applied: a round in flight at the stop)")
+               + f"; {len(acked)} acknowledgements (rounds up to {max((r for _, _, r in acked), default=-1)}), none "
                "past the store's last applied round" if ok else
-               f"FAILED: {rounds} rounds applied; tensors with another update count: {wrong}; acknowledged rounds "
+               f"FAILED: {lowest + 1} rounds applied; tensors with another update count: {wrong}; acknowledged rounds "
                f"the store has not applied: {lost}" + ("; no global tensors found" if not versions else ""))
-    return {"ok": ok, "rounds_applied": rounds, "tensors": len(versions), "acknowledged": len(acked),
+    return {"ok": ok, "rounds_applied": lowest + 1, "tensors": len(versions), "acknowledged": len(acked),
             "verdict": verdict}
+
+
+def unit_applied(cluster: Any, job: str, prefix: str, chunk_bytes: int) -> dict[str, int]:
+    """{tensor: the last step (round) its unit applied}: a unit is one Raft group's chunk of a
+    step (its whole part without chunks), with a step sequence of its own (client/job_steps.py's
+    chunk_job). Each unit is read alone: a client told that the unit's job lives in that group."""
+    import numpy as np
+    from raftps.client.job_steps import chunk_job, chunks
+    with cluster.client(timeout=60) as c:
+        parts: dict[int, dict[str, Any]] = {}
+        for row in c.tensors(prefix + "/"):
+            if "/_raftps" not in row["name"]:
+                parts.setdefault(c.group_of(row["name"]), {})[row["name"]] = \
+                    np.broadcast_to(np.zeros((), row["dtype"]), tuple(row["shape"]))
+    out: dict[str, int] = {}
+    for group, part in sorted(parts.items()):
+        with cluster.client(timeout=60) as c:
+            for i, names in enumerate(chunks(part, chunk_bytes)):
+                unit = chunk_job(job, i)
+                c.expect_chunks(unit, {names[0]: (part[names[0]].shape, part[names[0]].dtype.str)}, 0)
+                applied = c.sync_applied(unit)
+                out.update({n: applied for n in names})
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------------

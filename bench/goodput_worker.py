@@ -12,9 +12,13 @@ replica groups participate is appended to ``short_steps.txt`` (those parts of th
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+import time
+
+T_START = time.time()          # about the process's start (before importing torch)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from char_gpt import DEFAULTS, build  # noqa: E402
-from common import Metrics  # noqa: E402
+from common import Metrics, startup  # noqa: E402
 
 KINDS = ("torchft-ddp", "torchft-diloco", "raftps-diloco", "raftps-diloco-async")
 # One inner optimizer for every configuration: DDP's, DDP + checkpoint-restart's, torchft's and
@@ -49,6 +53,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H")
     ap.add_argument("--outer", choices=sorted(OUTERS), default="average", help="synchronous DiLoCo's outer step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compress", choices=["none", "fp16", "int8"], default="none",
+                    help="raftps DiLoCo: pseudo-gradients on the wire (int8: per-block scales, decoded in the store)")
     ap.add_argument("--prefix", default="goodput", help="raftps tensor prefix")
     ap.add_argument("--wrapper", choices=["flat", "pure", "ddp"], default="flat",
                     help="torchft-ddp: one all-reduce of the flattened gradients per step (default), "
@@ -133,9 +139,11 @@ def flat_allreduce(manager: Any, model: torch.nn.Module) -> None:
         offset += g.numel()
 
 
-def _contributing(rank: int, step: int) -> bool:
-    """The line bench/goodput_fleet.py times a returning worker to: its first step is done."""
-    print(f"[rank {rank}] contributing: first step done at batch {step}", flush=True)
+def _contributing(rank: int, step: int, imported: float = T_START, ready: float = T_START) -> bool:
+    """The line bench/goodput_fleet.py times a returning worker to: its first step is done (with
+    the phases of its start, when the caller timed them)."""
+    phases = f" ({startup(imported, ready, T_START)})" if ready > T_START else ""
+    print(f"[rank {rank}] contributing: first step done at batch {step}{phases}", flush=True)
     return True
 
 
@@ -203,6 +211,7 @@ def train_torchft_diloco(args, model, batch_indices, loss_on, val_loss, rank, ra
 
 def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ranks, meta) -> None:
     import raftps.torch as rpt
+    imported = time.time()
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     mode = args.kind[len("raftps-"):]
     # synchronous: the outer step torchft's DiLoCo runs in the same run; asynchronous: raftps's
@@ -210,8 +219,9 @@ def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ran
     spec = OUTERS[args.outer]
     outer = ({"outer": {"name": "momentum" if spec.get("momentum") else "sgd", **spec}} if mode == "diloco" else {})
     opt = rpt.DistributedOptimizer(inner, model=model, mode=mode, sync_every=args.sync_every, prefix=args.prefix,
-                                   rank=rank, world_size=ranks, **outer)
-    start = int(opt.start_step)
+                                   rank=rank, world_size=ranks, compress=None if args.compress == "none" else args.compress,
+                                   **outer)
+    start, ready = int(opt.start_step), time.time()
     if rank != 0 and start:
         print(f"[rank {rank}] char_gpt: resumed at global batch {start}", flush=True)
     rec = _metrics(args, meta, start) if rank == 0 else None
@@ -223,7 +233,7 @@ def train_raftps_diloco(args, model, batch_indices, loss_on, val_loss, rank, ran
         loss.backward()
         opt.step()
         if g == start:
-            _contributing(rank, g + 1)
+            _contributing(rank, g + 1, imported, ready)
         for r in opt.synced:
             if not r.late:
                 acked.write(f"{rank} {r.fragment} {r.round}\n")

@@ -62,6 +62,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--n-push", type=int, default=1, help="raftps async: local steps summed per push")
     ap.add_argument("--n-fetch", type=int, default=1, help="raftps async: steps between pulls")
     ap.add_argument("--staleness-aware", action="store_true", help="raftps async: store divides lr by staleness")
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="raftps sync: each step streamed in chunks of whole tensors of up to this many bytes "
+                         "(pays on slow links: docs/design/write-path.md); 0 sends each group's part whole")
     ap.add_argument("--steps", type=int, default=defaults["steps"], help="global batches in the whole run")
     ap.add_argument("--batch", type=int, default=defaults["batch"], help="global batch (split over ranks in sync/ddp)")
     ap.add_argument("--lr", type=float, default=defaults["lr"], help="Adam learning rate")
@@ -75,7 +78,11 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
                     help="ddp/local: a torch.save file of model, optimizer and step (a path, or an http:// "
                          "URL of a file server that takes PUT); loaded at start if it exists")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="ddp/local: global batches between checkpoints")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.chunk_bytes < 0 or (args.chunk_bytes and (args.backend, args.mode) != ("raftps", "sync")):
+        ap.error(f"--chunk-bytes {args.chunk_bytes}: a byte count >= 0, for --backend raftps --mode sync only "
+                 f"(here --backend {args.backend} --mode {args.mode})")
+    return args
 
 
 def rank_world() -> tuple[int, int]:
@@ -105,6 +112,8 @@ class Backend:
             adam = torch.optim.Adam(model.parameters(), lr=args.lr)
             options = (dict(sync_every=args.sync_every, outer=OUTERS[args.outer]) if args.mode.startswith("diloco")
                        else dict(n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware))
+            if args.chunk_bytes:                          # sync only (parse_args)
+                options["chunk_bytes"] = args.chunk_bytes
             self.opt = rpt.DistributedOptimizer(adam, model=model, cluster=args.cluster, mode=args.mode,
                                                 prefix=prefix, rank=rank, world_size=world, **options)
             self.start_step = int(self.opt.start_step)
@@ -284,6 +293,13 @@ class Metrics:
         return s
 
 
+def startup(imported: float, backend_ready: float, started: float = T_START) -> str:
+    """A process's start, in phases (s): what a returning worker's time to contribute went to."""
+    now = time.time()
+    return (f"since the process started {now - started:.1f} s: imports and model {imported - started:.1f}, "
+            f"backend {backend_ready - imported:.1f}, first step {now - backend_ready:.1f}")
+
+
 def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: Callable[[int], np.ndarray],
           loss_on: Callable[[nn.Module, np.ndarray], torch.Tensor], evaluate: Callable[[nn.Module], float],
           metric: str, higher_is_better: bool) -> dict | None:
@@ -292,7 +308,9 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
     Returns rank 0's summary (None on other ranks)."""
     rank, world = rank_world()
     torch.set_num_threads(args.threads or (1 if world > 1 else torch.get_num_threads()))
+    trained_from = time.time()                  # imports and the model built: the backend (store, rendezvous) next
     backend = Backend(args, model, rank, world, args.prefix or name)
+    backend_ready = time.time()
     label = args.backend + (f" {args.mode}" if args.backend == "raftps" else "") + f" x{world}"
     if args.backend == "raftps" and (args.n_push, args.n_fetch) != (1, 1):
         label += f" (n_push {args.n_push}, n_fetch {args.n_fetch})"
@@ -318,7 +336,8 @@ def train(args: argparse.Namespace, name: str, model: nn.Module, batch_indices: 
         if backend.checkpoint_every and (g + 1) % backend.checkpoint_every == 0:
             backend.save_checkpoint(g + 1)
         if g == mine.start:         # bench/goodput_fleet.py times a returning worker to this line
-            print(f"[rank {rank}] contributing: first step done at batch {g + 1}", flush=True)
+            print(f"[rank {rank}] contributing: first step done at batch {g + 1} ({startup(trained_from, backend_ready)})",
+                  flush=True)
         w = 0.9 ** (1 if backend.sharded else world)    # the same time constant in global batches
         ema = loss.item() if ema is None else w * ema + (1 - w) * loss.item()
         if rec is not None:

@@ -44,6 +44,10 @@ def test_a_resume_from_a_checkpoint_counts_recomputed_batches_and_their_tokens()
     assert s["tokens_to_target"] == 26 * goodput_report.TOKENS_PER_BATCH
     assert s["recomputed_steps"] == 2 and s["val_at_budget"] == 2.6 and s["final_val"] == 2.45
     assert s["steps_before_fault_per_s"] == pytest.approx(1.0)   # the rows before the kill only
+    # the fleet bench's faults (bench/goodput_fleet.py's marks) end the rate's window the same way
+    for text in ("preempt worker host 2: ", "lose the coordinator: store node 1"):
+        fleet = goodput_report.summarize("raftps-sync", r, False, T0, 20, 2.5, [(T0 + 17.0, text)], {})
+        assert fleet["steps_before_fault_per_s"] == pytest.approx(1.0), text
 
 
 def test_a_run_that_never_reaches_the_target_reports_none():
@@ -113,6 +117,34 @@ def test_store_check_finds_a_round_applied_twice_or_acknowledged_and_lost():
     lost = store_check(3, {"p/a": 4, "p/b": 4}, acked)
     assert not lost["ok"] and "not applied: [4]" in lost["verdict"]
     assert not store_check(4, {}, acked)["ok"]
+
+
+def test_char_gpt_refuses_chunk_bytes_outside_raftps_sync():
+    """examples/char_gpt.py's --chunk-bytes (the fleet bench's raftps sync) is refused, naming it,
+    with another mode or backend, before any model or store is touched."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for extra in (["--backend", "raftps", "--mode", "diloco"], ["--backend", "raftps", "--chunk-bytes", "-1"]):
+        done = subprocess.run([sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--chunk-bytes", "53000", *extra],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "RAFTPS_CLUSTER": "127.0.0.1:9"})
+        assert done.returncode == 2 and "--chunk-bytes" in done.stderr and "raftps --mode sync only" in done.stderr, done.stderr
+
+
+def test_store_check_per_unit_counts_a_step_stopped_halfway_through_its_chunks():
+    """A sync step streamed in chunks (or sharded over Raft groups) applies unit by unit: workers
+    stopped mid-step leave some units one step ahead. Each tensor is checked against its own
+    unit's applied step; an acknowledgement is checked against the lowest unit's."""
+    store_check = goodput_report.store_check
+    applied = {"p/a": 6, "p/b": 5}              # p/a's chunk applied step 6, p/b's not yet
+    acked = [(0, 0, n) for n in range(6)]        # rank 0 was acknowledged steps 0..5
+    good = store_check(applied, {"p/a": 7, "p/b": 6}, acked)
+    assert good["ok"] and good["rounds_applied"] == 6, good["verdict"]
+    assert "6-7 times" in good["verdict"]
+    twice = store_check(applied, {"p/a": 7, "p/b": 7}, acked)
+    assert not twice["ok"] and "'p/b': 7" in twice["verdict"]
+    lost = store_check({"p/a": 4, "p/b": 5}, {"p/a": 5, "p/b": 6}, acked)
+    assert not lost["ok"] and "not applied: [5]" in lost["verdict"]
 
 
 def _gone(pid: int) -> bool:
@@ -213,12 +245,32 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     assert got["100 Mbit/s, schedule: raftps sync time to target / DDP + checkpoint-restart's"]["met"] is False   # 0.95
     assert got["100 Mbit/s, schedule: raftps DiLoCo time to target / torchft DiLoCo's"]["met"] is None           # skipped
     assert got["raftps: the slowest returning worker's seconds to contribute again"]["value"] == 12.5
+    assert got["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["met"] is None                   # not run
+    assert got["raftps store checks failed (nothing acknowledged lost or applied twice)"]["value"] is None
+    both = results + [_fleet_row("raftps-sync", "100mbit", False, 40.0, 0.8), _fleet_row("raftps-sync", "unshaped", False, 9.0, 2.7),
+                      _fleet_row("ddp", "unshaped", False, 8.0, 3.0)]
+    both[-3].update(val_at_budget=2.4, store_check={"ok": True, "verdict": "fine"})           # sync 2.4, DiLoCo 2.5: 1.04x
+    both[-2]["store_check"] = {"ok": False, "verdict": "FAILED"}
+    more = {t["what"]: t for t in rep.targets(both)}
+    assert more["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["value"] == pytest.approx(0.8)
+    assert more["100 Mbit/s, no faults: raftps sync steps/s / DDP's"]["met"] is False
+    assert more["unshaped, no faults: raftps sync steps/s / DDP's"]["met"] is True                   # 0.9
+    assert more["no faults: raftps sync's validation loss at the budget - DDP's (the largest gap)"]["value"] == pytest.approx(0.1)
+    assert more["100 Mbit/s, no faults: raftps DiLoCo's validation loss at the budget / sync's"]["met"] is True
+    assert more["raftps store checks failed (nothing acknowledged lost or applied twice)"]["value"] == 1.0
     meta = {"links": ["100mbit"], "budget": 10, "eval_every": 2, "sync_every": 5, "outer": "average", "seed": 1,
             "mean_interval_s": 40.0, "return_delay_s": 10.0, "target": 2.6, "command": "c", "date": "d", "commit": "x",
             "machine": "m", "load": (1.0, 2.0), "torch": "t", "torchft": "f", "lr": 0.002,
             "faults": [{"at_s": 12.0, "what": "worker", "worker": 1, "back_s": 22.0}]}
+    both[4]["returns"] = [{"rank": 1, "back_s": 20.0, "to_contribute_s": 4.0, "phases": "since the process started 3.9 s"},
+                          {"rank": 2, "back_s": 60.0, "to_contribute_s": 9.0, "phases": "since the process started 8.8 s"}]
+    text = rep.report({"meta": {**meta, "links": ["unshaped", "100mbit"]}, "results": both, "targets": rep.targets(both)}, "x.png")
+    assert "rank 2 back at 60.0 s, contributing 9.0 s later (since the process started 8.8 s)" in text
     md = rep.write({"meta": meta, "results": results, "targets": rep.targets(results)}, str(tmp_path), "gf")
     assert "skipped: not installed" in md and "| NOT met |" in md and "12.0 worker host 2 (back 22.0)" in md
+    with_setup = rep.report({"meta": {**meta, "raftps": {"groups": 3, "chunk_bytes": 53_000, "compress": "int8"}},
+                             "results": results, "targets": []}, "x.png")
+    assert "sharded over 3 Raft group(s)" in with_setup and "chunks of 53,000 bytes" in with_setup
     for name in ("gf.md", "gf.json", "gf.png"):
         assert os.path.getsize(tmp_path / name) > 0
     # a second run at another link rate, merged: both runs' rows, each link's ratios from its own run
@@ -228,6 +280,8 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     md = rep.merge([str(tmp_path / "gf.json"), str(tmp_path / "gf2.json")], str(tmp_path), "both")
     merged = json.loads((tmp_path / "both.json").read_text())
     assert merged["meta"]["links"] == ["100mbit", "unshaped"] and len(merged["results"]) == len(results) + len(other)
+    rep.merge([str(tmp_path / "gf.json"), str(tmp_path / "gf2.json"), str(tmp_path / "gf2.json")], str(tmp_path), "thrice")
+    assert json.loads((tmp_path / "thrice.json").read_text())["meta"]["links"] == ["100mbit", "unshaped"]
     assert merged["meta"]["targets_by_run"] == [2.6, 2.61] and "never across runs" in md
     got = {t["what"]: t["value"] for t in merged["targets"]}
     assert got["unshaped, raftps DiLoCo under the schedule / DDP without faults, time to target"] == pytest.approx(45 / 30)
