@@ -1,10 +1,15 @@
 """The placement loop (docs/design/elastic.md): on group 0's leader, once a turn, the hosts'
 heartbeat (each node's status rows: the groups it serves, those it leads, the bytes of their
-state, its pushes) and then one step of the plan (store/placement.py), carried out with the
+state, its pushes) and then the steps of the plan (store/placement.py), carried out with the
 operators of elastic.py: finish or roll back a move in flight, re-create a dead node's replicas,
-empty a draining node, balance replicas and leaders over the nodes. One step at a time, so
-every group has at most one membership change in flight, and a new replica is the only
-snapshot its host receives.
+empty a draining node, balance replicas and leaders over the nodes. A turn's steps are of
+different groups and each a different target, so every group has at most one membership change
+in flight and a new replica is the only snapshot its host receives. Several come only for a
+dead node's replicas: each is then carried out on a thread of its own (with its own
+connections), and the turn waits for all of them, so the next turn plans from the record they
+left. Each record change they make is one entry of group 0's log that the state machine checks
+against the record it meets (move_start: that group's source still serves it, its target does
+not, no move of it in flight), so a change planned from an older record is refused, not merged.
 
 ``serve --dead-host-timeout S`` turns on re-creating the replicas of a node silent for S
 seconds; ``serve --balance`` turns on draining and balancing. Either starts the loop.
@@ -23,7 +28,7 @@ from raftps.errors import RaftpsError
 from raftps.instruments import PlacementInstruments
 from raftps.server.elastic import CLIENT_OFFSET, HostsAdmin
 from raftps.store.hosts import Hosts
-from raftps.store.placement import Step, next_step
+from raftps.store.placement import Step, next_steps
 from raftps.replica.config import offset_address
 
 log = logging.getLogger("raftps.placement")
@@ -66,8 +71,9 @@ class PlacementLoop:
             except (RaftpsError, OSError, ConnectionError) as exc:
                 self._say(f"placement loop: {exc} (tried again every turn)")
 
-    def turn(self, hosts: Hosts) -> Step | None:
-        """One heartbeat of every node, then one step of the plan (None: nothing to do)."""
+    def turn(self, hosts: Hosts) -> list[Step]:
+        """One heartbeat of every node, then this turn's steps of the plan, carried out (empty:
+        nothing to do)."""
         addresses = [offset_address(a, CLIENT_OFFSET) for a in hosts.nodes]
         with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0) as admin:
             beat = admin.status_rows(hosts, timeout=1.0)
@@ -84,10 +90,29 @@ class PlacementLoop:
                 self._say(f"node(s) {sorted(dead)} dead; a replica of Raft group 0 cannot be re-created yet")
             group_bytes = {r["group"]: int(r.get("model_bytes") or 0) for rows in beat.values() for r in rows
                            if r.get("role") == "leader" and "group" in r}
-            step = next_step(hosts, up, dead, group_bytes, balance=self.balance)
-            if step is not None:
-                self.carry_out(admin, hosts, step)
-            return step
+            steps = next_steps(hosts, up, dead, group_bytes, balance=self.balance)
+            if len(steps) == 1:
+                self.carry_out(admin, hosts, steps[0])
+            elif steps:
+                self._together(addresses, hosts, steps)
+            return steps
+
+    def _together(self, addresses: list[str], hosts: Hosts, steps: list[Step]) -> None:
+        """Each step on a thread with a HostsAdmin of its own (a router serves one thread); back
+        once all have ended, done or failed (a failed one leaves its move in the record for the
+        next turn to resume or roll back)."""
+        def drive(step: Step) -> None:
+            try:
+                with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0) as admin:
+                    self.carry_out(admin, hosts, step)
+            except (RaftpsError, OSError, ConnectionError) as exc:
+                self._say(f"placement: {step.describe(hosts)}: {exc} (the next turn goes on or rolls it back)")
+        threads = [threading.Thread(target=drive, args=(step,), name=f"placement-{step.kind}-{step.group}",
+                                    daemon=True) for step in steps]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()      # as long as one step alone would take: each request and wait of a move is bounded
 
     def carry_out(self, admin: HostsAdmin, hosts: Hosts, step: Step) -> None:
         log.warning("placement: %s", step.describe(hosts))
