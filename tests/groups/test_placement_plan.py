@@ -90,10 +90,10 @@ def stopped(hosts: Hosts, down: set[int]) -> list[int]:
 
 
 def test_a_drains_moves_go_one_at_a_time_so_one_kill_stops_no_other_group():
-    """Why drains stay serial (the drain-with-kills test of test_rebalance.py failed 3 runs in 5
-    with the moves of a drain at once): a moving group has 4 voters, one still copying, so a
-    kill of its target leaves 3 of 4, but a kill of that target where it is a member of another
-    moving group leaves that one 2 of 4, stopped."""
+    """Why a drain's moves stay one at a time: a moving group has 4 voters, one still copying, so
+    a kill of its target leaves 3 of 4; with the drain's moves at once, a kill of one move's
+    target that is a member of another moving group leaves that one 2 of 4, stopped. One at a
+    time, a kill of the target or of any node outside the moving group stops nothing."""
     hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
     for step in [Step("balance", 3, 1, 6), Step("balance", 1, 2, 6), Step("balance", 2, 3, 6)]:
         hosts = apply(hosts, step)
