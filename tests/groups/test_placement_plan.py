@@ -80,6 +80,32 @@ def test_a_dead_nodes_replicas_are_refilled_together_one_catch_up_per_target():
     assert next_steps(hosts, up) == []                    # silent but not yet dead: wait
 
 
+def test_refills_at_once_interleave_their_entries_and_a_stale_plan_is_refused():
+    """The refills' threads send their record changes in any order: each entry touches its own
+    group, so the record they leave is the one of the refills made one after another; a refill
+    planned from an older record (a second driver, a loop that lost group 0) is refused."""
+    hosts = six_groups_five_nodes()
+    steps = next_steps(hosts, frozenset({1, 2, 3, 4}), frozenset({5}))
+    starts = [{"action": "move_start", "move_group": s.group, "source": s.source, "target": s.target} for s in steps]
+    stages = [{"action": "move_stage", "move_group": s.group} for s in steps]
+    dones = [{"action": "move_done", "move_group": s.group} for s in steps]
+    interleaved = hosts
+    for entry in [starts[2], starts[0], stages[0], starts[1], stages[2], dones[0], stages[1], dones[2], dones[1]]:
+        interleaved = interleaved.change(entry)
+    one_by_one = hosts
+    for step in steps:
+        one_by_one = apply(one_by_one, step)
+    assert interleaved.placed == one_by_one.placed == ((1, 2, 3), (2, 3, 4), (1, 3, 4), (1, 2, 4), (1, 2, 4), (1, 2, 3))
+    assert not interleaved.moves and interleaved.epoch == 9
+    # a refill of g2 planned before the first was made: to node 3 while g2 moves to node 1 ...
+    moving = hosts.change(starts[0])
+    with pytest.raises(InvalidRequest, match="already moving a replica from node 5 to node 1"):
+        moving.change({"action": "move_start", "move_group": 2, "source": 5, "target": 3})
+    # ... or once it is done (node 5 no longer serves g2): refused, the record unchanged
+    with pytest.raises(InvalidRequest, match="node 5 .* does not serve Raft group 2"):
+        interleaved.change({"action": "move_start", "move_group": 2, "source": 5, "target": 3})
+
+
 def stopped(hosts: Hosts, down: set[int]) -> list[int]:
     """The groups whose voters (the record's members, a joining target included) that are up
     and hold the log (a move's target is taken to be still copying its first snapshot) are no
