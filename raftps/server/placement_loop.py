@@ -28,7 +28,7 @@ from raftps.errors import RaftpsError
 from raftps.instruments import PlacementInstruments
 from raftps.server.elastic import CLIENT_OFFSET, HostsAdmin
 from raftps.store.hosts import Hosts
-from raftps.store.placement import Step, next_steps
+from raftps.store.placement import Step, next_steps, silent_since
 from raftps.replica.config import offset_address
 
 log = logging.getLogger("raftps.placement")
@@ -47,7 +47,8 @@ class PlacementLoop:
         self.instruments = PlacementInstruments()
         self.pushes: dict[int, tuple[float, int]] = {}     # node -> (when, pushes applied) at the last beat
         self.write_rate: dict[int, float] = {}    # node -> pushes/s applied by the groups it leads
-        self._seen: dict[int, float] = {}         # node -> when it last answered (monotonic)
+        self._silent_since: dict[int, float] = {}     # node -> the first heartbeat it missed (monotonic)
+        self._leading = False                     # whether the last turn ran here
         self._stop = threading.Event()
         self._said: str | None = None             # the last warning: a turn repeats it only when it changes
 
@@ -61,11 +62,13 @@ class PlacementLoop:
         while not self._stop.wait(self.period):
             hosts = self._current()
             if hosts is None or not self._leads_group_0():
-                if self._seen:                    # no longer the loop's node: its heartbeat figures go
+                if self._leading:                 # no longer the loop's node: its heartbeat figures go
                     self.instruments.host_load.clear()
                     self.instruments.under_replicated.set(0)
-                self._seen.clear()                # a new leader gives every node a full timeout
+                self._leading = False
+                self._silent_since.clear()        # a new leader gives every node a full timeout
                 continue
+            self._leading = True
             try:
                 self.turn(hosts)
             except (RaftpsError, OSError, ConnectionError) as exc:
@@ -78,13 +81,10 @@ class PlacementLoop:
         with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0) as admin:
             beat = admin.status_rows(hosts, timeout=1.0)
             now = time.monotonic()
-            for node in range(1, len(hosts.nodes) + 1):
-                self._seen.setdefault(node, now)
-                if node in beat:
-                    self._seen[node] = now
+            self._silent_since = silent_since(self._silent_since, frozenset(beat), len(hosts.nodes), now)
             self._note_load(hosts, beat, now)
             up = frozenset(beat)
-            dead = frozenset(n for n, t in self._seen.items() if self.dead_host_timeout > 0
+            dead = frozenset(n for n, t in self._silent_since.items() if self.dead_host_timeout > 0
                              and now - t > self.dead_host_timeout and hosts.hosted_by(n))
             if any(0 in hosts.hosted_by(n) for n in dead):
                 self._say(f"node(s) {sorted(dead)} dead; a replica of Raft group 0 cannot be re-created yet")

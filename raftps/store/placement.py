@@ -101,6 +101,15 @@ def next_steps(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozense
     return steps
 
 
+def silent_since(before: Mapping[int, float], answered: frozenset[int], nodes: int, now: float) -> dict[int, float]:
+    """node -> since when it has been silent, after a heartbeat at ``now`` that ``answered``
+    (node ids 1..``nodes``): from the first heartbeat it missed, not from the last it answered.
+    A turn that carries out moves takes no heartbeat while they run (a refill of a large group,
+    tens of seconds); a node busy with its catch-up that misses the next one has been silent
+    for one heartbeat, not for the whole turn, and gets the full dead-host timeout."""
+    return {n: before.get(n, now) for n in range(1, nodes + 1) if n not in answered}
+
+
 def _refills(hosts: Hosts, up: frozenset[int], dead: frozenset[int]) -> list[Step]:
     """Every dead node's groups (not group 0), each to the live node drain_plan chooses."""
     silent = frozenset(n for n in _all(hosts) if n not in up)

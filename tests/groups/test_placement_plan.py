@@ -5,7 +5,8 @@ import pytest
 from raftps.errors import InvalidRequest
 from raftps.groups import Layout
 from raftps.store.hosts import Hosts
-from raftps.store.placement import Step, apply, leader_counts, next_step, next_steps, remaining, replica_counts
+from raftps.store.placement import (Step, apply, leader_counts, next_step, next_steps, remaining, replica_counts,
+                                    silent_since)
 
 NODES = tuple(f"127.0.0.1:{9000 + i}" for i in range(1, 6))
 ALL6 = frozenset(range(1, 7))
@@ -104,6 +105,22 @@ def test_refills_at_once_interleave_their_entries_and_a_stale_plan_is_refused():
     # ... or once it is done (node 5 no longer serves g2): refused, the record unchanged
     with pytest.raises(InvalidRequest, match="node 5 .* does not serve Raft group 2"):
         interleaved.change({"action": "move_start", "move_group": 2, "source": 5, "target": 3})
+
+
+def test_a_node_is_silent_from_the_first_heartbeat_it_missed():
+    """A turn refilling 170 MiB groups took no heartbeat for about 10 s; a target still busy
+    with its snapshot then missed the next one and, counted from its last answer, was dead at
+    once (a 10 s timeout) and its own replicas were refilled too. Counted from the missed
+    heartbeat it has the full timeout."""
+    silent = silent_since({}, frozenset({1, 2, 3, 4}), 4, 0.0)
+    assert silent == {}
+    silent = silent_since(silent, frozenset({1, 2, 3}), 4, 11.0)        # the heartbeat after a long turn
+    assert silent == {4: 11.0}                                          # silent 0 s, not 11 s
+    silent = silent_since(silent, frozenset({1, 2, 3}), 4, 12.0)
+    assert silent == {4: 11.0}
+    assert silent_since(silent, frozenset({1, 2, 3, 4}), 4, 13.0) == {}    # it answers: the clock stops
+    # a new leader's first heartbeat: the nodes that do not answer are silent from then
+    assert silent_since({}, frozenset({2, 3}), 4, 50.0) == {1: 50.0, 4: 50.0}
 
 
 def stopped(hosts: Hosts, down: set[int]) -> list[int]:
