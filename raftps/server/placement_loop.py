@@ -49,6 +49,7 @@ class PlacementLoop:
         self.write_rate: dict[int, float] = {}    # node -> pushes/s applied by the groups it leads
         self._silent_since: dict[int, float] = {}     # node -> the first heartbeat it missed (monotonic)
         self._leading = False                     # whether the last turn ran here
+        self._answered: set[int] = set()          # nodes that answered a heartbeat of this loop's tenure
         self._stop = threading.Event()
         self._said: str | None = None             # the last warning: a turn repeats it only when it changes
 
@@ -67,6 +68,7 @@ class PlacementLoop:
                     self.instruments.under_replicated.set(0)
                 self._leading = False
                 self._silent_since.clear()        # a new leader gives every node a full timeout
+                self._answered.clear()
                 continue
             self._leading = True
             try:
@@ -84,8 +86,11 @@ class PlacementLoop:
             self._silent_since = silent_since(self._silent_since, frozenset(beat), len(hosts.nodes), now)
             self._note_load(hosts, beat, now)
             up = frozenset(beat)
+            self._answered |= up
+            # dead: silent past the timeout, and serving replicas or seen answering by this loop
+            # (one its refills emptied is no target); a host added but never started is neither
             dead = frozenset(n for n, t in self._silent_since.items() if self.dead_host_timeout > 0
-                             and now - t > self.dead_host_timeout and hosts.hosted_by(n))
+                             and now - t > self.dead_host_timeout and (hosts.hosted_by(n) or n in self._answered))
             if any(0 in hosts.hosted_by(n) for n in dead):
                 self._say(f"node(s) {sorted(dead)} dead; a replica of Raft group 0 cannot be re-created yet")
             group_bytes = {r["group"]: int(r.get("model_bytes") or 0) for rows in beat.values() for r in rows

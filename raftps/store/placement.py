@@ -59,7 +59,8 @@ def next_step(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset
               balance: bool = True) -> Step | None:
     """The one step the loop takes now, or None when placement is as it should be. ``up``: the
     nodes that answered the last heartbeat; ``dead``: those silent past the dead-host timeout
-    (a subset of the others). ``balance`` False: only steps 1-2 (a loop for dead hosts only)."""
+    (a subset of the others), never a target, whether they still serve replicas or were emptied
+    by their refills. ``balance`` False: only steps 1-2 (a loop for dead hosts only)."""
     for move in hosts.moves:
         if move.target in up:
             return Step("resume", move.group, move.source, move.target)
@@ -75,10 +76,10 @@ def next_step(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset
     if any(n not in up and hosts.hosted_by(n) for n in _all(hosts)):
         return None
     for node in hosts.draining:
-        plan = [(g, t) for g, t in hosts.drain_plan(node) if g != 0]
+        plan = [(g, t) for g, t in hosts.drain_plan(node, avoid=dead) if g != 0]
         if plan:
             return Step("drain", plan[0][0], node, plan[0][1])
-    return _balance_replicas(hosts, group_bytes or {}, catch_ups_per_host) or _balance_leaders(hosts)
+    return _balance_replicas(hosts, group_bytes or {}, catch_ups_per_host, dead) or _balance_leaders(hosts)
 
 
 def next_steps(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset(),
@@ -136,8 +137,9 @@ def leader_counts(hosts: Hosts) -> dict[int, int]:
     return counts
 
 
-def _balance_replicas(hosts: Hosts, group_bytes: Mapping[int, int], limit: int) -> Step | None:
-    counts = replica_counts(hosts)
+def _balance_replicas(hosts: Hosts, group_bytes: Mapping[int, int], limit: int,
+                      dead: frozenset[int] = frozenset()) -> Step | None:
+    counts = {n: count for n, count in replica_counts(hosts).items() if n not in dead}
     busy = {m.target for m in hosts.moves if sum(o.target == m.target for o in hosts.moves) >= limit}
     for source in sorted(counts, key=lambda n: (-counts[n], n)):
         for target in sorted(counts, key=lambda n: (counts[n], n)):

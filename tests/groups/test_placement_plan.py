@@ -81,6 +81,29 @@ def test_a_dead_nodes_replicas_are_refilled_together_one_catch_up_per_target():
     assert next_steps(hosts, up) == []                    # silent but not yet dead: wait
 
 
+def test_a_dead_node_emptied_by_its_refills_is_no_target():
+    hosts = six_groups_five_nodes()
+    up, dead = frozenset({1, 2, 3, 4}), frozenset({5})
+    for step in next_steps(hosts, up, dead):
+        hosts = apply(hosts, step)
+    # node 5 serves nothing now (1: 5 replicas, 2: 5, 3: 4, 4: 4): counted, it was the least
+    # loaded node and the first balance target, a move that could only be rolled back, again
+    # every few turns
+    assert replica_counts(hosts) == {1: 5, 2: 5, 3: 4, 4: 4, 5: 0}
+    # silent but not known dead: node 1 gives it g2 (its lowest group but g0)
+    assert next_step(hosts, up) == Step("balance", 2, 1, 5)
+    # known dead: nodes 1-4 are within 1 of each other, and the leaders are balanced next:
+    # named g0 1, g1 2, g2 3, g3 4, g4 1 (5 left it), g5 1 -> node 1 hands g4 to node 2
+    assert next_step(hosts, up, dead) == Step("lead", 4, 1, 2)
+    # node 4 drained after a sixth host came: all 4 of its groups to node 6 (0, 1, 2, 3
+    # replicas, nodes 1-3 serving 4 or 5), never to node 5 (its g1 would go there first)
+    drained = hosts.change({"action": "add_host", "address": "127.0.0.1:9006"})
+    drained = drained.change({"action": "drain_host", "address": NODES[3]})
+    assert drained.drain_plan(4, avoid=dead) == [(1, 6), (2, 6), (3, 6), (4, 6)]
+    assert drained.drain_plan(4)[0] == (1, 5)
+    assert next_step(drained, up | {6}, dead) == Step("drain", 1, 4, 6)
+
+
 def test_refills_at_once_interleave_their_entries_and_a_stale_plan_is_refused():
     """The refills' threads send their record changes in any order: each entry touches its own
     group, so the record they leave is the one of the refills made one after another; a refill
