@@ -168,15 +168,20 @@ def refilled(cl: Any, dead: int, timeline: Timeline) -> list[list[int]] | None:
     return placed if all(len(m) == 3 and dead not in m for m in placed) else None
 
 
-def replicas_agree(cl: Any, placed: list[list[int]]) -> bool:
+def replicas_agree(cl: Any, placed: list[list[int]], last: list[str] | None = None) -> bool:
     """Every group's placed members answer for it, one leads, and their states are the same
-    (version and digest)."""
+    (version and digest). ``last`` gets what the first group that does not agree shows (for the
+    report, when they never do)."""
     with cl.client(timeout=30) as c:
         rows = [r for r in c.status(timeout=10.0) if r["role"] != "down"]
     for group, members in enumerate(placed):
         mine = [r for r in rows if r.get("group", 0) == group and r["node"] in members]
         if len(mine) != len(members) or sum(r["role"] == "leader" for r in mine) != 1 \
                 or len({(r["version"], r["digest"]) for r in mine}) != 1:
+            if last is not None:
+                last[:] = [f"group {group} (placed on {members}): " + "; ".join(
+                    f"node {r['node']} {r['role']} version {r['version']} applied {r.get('applied')} "
+                    f"digest {str(r['digest'])[:12]}" for r in rows if r.get("group", 0) == group)]
             return False
     return True
 
@@ -241,11 +246,12 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
         placed, t_back = wait_for("3 replicas of every group on the survivors", lambda: refilled(cl, dead, timeline),
                                   dead_host_timeout + REFILL_EXTRA_TIMEOUT)
         out.update(refill_timeline=timeline.events, refill_s=t_back - t_kill, after_kill=placed)
+        last: list[str] = []
         try:
-            _, t_agree = wait_for("each group's 3 replicas agree", lambda: replicas_agree(cl, placed), 60.0)
+            _, t_agree = wait_for("each group's 3 replicas agree", lambda: replicas_agree(cl, placed, last), 60.0)
             out["replicas_agree_s"] = t_agree - t_kill
         except TimeoutError as exc:
-            out["replicas_agree_s"], out["replicas_disagree"] = None, str(exc)
+            out["replicas_agree_s"], out["replicas_disagree"] = None, f"{exc} ({last[0] if last else ''})"
         out["data_plane_mb_s"] = max(out["data_plane_mb_s_before"], out["data_plane_mb_s_after"])
         out["refill_target_s"] = refill_target(dead_host_timeout, out["bytes_to_copy"], out["data_plane_mb_s"])
         log(f"elastic: node {dead} SIGKILLed; groups {lost} at 3 replicas after {out['refill_s']:.1f} s")

@@ -54,6 +54,12 @@ class Core(SyncObj):
         # Peer messages signed, not encrypted (peer_mac.py); no secret: `serve --insecure`, loopback only.
         self.peer_mac = PeerMac(settings.secret) if settings.secret else None
         super().__init__(settings.address, sorted(settings.others), conf)
+        # pysyncobj's tick thread ends once the thread that made the SyncObj has ended
+        # (syncobj.py:587). A node starts a replica the hosts record gives it from whatever thread
+        # read the record, a request's among them (hosting.refresh before a member change): the
+        # replica stopped ticking when that request ended, and the node exited ("the raft tick
+        # thread died"). The process's main thread instead: the tick thread lives as long as it.
+        self._SyncObj__mainThread = threading.main_thread()
 
     # ---- pysyncobj's state, for the rest of the adapter (tick thread) -------------------------
     # Methods, not properties: SyncObj.__init__ reads every attribute of itself (dir + getattr)

@@ -1,10 +1,15 @@
 """The placement loop (docs/design/elastic.md): on group 0's leader, once a turn, the hosts'
 heartbeat (each node's status rows: the groups it serves, those it leads, the bytes of their
-state, its pushes) and then one step of the plan (store/placement.py), carried out with the
+state, its pushes) and then the steps of the plan (store/placement.py), carried out with the
 operators of elastic.py: finish or roll back a move in flight, re-create a dead node's replicas,
-empty a draining node, balance replicas and leaders over the nodes. One step at a time, so
-every group has at most one membership change in flight, and a new replica is the only
-snapshot its host receives.
+empty a draining node, balance replicas and leaders over the nodes. A turn's steps are of
+different groups and each a different target, so every group has at most one membership change
+in flight and a new replica is the only snapshot its host receives. Several come only for a
+dead node's replicas: each is then carried out on a thread of its own (with its own
+connections), and the turn waits for all of them, so the next turn plans from the record they
+left. Each record change they make is one entry of group 0's log that the state machine checks
+against the record it meets (move_start: that group's source still serves it, its target does
+not, no move of it in flight), so a change planned from an older record is refused, not merged.
 
 ``serve --dead-host-timeout S`` turns on re-creating the replicas of a node silent for S
 seconds; ``serve --balance`` turns on draining and balancing. Either starts the loop.
@@ -23,7 +28,7 @@ from raftps.errors import RaftpsError
 from raftps.instruments import PlacementInstruments
 from raftps.server.elastic import CLIENT_OFFSET, HostsAdmin
 from raftps.store.hosts import Hosts
-from raftps.store.placement import Step, next_step
+from raftps.store.placement import Step, next_steps, silent_since
 from raftps.replica.config import offset_address
 
 log = logging.getLogger("raftps.placement")
@@ -42,7 +47,9 @@ class PlacementLoop:
         self.instruments = PlacementInstruments()
         self.pushes: dict[int, tuple[float, int]] = {}     # node -> (when, pushes applied) at the last beat
         self.write_rate: dict[int, float] = {}    # node -> pushes/s applied by the groups it leads
-        self._seen: dict[int, float] = {}         # node -> when it last answered (monotonic)
+        self._silent_since: dict[int, float] = {}     # node -> the first heartbeat it missed (monotonic)
+        self._leading = False                     # whether the last turn ran here
+        self._answered: set[int] = set()          # nodes that answered a heartbeat of this loop's tenure
         self._stop = threading.Event()
         self._said: str | None = None             # the last warning: a turn repeats it only when it changes
 
@@ -56,40 +63,63 @@ class PlacementLoop:
         while not self._stop.wait(self.period):
             hosts = self._current()
             if hosts is None or not self._leads_group_0():
-                if self._seen:                    # no longer the loop's node: its heartbeat figures go
+                if self._leading:                 # no longer the loop's node: its heartbeat figures go
                     self.instruments.host_load.clear()
                     self.instruments.under_replicated.set(0)
-                self._seen.clear()                # a new leader gives every node a full timeout
+                self._leading = False
+                self._silent_since.clear()        # a new leader gives every node a full timeout
+                self._answered.clear()
                 continue
+            self._leading = True
             try:
                 self.turn(hosts)
             except (RaftpsError, OSError, ConnectionError) as exc:
                 self._say(f"placement loop: {exc} (tried again every turn)")
 
-    def turn(self, hosts: Hosts) -> Step | None:
-        """One heartbeat of every node, then one step of the plan (None: nothing to do)."""
+    def turn(self, hosts: Hosts) -> list[Step]:
+        """One heartbeat of every node, then this turn's steps of the plan, carried out (empty:
+        nothing to do)."""
         addresses = [offset_address(a, CLIENT_OFFSET) for a in hosts.nodes]
         with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0, connect_timeout=1.0) as admin:
             asked = time.monotonic()
             beat = admin.status_rows(hosts, timeout=1.0)
             now = time.monotonic()
             self.instruments.heartbeat_seconds.set(now - asked)
-            for node in range(1, len(hosts.nodes) + 1):
-                self._seen.setdefault(node, now)
-                if node in beat:
-                    self._seen[node] = now
+            self._silent_since = silent_since(self._silent_since, frozenset(beat), len(hosts.nodes), now)
             self._note_load(hosts, beat, now)
             up = frozenset(beat)
-            dead = frozenset(n for n, t in self._seen.items() if self.dead_host_timeout > 0
-                             and now - t > self.dead_host_timeout and hosts.hosted_by(n))
+            self._answered |= up
+            # dead: silent past the timeout, and serving replicas or seen answering by this loop
+            # (one its refills emptied is no target); a host added but never started is neither
+            dead = frozenset(n for n, t in self._silent_since.items() if self.dead_host_timeout > 0
+                             and now - t > self.dead_host_timeout and (hosts.hosted_by(n) or n in self._answered))
             if any(0 in hosts.hosted_by(n) for n in dead):
                 self._say(f"node(s) {sorted(dead)} dead; a replica of Raft group 0 cannot be re-created yet")
             group_bytes = {r["group"]: int(r.get("model_bytes") or 0) for rows in beat.values() for r in rows
                            if r.get("role") == "leader" and "group" in r}
-            step = next_step(hosts, up, dead, group_bytes, balance=self.balance)
-            if step is not None:
-                self.carry_out(admin, hosts, step)
-            return step
+            steps = next_steps(hosts, up, dead, group_bytes, balance=self.balance)
+            if len(steps) == 1:
+                self.carry_out(admin, hosts, steps[0])
+            elif steps:
+                self._together(addresses, hosts, steps)
+            return steps
+
+    def _together(self, addresses: list[str], hosts: Hosts, steps: list[Step]) -> None:
+        """Each step on a thread with a HostsAdmin of its own (a router serves one thread); back
+        once all have ended, done or failed (a failed one leaves its move in the record for the
+        next turn to resume or roll back)."""
+        def drive(step: Step) -> None:
+            try:
+                with HostsAdmin(addresses, token=self.token, tls=False, timeout=30.0, connect_timeout=1.0) as admin:
+                    self.carry_out(admin, hosts, step)
+            except (RaftpsError, OSError, ConnectionError) as exc:
+                self._say(f"placement: {step.describe(hosts)}: {exc} (the next turn goes on or rolls it back)")
+        threads = [threading.Thread(target=drive, args=(step,), name=f"placement-{step.kind}-{step.group}",
+                                    daemon=True) for step in steps]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()      # as long as one step alone would take: each request and wait of a move is bounded
 
     def carry_out(self, admin: HostsAdmin, hosts: Hosts, step: Step) -> None:
         log.warning("placement: %s", step.describe(hosts))

@@ -1,8 +1,8 @@
 """Elastic hosts on real processes (docs/design/elastic.md): a fifth host joins a (G = 3, N = 4)
 cluster under a steady push load and takes a replica of Raft group 1 from its leader's node; a
 move to a host that is not up is rolled back, one interrupted goes on when run again, and the
-fifth host is drained. A second cluster's placement loop re-creates a SIGKILLed host's replica
-by itself. Every acknowledged push is applied once, each group's replicas agree,
+fifth host is drained. A second cluster's placement loop re-creates a SIGKILLed host's two replicas
+by itself, at once. Every acknowledged push is applied once, each group's replicas agree,
 clients routed by the old layout keep working, and every node follows the same hosts record.
 Bad commands change nothing."""
 import json
@@ -18,6 +18,7 @@ import numpy as np
 from raftps import Client, Unavailable, codec
 from raftps.tools.localcluster import LocalCluster
 from raftps.raft.durability import default_payload_dir
+from raftps.server.elastic import HostsAdmin
 from raftps.client.transport import TcpTransport
 
 BASE = 19000       # nodes: Raft 19001..19005 (+ 400 per group; clients + 100, data + 200, metrics + 300)
@@ -93,13 +94,13 @@ def group_rows(cl, node, timeout=30.0):
         return {r.get("group", 0): r for r in c.status() if r["role"] != "down"}
 
 
-def until(what, check, timeout=60.0):
+def until(what, check, timeout=60.0, period=0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = check()
         if got:
             return got
-        time.sleep(0.2)
+        time.sleep(period)
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
@@ -236,23 +237,32 @@ def test_a_new_host_takes_a_replica_under_load(tmp_path):
         cl.wipe()
 
 
-LOOP_BASE = 13000  # the second cluster: Raft 13001..13004 (+ 400 for group 1; + 100/200/300)
+LOOP_BASE = 11000  # the second cluster: Raft 11001..11004 (+ 400 per group up to group 2; + 100/200/300)
 
 
-def test_the_placement_loop_refills_a_dead_hosts_replica(tmp_path):
-    """(G = 2, N = 4): group 1 starts on nodes 2, 3, 4. Node 4 is SIGKILLed for good; after the
-    dead-host timeout (3 s) group 0's leader re-creates its replica on node 1, the only node
-    outside the group, with no one asking. Pushes go on throughout; nothing is lost or doubled."""
-    cl = LocalCluster(str(tmp_path), nodes=4, base_port=LOOP_BASE, groups=2, extra_args=["--dead-host-timeout", "3"])
+def test_the_placement_loop_refills_a_dead_hosts_replicas_together(tmp_path):
+    """(G = 3, N = 4): group 1 starts on nodes 2, 3, 4, group 2 on 1, 3, 4. Node 4 is SIGKILLed
+    for good; after the dead-host timeout (3 s) group 0's leader re-creates both replicas with
+    no one asking, at once (two moves in the record together): group 1's on node 1, the only
+    node outside it, and group 2's on node 2 (nodes 1 and 2 serve 2 groups each, node 3 all 3;
+    the lowest id, node 1, already serves group 2). Pushes go on throughout; nothing is lost
+    or doubled."""
+    cl = LocalCluster(str(tmp_path), nodes=4, base_port=LOOP_BASE, groups=3, extra_args=["--dead-host-timeout", "3"])
     try:
         names, load = started_under_load(cl)
         cl.kill(4)
-        until("node 1 serves group 1", lambda: 1 in group_rows(cl, 1), timeout=90)
-        assert "group 1: nodes 1,2,3\n" in until("the move is done", lambda: (lambda out: out if "moving" not in out
-                                                                             else None)(hosts_cmd(cl, "list")))
-        rows = refilled_on_node_1(cl, load, names)
-        group_1_ports = [f"127.0.0.1:{LOOP_BASE + 400 + n}" for n in (1, 2, 3)]     # Raft port + 400 g
-        assert all(sorted(r["members"]) == group_1_ports for r in rows), rows
+        in_flight = []          # the moves in the record, polled every 0.1 s until both are done
+
+        def refilled():
+            with HostsAdmin(cl.addresses, token=cl.token, tls=False, timeout=10) as admin:
+                record = admin.hosts()
+            in_flight.append(len(record.moves))
+            return record if not record.moves and record.placed[1:] == ((1, 2, 3), (1, 2, 3)) else None
+        until("groups 1 and 2 on nodes 1, 2, 3", refilled, timeout=90, period=0.1)
+        assert max(in_flight) == 2, in_flight
+        for group, rows in finished_and_agreeing(cl, load, names, groups=(1, 2)).items():
+            ports = [f"127.0.0.1:{LOOP_BASE + 400 * group + n}" for n in (1, 2, 3)]     # Raft port + 400 g
+            assert all(sorted(r["members"]) == ports for r in rows), rows
     finally:
         cl.wipe()
 
@@ -268,15 +278,15 @@ def started_under_load(cl):
     return names, load
 
 
-def refilled_on_node_1(cl, load, names):
-    """Once node 4's replica of group 1 went to node 1: 10 more pushes, the load stopped, group
-    1's replicas on nodes 1, 2, 3 agree (their rows), every acknowledged push applied once."""
+def finished_and_agreeing(cl, load, names, groups=(1,)):
+    """Once the refill is done: 10 more pushes, the load stopped, each of ``groups``' replicas on
+    nodes 1, 2, 3 agree, every acknowledged push applied once: {group: its rows}."""
     load.wait(10)
     acked, unknown = load.finish()
-    def agreeing():
-        rows = [group_rows(cl, n).get(1) for n in (1, 2, 3)]
+    def agreeing(group):
+        rows = [group_rows(cl, n).get(group) for n in (1, 2, 3)]
         return rows if None not in rows and len({(r["version"], r["digest"]) for r in rows}) == 1 else None
-    rows = until("group 1's replicas agree", agreeing)
+    rows = {group: until(f"group {group}'s replicas agree", lambda: agreeing(group)) for group in groups}
     with cl.client() as c:
         totals = c.pull(names)[0]
     for n in names:

@@ -149,7 +149,8 @@ class MajorityWatch:
     def __init__(self, cl):
         self.cl, self.samples, self.violations = cl, 0, []
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run)
+        # a daemon: a failed assertion before finish() must not hold pytest at exit for its 10 minutes
+        self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
     def run(self):

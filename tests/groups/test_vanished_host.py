@@ -11,7 +11,7 @@ import pytest
 
 from raftps.chaos import netns
 from raftps.tools.localcluster import LocalCluster
-from tests.groups.test_elastic import group_rows, hosts_cmd, refilled_on_node_1, started_under_load, until
+from tests.groups.test_elastic import group_rows, hosts_cmd, finished_and_agreeing, started_under_load, until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 PREFIX, SUBNET = "rpsvh", "10.77.23"
@@ -46,7 +46,7 @@ def test_a_host_whose_packets_are_dropped_is_refilled(tmp_path):
         took = heartbeat_seconds(cl, loop_node)
         print(f"vanished host refilled after {refilled:.1f} s (dead-host timeout 3 s); heartbeat {took:.2f} s")
         assert took is not None and took < 1.6, took
-        refilled_on_node_1(cl, load, names)
+        finished_and_agreeing(cl, load, names)
     finally:
         net.heal()
         cl.wipe()
