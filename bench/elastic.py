@@ -296,7 +296,7 @@ def report(r: dict[str, Any]) -> str:
         "",
         f"The copy time uses the faster of the two data-plane rates (the stricter bound). The rebalance moved "
         f"{r['bytes_moved'] / 1e6:.0f} MB in {r['rebalance_s']:.1f} s ({r['bytes_moved'] / 1e6 / r['rebalance_s']:.1f} MB/s "
-        "end to end: moves go one at a time, each a learner's catch-up, its promotion and the old replica's removal, "
+        "end to end: moves go one at a time, each the new voter's add, its catch-up and the old replica's removal, "
         "and leaders are then handed over). Pushes/s in each second from the start of the baseline to the end of the "
         f"rebalance (the host added at second {r['baseline_s']:g}): {r['push_rate_per_s']}.  Pushes acknowledged: {r['pushes_acked']}, "
         f"without an answer: {r['pushes_unanswered']}{' (' + '; '.join(r['push_errors']) + ')' if r['push_errors'] else ''}. "
