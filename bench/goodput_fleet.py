@@ -63,10 +63,12 @@ class Plan:
     # sharded over ``groups`` Raft groups, their leaders on different store hosts; sync steps
     # streamed in chunks of ``chunk_bytes`` on links of at most CHUNKED_AT_MOST bits/s (where
     # bench/results/fleet_step_100mbit_stream.md measured them to pay; unshaped they only cost:
-    # fleet_step_unshaped_stream.md); DiLoCo's pseudo-gradients as ``compress`` (int8: the same
+    # fleet_step_unshaped_stream.md), in ``pairs`` where chunked (bench/results/fleet_step_100mbit_pairs.md:
+    # the workers' links carry an all-reduce's bytes); DiLoCo's pseudo-gradients as ``compress`` (int8: the same
     # validation loss, bench/results/diloco_quality_int8.md).
     groups: int = 3
     chunk_bytes: int = 53_000
+    pairs: bool = True
     compress: str = "int8"
 
 
@@ -344,7 +346,7 @@ def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt
         cluster.start_node(node)
     prefix = f"goodput-{name}-{plan.runs}"
     argv = raftps_argv(name, prefix, 2 * plan.budget, plan.eval_every, plan.sync_every, plan.outer, out,
-                       chunk_bytes_for(plan, fleet), plan.compress if name == "raftps-diloco" else "none")
+                       chunk_bytes_for(plan, fleet), plan.compress if name == "raftps-diloco" else "none", plan.pairs)
     ranks = Ranks(fleet, lambda r, g: argv, lambda r, g: _env({**cluster.client_env, "RANK": str(r),
                                                                 "WORLD_SIZE": str(WORKERS)}), out, clock, whole_group=False)
     ranks.start_all()

@@ -151,7 +151,8 @@ def report(record: dict[str, Any], png: str) -> str:
 def raftps_setup(setup: dict[str, Any]) -> str:
     """The raftps configuration the run used, as the report's header states it."""
     chunks = (f"sync steps streamed in chunks of {setup['chunk_bytes']:,} bytes on links of at most 100 Mbit/s "
-              "(whole parts on faster ones)" if setup["chunk_bytes"] else "sync steps sent whole")
+              f"(whole parts on faster ones){', in pairs of ranks' if setup.get('pairs') else ''}" if setup["chunk_bytes"]
+              else "sync steps sent whole")
     return (f"raftps as documented for a fleet: the model sharded over {setup['groups']} Raft group(s), their leaders "
             f"on different store hosts; {chunks}; DiLoCo's pseudo-gradients as {setup['compress']} (the asynchronous "
             "DiLoCo's dense).")
@@ -279,7 +280,8 @@ def main(argv: list[str]) -> int:
             "load": (load0, os.getloadavg()[0]), "seconds": round(time.monotonic() - t0),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "torch": __import__("torch").__version__, "torchft": "missing" if skip else _version("torchft"),
-            "lr": char_gpt_lr(), "raftps": {"groups": a.groups, "chunk_bytes": a.chunk_bytes, "compress": a.compress}}
+            "lr": char_gpt_lr(), "raftps": {"groups": a.groups, "chunk_bytes": a.chunk_bytes, "pairs": plan.pairs,
+                                                  "compress": a.compress}}
     record = {"meta": meta, "results": results, "targets": targets(results)}
     print(write(record, a.out, a.name))
     return 1 if any("error" in r for r in results) else 0

@@ -137,14 +137,14 @@ def torchft_available() -> str | None:
 
 
 def raftps_argv(name: str, prefix: str, steps: int, eval_every: int, sync_every: int, outer: str, out: str,
-                chunk_bytes: int = 0, compress: str = "none") -> list[str]:
+                chunk_bytes: int = 0, compress: str = "none", pairs: bool = False) -> list[str]:
     """A raftps worker's command line: examples/char_gpt.py's sync mode (its steps in chunks of
-    ``chunk_bytes``, 0: whole), or bench/goodput_worker.py's DiLoCo (pseudo-gradients ``compress``ed)."""
+    ``chunk_bytes``, 0: whole; in ``pairs`` where chunked), or bench/goodput_worker.py's DiLoCo (pseudo-gradients ``compress``ed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if name == "raftps-sync":
         return [sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--backend", "raftps", "--mode", "sync",
                 "--prefix", prefix, "--steps", str(steps), "--eval-every", str(eval_every), "--out", out,
-                "--chunk-bytes", str(chunk_bytes)]
+                "--chunk-bytes", str(chunk_bytes)] + (["--pairs"] if pairs and chunk_bytes else [])
     return [sys.executable, os.path.join(root, "bench", "goodput_worker.py"), "--kind", name, "--steps", str(steps),
             "--eval-every", str(eval_every), "--sync-every", str(sync_every), "--outer", outer, "--prefix", prefix,
             "--compress", compress, "--out", out]

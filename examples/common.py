@@ -65,6 +65,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--chunk-bytes", type=int, default=0,
                     help="raftps sync: each step streamed in chunks of whole tensors of up to this many bytes "
                          "(pays on slow links: docs/design/write-path.md); 0 sends each group's part whole")
+    ap.add_argument("--pairs", action="store_true",
+                    help="raftps sync with --chunk-bytes: ranks 2i and 2i + 1 add up half of each step's chunks "
+                         "each before the store (docs/design/write-path.md)")
     ap.add_argument("--steps", type=int, default=defaults["steps"], help="global batches in the whole run")
     ap.add_argument("--batch", type=int, default=defaults["batch"], help="global batch (split over ranks in sync/ddp)")
     ap.add_argument("--lr", type=float, default=defaults["lr"], help="Adam learning rate")
@@ -82,6 +85,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     if args.chunk_bytes < 0 or (args.chunk_bytes and (args.backend, args.mode) != ("raftps", "sync")):
         ap.error(f"--chunk-bytes {args.chunk_bytes}: a byte count >= 0, for --backend raftps --mode sync only "
                  f"(here --backend {args.backend} --mode {args.mode})")
+    if args.pairs and not args.chunk_bytes:           # --chunk-bytes above is for raftps sync only
+        ap.error("--pairs: for --backend raftps --mode sync only, with --chunk-bytes > 0 "
+                 f"(here --backend {args.backend} --mode {args.mode} --chunk-bytes {args.chunk_bytes})")
     return args
 
 
@@ -114,6 +120,7 @@ class Backend:
                        else dict(n_push=args.n_push, n_fetch=args.n_fetch, staleness_aware=args.staleness_aware))
             if args.chunk_bytes:                          # sync only (parse_args)
                 options["chunk_bytes"] = args.chunk_bytes
+                options["pairs"] = args.pairs
             self.opt = rpt.DistributedOptimizer(adam, model=model, cluster=args.cluster, mode=args.mode,
                                                 prefix=prefix, rank=rank, world_size=world, **options)
             self.start_step = int(self.opt.start_step)

@@ -131,6 +131,22 @@ def test_char_gpt_refuses_chunk_bytes_outside_raftps_sync():
         assert done.returncode == 2 and "--chunk-bytes" in done.stderr and "raftps --mode sync only" in done.stderr, done.stderr
 
 
+def test_char_gpt_refuses_pairs_without_chunk_bytes_and_the_fleet_bench_passes_it():
+    """examples/char_gpt.py's --pairs is refused, naming it, without --chunk-bytes (raftps sync's,
+    so with any other mode or backend too), before any model or store is touched; the fleet
+    bench's raftps sync worker gets it only where its steps go in chunks."""
+    import subprocess
+    import sys
+    from bench.goodput_launch import raftps_argv
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for extra in (["--backend", "raftps"], ["--backend", "raftps", "--mode", "diloco"], ["--backend", "ddp"]):
+        done = subprocess.run([sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--pairs", *extra],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "RAFTPS_CLUSTER": "127.0.0.1:9"})
+        assert done.returncode == 2 and "--pairs" in done.stderr and "with --chunk-bytes > 0" in done.stderr, done.stderr
+    assert "--pairs" in raftps_argv("raftps-sync", "p", 4, 2, 5, "average", "o", 53_000, pairs=True)
+    assert "--pairs" not in raftps_argv("raftps-sync", "p", 4, 2, 5, "average", "o", 0, pairs=True)
+
+
 def test_store_check_per_unit_counts_a_step_stopped_halfway_through_its_chunks():
     """A sync step streamed in chunks (or sharded over Raft groups) applies unit by unit: workers
     stopped mid-step leave some units one step ahead. Each tensor is checked against its own
@@ -271,6 +287,10 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     with_setup = rep.report({"meta": {**meta, "raftps": {"groups": 3, "chunk_bytes": 53_000, "compress": "int8"}},
                              "results": results, "targets": []}, "x.png")
     assert "sharded over 3 Raft group(s)" in with_setup and "chunks of 53,000 bytes" in with_setup
+    assert "in pairs of ranks" not in with_setup       # a run made before pairs, its JSON without the key
+    paired = rep.report({"meta": {**meta, "raftps": {"groups": 3, "chunk_bytes": 53_000, "pairs": True, "compress": "int8"}},
+                         "results": results, "targets": []}, "x.png")
+    assert "(whole parts on faster ones), in pairs of ranks;" in paired
     for name in ("gf.md", "gf.json", "gf.png"):
         assert os.path.getsize(tmp_path / name) > 0
     # a second run at another link rate, merged: both runs' rows, each link's ratios from its own run
