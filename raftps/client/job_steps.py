@@ -93,9 +93,22 @@ class JobSteps:
         self._remember_chunks(job, parts, chunk_plan(parts, chunk_bytes)[0])
 
     def _remember_chunks(self, job: str | None, parts: dict[int, dict], chunk_of: dict[str, int]) -> None:
-        counts = self._chunks.setdefault(job or "", {})
-        for g, part in parts.items():
-            counts[g] = max(counts.get(g, 1), 1 + max(chunk_of[n] for n in part))
+        self.expect_chunk_counts(job, {g: 1 + max(chunk_of[n] for n in part) for g, part in parts.items()})
+
+    def expect_chunk_counts(self, job: str | None, counts: dict[int, int]) -> None:
+        """As expect_chunks, for a plan of its own (step_stream.py): ``counts`` {Raft group: its chunks}."""
+        self._raft_groups.setdefault(job or "", set()).update(counts)
+        known = self._chunks.setdefault(job or "", {})
+        for g, n in counts.items():
+            known[g] = max(known.get(g, 1), n)
+
+    def note_replies(self, job: str | None, sent: set[int], replied: set[int]) -> None:
+        """The Raft groups a step's parts went to (``sent``) and answered from (``replied``: a
+        part re-routed by a move answers from its new group), as contribute keeps them."""
+        groups = self._raft_groups.setdefault(job or "", set())
+        groups.update(sent)
+        groups.difference_update(sent - replied)
+        groups.update(replied)
 
     def _read_answer(self, grads: dict[str, Any], reply: dict, rank: int) -> dict:
         """A step's tensors (``grads``' names) read at its version from the member ``rank`` mod

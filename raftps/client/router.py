@@ -282,14 +282,18 @@ class Router:
         list of (group, part), several for one group (a chunked step's chunks): their replies
         merge as one group's."""
         items = list(parts.items()) if isinstance(parts, dict) else list(parts)
-        futures = [submit(lambda call, g=g, part=part: self._replies(lambda g2, p2: write(g2, p2, call), {g: part}))
-                   for g, part in items]
+        futures = [self.submit_part(write, g, part, submit) for g, part in items]
         replies: dict[int, dict] = {}
         wait(futures)                   # every part's outcome, before any error is raised
         for future in futures:
             for g, reply in future.result().items():
                 replies[g] = merge_same_group(replies[g], reply) if g in replies else reply
         return merge(dict(sorted(replies.items())))
+
+    def submit_part(self, write: Callable[[int, Any, Call], dict], g: int, part: Any,
+                    submit: Callable[[Callable[[Call], dict]], "Future[dict]"]) -> "Future[dict]":
+        """One part of each_group_at_once, on its way alone: the future gives {group: reply}."""
+        return submit(lambda call: self._replies(lambda g2, p2: write(g2, p2, call), {g: part}))
 
     def _replies(self, write: Any, parts: dict[int, Any]) -> dict[int, dict]:
         replies: dict[int, dict] = {}

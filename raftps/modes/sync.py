@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from raftps.client.step_stream import StepStream, plan_chunks
 from raftps.modes.link import StoreLink
 
 
@@ -35,12 +36,15 @@ class SyncSteps:
     """Job ``job``'s steps (None: the store-wide default job) for rank ``rank`` of ``world_size``."""
 
     def __init__(self, link: StoreLink, job: str | None, world_size: int, rank: int, step_timeout: float,
-                 skip_flags: Iterable[str] = (), chunk_bytes: int = 0, pairs: bool = False):
+                 skip_flags: Iterable[str] = (), chunk_bytes: int = 0, pairs: bool = False,
+                 stream_runs: list[list[str]] | None = None):
         self.link, self.job = link, job
         self.world_size, self.rank, self.step_timeout = world_size, rank, step_timeout
         self.skip_flags = list(skip_flags)    # jobs.skip_flag per Raft group: every contribution carries them
         self.chunk_bytes = chunk_bytes        # push_step's: each part streamed in chunks (every rank the same)
         self.pairs = pairs                    # push_step's: partners add up half the chunks each (needs chunk_bytes)
+        self.stream_runs = stream_runs        # overlap: the step streamed in chunks planned over these runs of names
+        self.stream: StepStream | None = None  # made by resume (the plan needs the tensors' shapes)
 
     def applied(self) -> int:
         """The job's last applied step (-1 if none), read linearizably."""
@@ -51,10 +55,15 @@ class SyncSteps:
         The applied step is read before the values, so they are never older than the steps it
         counts (a step applied in between answers this rank's contribution late: it rejoins)."""
         if self.chunk_bytes:           # the job's steps in chunks: the lowest step every chunk applied
-            prefix = os.path.commonprefix(sorted(names))
+            prefix = os.path.commonprefix(sorted(names + self.skip_flags))
             rows = {row["name"]: row for row in self.link.client.tensors(prefix)}
-            self.link.client.expect_chunks(self.job, {n: (tuple(rows[n]["shape"]), rows[n]["dtype"])
-                                                      for n in names if n in rows}, self.chunk_bytes)
+            sizes = {n: (tuple(rows[n]["shape"]), rows[n]["dtype"]) for n in names if n in rows}
+            if self.stream_runs is not None:
+                sizes.update({f: ((1,), "float32") for f in self.skip_flags})
+                plan = plan_chunks(self.link.client._router, sizes, self.stream_runs, self.chunk_bytes)
+                self.stream = StepStream(self.link.client, self.job, self.world_size, self.rank, self.step_timeout, plan)
+            else:
+                self.link.client.expect_chunks(self.job, sizes, self.chunk_bytes)
         first = self.applied() + 1
         tensors, _ = self.link.resume(names)
         return tensors, first
@@ -70,6 +79,10 @@ class SyncSteps:
             answer = client.push_step(grads, step, self.world_size, job=self.job, rank=self.rank,
                                       timeout=self.step_timeout, pull=True, hyper=hyper or None, clip_norm=clip_norm,
                                       chunk_bytes=self.chunk_bytes, pairs=self.pairs)
+        return self.answered(answer, step, names)
+
+    def answered(self, answer: dict, step: int, names: list[str]) -> StepResult:
+        """The StepResult of step ``step`` from push_step's reply (or a StepStream's, overlap)."""
         next_step = step + 1
         if answer.get("late"):     # applied without us (we were away): rejoin at the job's next step
             next_step = max(step, self.applied()) + 1

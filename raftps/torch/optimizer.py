@@ -8,7 +8,8 @@ those values; the optimizer itself runs in the store (optimizers.py says which r
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -68,6 +69,23 @@ class _Distributed:
     def _store_step(self) -> int:
         if self._raftps.mode in DILOCO_MODES:     # the inner step is torch's own; the store's part is the round
             return self._raftps.step()
+        hyper, lrs = self._step_hyper()
+        clip, self._raftps_clip = self._raftps_clip, None
+        found_inf = getattr(self, "found_inf", None)        # set by GradScaler (sync mode) for this call
+        own_inf = found_inf is not None and bool(found_inf.item())
+        overlapped = getattr(self._raftps, "overlap", None) is not None
+        version = self._raftps.step(hyper, lrs, clip, skip=own_inf, grad_scale=getattr(self, "grad_scale", None),
+                                    under_scaler=overlapped and amp.calling_scaler(self) is not None)
+        if found_inf is not None and not own_inf and self._raftps.last_step_skipped:
+            # another rank's inf skipped it: this rank's GradScaler backs off too, as under DDP
+            scaler = amp.calling_scaler(self)
+            if scaler is not None:
+                self._raftps_inf_marker = amp.record_inf(scaler, self._raftps.params[0].tensor.device)
+        return version
+
+    def _step_hyper(self) -> tuple[dict[str, dict], dict[str, float]]:
+        """This step's hyperparameters as the param groups hold them now: ({tensor: those that
+        differ from its stored spec}, {tensor: lr})."""
         hyper, lrs = {}, {}
         for group, stored, names in zip(self.param_groups, self._raftps_specs, self._group_names()):
             now = (optimizers.store_spec(self._raftps_class, group) if not self._raftps_shorthand
@@ -77,16 +95,19 @@ class _Distributed:
                 lrs[name] = now["lr"]
                 if changed:
                     hyper[name] = changed
-        clip, self._raftps_clip = self._raftps_clip, None
-        found_inf = getattr(self, "found_inf", None)        # set by GradScaler (sync mode) for this call
-        own_inf = found_inf is not None and bool(found_inf.item())
-        version = self._raftps.step(hyper, lrs, clip, skip=own_inf, grad_scale=getattr(self, "grad_scale", None))
-        if found_inf is not None and not own_inf and self._raftps.last_step_skipped:
-            # another rank's inf skipped it: this rank's GradScaler backs off too, as under DDP
-            scaler = amp.calling_scaler(self)
-            if scaler is not None:
-                self._raftps_inf_marker = amp.record_inf(scaler, self._raftps.params[0].tensor.device)
-        return version
+        return hyper, lrs
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's: backward passes inside it only accumulate gradients (a micro-batch that does
+        not end a step); the step's last backward runs outside it, then step(). It matters with
+        overlap=True (whose hooks send the gradients backward makes); elsewhere it does nothing."""
+        overlap = getattr(self._raftps, "overlap", None)
+        if overlap is None:
+            yield
+            return
+        with overlap.no_sync():
+            yield
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_raftps", None) is None:       # torch's own __init__ adding the first groups
@@ -164,6 +185,10 @@ class _Distributed:
         norm; in the other modes the gradient is clipped here (it is this worker's whole batch)."""
         if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        if getattr(self._raftps, "overlap", None) is not None:
+            raise ValueError("clip_grad_norm_ with overlap=True: the store clips the step's mean gradient, which "
+                             "needs the whole step in one piece, and overlap sends it in chunks during backward; "
+                             "make the optimizer without overlap to clip")
         if norm_type != 2.0 and self._raftps.mode == "sync":
             raise ValueError("sync mode clips the step's mean gradient by its L2 norm only (norm_type=2.0)")
         params = [p for g in self.param_groups for p in g["params"]]
@@ -250,7 +275,10 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     ssp_staleness, easgd_alpha, step_timeout, ssp_timeout, token, timeout, chunk_bytes (sync:
     each step streamed in chunks of whole tensors of up to this many bytes; Client.push_step),
     pairs (sync, with chunk_bytes: ranks 2i and 2i + 1 add up half of each step's chunks each and
-    relay the store's answers to each other, so the workers' links carry an all-reduce's bytes).
+    relay the store's answers to each other, so the workers' links carry an all-reduce's bytes),
+    overlap (sync, with chunk_bytes, not with pairs: each chunk sent as soon as backward has made
+    its gradients, DDP's buckets' way; ``opt.no_sync()`` for gradient accumulation; not with
+    clip_grad_norm_ or a GradScaler: overlap.py).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -318,4 +346,6 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     else:
         opt._raftps = Worker(model, by_param, cluster, mode=mode, local_step=local_step, **options)
     opt._raftps_names = [[f"{opt._raftps.prefix}/{names[id(p)]}" for p in g["params"]] for g in opt.param_groups]
+    if mode == "sync":        # overlap=True reads the hyperparameters when backward makes a step's first gradient
+        opt._raftps.hyper_source = lambda: opt._step_hyper()[0]
     return opt

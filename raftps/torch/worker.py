@@ -42,6 +42,7 @@ from raftps.client.job_steps import CREATOR_WAIT, create_chunked, wait_for_tenso
 from raftps.modes import DROPPED, Downpour, Easgd, StoreLink, SyncSteps, step_counters
 from raftps.client.ssp import SspMember
 from raftps.torch.host import STORED_AS, PinnedStage, env_int, from_numpy, load
+from raftps.torch.overlap import Overlap, OverlapError
 from raftps.torch.host import as_numpy as _as_numpy      # the name _create reads
 
 MODES = ("sync", "async", "ssp", "easgd")
@@ -74,7 +75,7 @@ class Worker:
                  rank: int | None = None, world_size: int | None = None, ssp_staleness: int | None = 2,
                  easgd_alpha: float | None = None, step_timeout: float = 10.0, ssp_timeout: float = 10.0,
                  token: str | None = None, timeout: float = 60.0, local_step: Any = None, chunk_bytes: int = 0,
-                 pairs: bool = False):
+                 pairs: bool = False, overlap: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         for what, n in (("n_push", n_push), ("n_fetch", n_fetch)):
@@ -92,6 +93,11 @@ class Worker:
         if pairs and not (mode == "sync" and chunk_bytes > 0):
             raise ValueError(f"pairs=True works in mode 'sync' with chunk_bytes > 0 (the pair splits a step by its "
                              f"chunks); got mode={mode!r}, chunk_bytes={chunk_bytes}")
+        if overlap and not (mode == "sync" and chunk_bytes > 0 and not pairs):
+            raise ValueError(f"overlap=True works in mode 'sync' with chunk_bytes > 0 (each chunk leaves when backward "
+                             f"has made its gradients) and without pairs; got mode={mode!r}, chunk_bytes={chunk_bytes}, "
+                             f"pairs={pairs}")
+        self.overlap: Overlap | None = None     # sync overlap=True: the hooks (made once the job's plan is known)
         if codecs.parse(compress or "none")[0] != "none" and mode == "sync":
             raise ValueError("compress works in the async modes; a sync step averages dense contributions")
         self.local_step = local_step
@@ -129,8 +135,13 @@ class Worker:
             ssp = SspMember(self.client, self.job, f"rank{self.rank}", ssp_staleness, ssp_timeout) \
                 if mode == "ssp" else None
             self.link = StoreLink(self.client, ssp, counters=self.counters)
-            self.engine = self._engine(compress)
+            self.engine = self._engine(compress, overlap)
             self.start_step = self._resume()
+            if overlap:
+                self.overlap = Overlap(self.params, self.engine.stream,
+                                       lambda named: self._stage.to_host(named, self._dtypes), self._dense_grad,
+                                       lambda: self.hyper_source())
+                self.overlap.step = self.start_step
         except BaseException:
             self.close()
             raise
@@ -204,10 +215,13 @@ class Worker:
         # What the store held at this version: a buffer's change since then is this worker's.
         self._buffer_base = {s.store_name: np.array(tensors[s.store_name]) for s in self.buffers}
 
-    def _engine(self, compress: str | None) -> SyncSteps | Downpour | Easgd:
+    def _engine(self, compress: str | None, overlap: bool = False) -> SyncSteps | Downpour | Easgd:
         if self.mode == "sync":
+            # overlap: chunks in the order backward makes the gradients (the model's, reversed), then the buffers
+            runs = [[s.store_name for s in reversed(self.params)], [s.store_name for s in self.buffers]] \
+                if overlap else None
             return SyncSteps(self.link, self.job, self.world_size, self.rank, self.step_timeout, self.skip_flags,
-                             self.chunk_bytes, self.pairs)
+                             self.chunk_bytes, self.pairs, runs)
         if self.mode == "easgd":      # the spec's optimizer in numpy, unless torch's own runs locally
             return Easgd(self.link, self.easgd_alpha, self.n_push, self.specs if self.local_step is None else None)
         return Downpour(self.link, self.n_push, self.n_fetch, compress)
@@ -216,19 +230,30 @@ class Worker:
 
     @torch.no_grad()
     def step(self, hyper: dict[str, dict] | None = None, lrs: dict[str, float] | None = None,
-             clip_norm: float | None = None, skip: bool = False, grad_scale: torch.Tensor | None = None) -> int:
+             clip_norm: float | None = None, skip: bool = False, grad_scale: torch.Tensor | None = None,
+             under_scaler: bool = False) -> int:
         """Send this step's gradients (per the mode) and bring the replica up to date; returns
         the store version the replica now holds (or last pushed to, between pulls).
         ``hyper``: tensor -> this step's hyperparameters (those that differ from its stored spec);
         ``lrs``: tensor -> this step's lr (Downpour's own steps); ``clip_norm``: sync mode's
         store-side clipping of the step's mean gradient. Sync mode, under a GradScaler (optimizer.py):
         ``skip``: this rank's gradient holds an inf (the step is skipped on every rank);
-        ``grad_scale``: the scale the gradients still carry (they are unscaled before sending)."""
+        ``grad_scale``: the scale the gradients still carry (they are unscaled before sending);
+        ``under_scaler``: a GradScaler steps the optimizer (overlap=True refuses it)."""
         self._hyper, self._lrs, self._clip_norm = hyper or {}, lrs or {}, clip_norm
-        self._skip, self._grad_scale = skip, grad_scale
+        self._skip, self._grad_scale, self._under_scaler = skip, grad_scale, under_scaler
+        self._after_step: Exception | None = None
         {"sync": self._step_sync, "easgd": self._step_easgd}.get(self.mode, self._step_async)()
         self.step_count += 1
+        if self.overlap is not None:
+            self.overlap.step = self.step_count
+        if self._after_step is not None:
+            raise self._after_step
         return self.version
+
+    # sync overlap=True: this step's hyperparameters ({tensor: changed values}), read when backward
+    # makes the step's first gradient (the optimizer sets it to its own reading)
+    hyper_source: Any = staticmethod(lambda: {})
 
     @torch.no_grad()
     def pull_rows(self, param: torch.Tensor, rows: Any) -> int:
@@ -254,6 +279,8 @@ class Worker:
 
     def close(self) -> None:
         """Flush, leave the SSP group, close the client (if this optimizer made it)."""
+        if self.overlap is not None:
+            self.overlap.close()
         if self.engine is not None:
             self.flush()
         if self.link is not None:
@@ -264,6 +291,16 @@ class Worker:
     # ---- modes: the tensors in and out of the mode's engine ------------------------------------
 
     def _step_sync(self) -> None:
+        if self.overlap is not None:
+            reply, sent_hyper = self.overlap.finish(self.step_count, self._buffer_drift(1),
+                                                    self._grad_scale is not None or self._under_scaler)
+            self._sync_result(self.engine.answered(reply, self.step_count, self._pulled_names()))
+            if sent_hyper != self._hyper:      # raised once the step is counted (step())
+                self._after_step = OverlapError(
+                    f"the hyperparameters changed between backward and optimizer.step() ({self._hyper} at step(), "
+                    f"{sent_hyper} when backward began); overlap=True sends them with the step's first chunk, so the "
+                    "step applied with the earlier ones: change them after optimizer.step() (as LR schedulers do)")
+            return
         if self._skip:       # no gradient: the leader applies none (the step's shapes still match)
             grads = {s.store_name: np.zeros(tuple(s.tensor.shape), s.dtype) for s in self.params}
         else:                # unscaled as GradScaler.unscale_ does: times the scale's float32 reciprocal
@@ -271,8 +308,10 @@ class Worker:
             grads = self._stage.to_host({s.store_name: self._dense_grad(s) if inv is None else
                                          self._dense_grad(s) * inv.to(s.tensor.device) for s in self.params}, self._dtypes)
         grads.update(self._buffer_drift(1))
-        result = self.engine.step(grads, self.step_count, self._pulled_names(), hyper=self._hyper,
-                                  clip_norm=self._clip_norm, skip=self._skip)
+        self._sync_result(self.engine.step(grads, self.step_count, self._pulled_names(), hyper=self._hyper,
+                                           clip_norm=self._clip_norm, skip=self._skip))
+
+    def _sync_result(self, result: Any) -> None:
         self.last_grad_norm, self.last_step_skipped = result.grad_norm, result.skipped
         self.step_count = result.next_step - 1       # past the job's step if this one was late
         self._install(result.tensors)
