@@ -21,6 +21,7 @@ torchft's replica groups and raftps's workers are restarted alone at their host'
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -379,14 +380,17 @@ def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list
     else:
         job = jobs.job_name(prefix)
         acked = [(0, 0, int(r["step"]) - 1) for r in rows]
-    applied = unit_applied(cluster, job, prefix, chunk_bytes)
+    units_file = os.path.join(out, "stream_units.json")      # overlap: rank 0's stream plan (examples/common.py)
+    units = json.load(open(units_file)) if os.path.exists(units_file) else None
+    applied = unit_applied(cluster, job, prefix, chunk_bytes, units)
     with cluster.client(timeout=60) as c:
         versions = {n: v for n, v in c.export(prefix + "/")["tensor_versions"].items() if "/_raftps" not in n}
     return store_check(applied, versions, acked)
 
 
 STARTERS = {"ddp": start_ddp, "ddp-ckpt": start_ddp, "torchft-ddp": start_torchft, "torchft-diloco": start_torchft,
-            "raftps-sync": start_raftps, "raftps-diloco": start_raftps, "raftps-diloco-async": start_raftps}
+            "raftps-sync": start_raftps, "raftps-sync-overlap": start_raftps, "raftps-diloco": start_raftps,
+            "raftps-diloco-async": start_raftps}
 
 
 def run_config(fleet: Any, plan: Plan, name: str, link: str, faults: list[Fault], ckpt: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +405,7 @@ def run_config(fleet: Any, plan: Plan, name: str, link: str, faults: list[Fault]
         ranks, coordinator, cleanup = STARTERS[name](fleet, plan, name, out, clock, ckpt)
         completed = drive(plan, clock, ranks, faults, coordinator, out)
         rows = read_rows(os.path.join(out, "metrics.csv"))
-        if name in ("raftps-sync", "raftps-diloco"):
+        if name in ("raftps-sync", "raftps-sync-overlap", "raftps-diloco"):
             ranks.stop()
             try:
                 check = store_check_after(name, ranks.cluster, ranks.prefix, out, batch_rows(rows, completed),

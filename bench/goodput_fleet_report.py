@@ -17,7 +17,7 @@ from typing import Any
 from .common import log, write_results
 from .goodput_report import LABELS, TOKENS_PER_BATCH, WORKERS
 
-CONFIGS = list(LABELS)
+CONFIGS = list(LABELS)         # raftps-sync-overlap among them: fleet only (--chunk-bytes)
 RETURN_LIMIT_S = 10.0
 
 

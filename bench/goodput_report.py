@@ -16,7 +16,8 @@ WORKER_KILL_AT, LEADER_KILL_AT, TARGET_AT = 0.3, 0.6, 0.8
 CHECKPOINT_COST = 0.05                      # (b)'s checkpoint interval: saving costs about this share
 LABELS = {"ddp": "(a) DDP, no faults", "ddp-ckpt": "(b) DDP + checkpoint-restart",
           "torchft-ddp": "(c) torchft DDP", "torchft-diloco": "(c) torchft DiLoCo",
-          "raftps-sync": "(d) raftps sync", "raftps-diloco": "(e) raftps DiLoCo",
+          "raftps-sync": "(d) raftps sync", "raftps-sync-overlap": "(d) raftps sync, overlap",
+          "raftps-diloco": "(e) raftps DiLoCo",
           "raftps-diloco-async": "(f) raftps async DiLoCo"}
 ACKED_ROUNDS = "rounds_acked.txt"           # raftps DiLoCo workers: "rank fragment round" per acknowledged round
 
@@ -143,12 +144,22 @@ def store_check(applied: int | dict[str, int], versions: dict[str, int],
             "verdict": verdict}
 
 
-def unit_applied(cluster: Any, job: str, prefix: str, chunk_bytes: int) -> dict[str, int]:
+def unit_applied(cluster: Any, job: str, prefix: str, chunk_bytes: int,
+                 units: list | None = None) -> dict[str, int]:
     """{tensor: the last step (round) its unit applied}: a unit is one Raft group's chunk of a
     step (its whole part without chunks), with a step sequence of its own (client/job_steps.py's
-    chunk_job). Each unit is read alone: a client told that the unit's job lives in that group."""
+    chunk_job). Each unit is read alone: a client told that the unit's job lives in that group.
+    ``units``: [(group, chunk, names)] where the worker planned its own (overlap's stream plan)."""
     import numpy as np
     from raftps.client.job_steps import chunk_job, chunks
+    if units is not None:
+        out_units: dict[str, int] = {}
+        for group, index, names in units:
+            with cluster.client(timeout=60) as c:
+                c.expect_chunks(chunk_job(job, index), {names[0]: ((1,), "float32")}, 0)
+                applied = c.sync_applied(chunk_job(job, index))
+            out_units.update({n: applied for n in names if "/_raftps" not in n})
+        return out_units
     with cluster.client(timeout=60) as c:
         parts: dict[int, dict[str, Any]] = {}
         for row in c.tensors(prefix + "/"):

@@ -68,6 +68,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
     ap.add_argument("--pairs", action="store_true",
                     help="raftps sync with --chunk-bytes: ranks 2i and 2i + 1 add up half of each step's chunks "
                          "each before the store (docs/design/write-path.md)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="raftps sync with --chunk-bytes: each chunk sent as soon as backward has made its "
+                         "gradients, as DDP's buckets (docs/pytorch.md)")
     ap.add_argument("--steps", type=int, default=defaults["steps"], help="global batches in the whole run")
     ap.add_argument("--batch", type=int, default=defaults["batch"], help="global batch (split over ranks in sync/ddp)")
     ap.add_argument("--lr", type=float, default=defaults["lr"], help="Adam learning rate")
@@ -87,6 +90,9 @@ def parse_args(description: str, defaults: dict[str, Any]) -> argparse.Namespace
                  f"(here --backend {args.backend} --mode {args.mode})")
     if args.pairs and not args.chunk_bytes:           # --chunk-bytes above is for raftps sync only
         ap.error("--pairs: for --backend raftps --mode sync only, with --chunk-bytes > 0 "
+                 f"(here --backend {args.backend} --mode {args.mode} --chunk-bytes {args.chunk_bytes})")
+    if args.overlap and not args.chunk_bytes:
+        ap.error("--overlap: for --backend raftps --mode sync only, with --chunk-bytes > 0 "
                  f"(here --backend {args.backend} --mode {args.mode} --chunk-bytes {args.chunk_bytes})")
     return args
 
@@ -121,10 +127,15 @@ class Backend:
             if args.chunk_bytes:                          # sync only (parse_args)
                 options["chunk_bytes"] = args.chunk_bytes
                 options["pairs"] = args.pairs
+                options["overlap"] = args.overlap
             self.opt = rpt.DistributedOptimizer(adam, model=model, cluster=args.cluster, mode=args.mode,
                                                 prefix=prefix, rank=rank, world_size=world, **options)
             self.start_step = int(self.opt.start_step)
             self.sharded = args.mode in ("sync", "diloco", "diloco-async")
+            if args.overlap and args.out and rank == 0:     # the chunks' units, for a store check (bench)
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, "stream_units.json"), "w") as f:
+                    json.dump([[c.group, c.index, list(c.names)] for c in self.opt.stream_plan], f)
             return
         saved = load_checkpoint(self.checkpoint) if self.checkpoint else None
         if saved is not None:

@@ -230,6 +230,10 @@ class _Distributed:
                                  doc="sync: the last step was skipped (some rank's GradScaler found an inf)")
     params = property(lambda self: getattr(self._raftps, "params", []),
                       doc="the stored parameters' slots (diloco: none, its rounds hold the tensors)")
+    stream_plan = property(lambda self: list(getattr(getattr(getattr(self._raftps, "engine", None), "stream", None),
+                                                     "plan", None) or []),
+                           doc="sync overlap=True: the chunks a step goes in (raftps.client.step_stream.Chunk: "
+                               "Raft group, index: job JOB:chunk<index>, names); empty without overlap")
     counters = property(lambda self: getattr(self._raftps, "counters", {}),
                         doc="async modes: Raft group -> this rank's step counter there")
     bytes_sent = property(lambda self: getattr(self._raftps, "bytes_sent", None),
