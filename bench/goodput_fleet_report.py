@@ -151,7 +151,9 @@ def report(record: dict[str, Any], png: str) -> str:
 def raftps_setup(setup: dict[str, Any]) -> str:
     """The raftps configuration the run used, as the report's header states it."""
     chunks = (f"sync steps streamed in chunks of {setup['chunk_bytes']:,} bytes on links of at most 100 Mbit/s "
-              f"(whole parts on faster ones){', in pairs of ranks' if setup.get('pairs') else ''}" if setup["chunk_bytes"]
+              f"(whole parts on faster ones){', in pairs of ranks' if setup.get('pairs') else ''}; (d) raftps sync, "
+              "overlap: the same, each chunk sent as soon as backward has made its gradients (overlap=True; "
+              "unshaped, without chunks, it is (d))" if setup["chunk_bytes"]
               else "sync steps sent whole")
     return (f"raftps as documented for a fleet: the model sharded over {setup['groups']} Raft group(s), their leaders "
             f"on different store hosts; {chunks}; DiLoCo's pseudo-gradients as {setup['compress']} (the asynchronous "

@@ -141,12 +141,11 @@ def raftps_argv(name: str, prefix: str, steps: int, eval_every: int, sync_every:
     """A raftps worker's command line: examples/char_gpt.py's sync mode (its steps in chunks of
     ``chunk_bytes``, 0: whole; in ``pairs`` where chunked), or bench/goodput_worker.py's DiLoCo (pseudo-gradients ``compress``ed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if name in ("raftps-sync", "raftps-sync-overlap"):     # overlap: each chunk sent during backward (no pairs)
-        overlap = name == "raftps-sync-overlap" and chunk_bytes
+    if name in ("raftps-sync", "raftps-sync-overlap"):     # overlap: each chunk sent during backward
         return [sys.executable, os.path.join(root, "examples", "char_gpt.py"), "--backend", "raftps", "--mode", "sync",
                 "--prefix", prefix, "--steps", str(steps), "--eval-every", str(eval_every), "--out", out,
-                "--chunk-bytes", str(chunk_bytes)] + (["--pairs"] if pairs and chunk_bytes and not overlap else []) \
-            + (["--overlap"] if overlap else [])
+                "--chunk-bytes", str(chunk_bytes)] + (["--pairs"] if pairs and chunk_bytes else []) \
+            + (["--overlap"] if name == "raftps-sync-overlap" and chunk_bytes else [])
     return [sys.executable, os.path.join(root, "bench", "goodput_worker.py"), "--kind", name, "--steps", str(steps),
             "--eval-every", str(eval_every), "--sync-every", str(sync_every), "--outer", outer, "--prefix", prefix,
             "--compress", compress, "--out", out]

@@ -24,7 +24,9 @@ twice and nothing acknowledged is lost.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+from concurrent.futures import Future, wait
 from typing import Any, Callable
 
 import numpy as np
@@ -117,12 +119,37 @@ class _PairStep:
         self.handed: set[int] = set()
 
     def run(self, mine: list[int], theirs: list[int]) -> dict:
+        self.start()
+        for i in theirs:
+            self.hand(i)
+        return self.finish([self.own(i) for i in mine], theirs)
+
+    # A step in pieces (run, or step_stream.py's overlap: each chunk as backward makes it):
+    # start; hand(i) for each of the partner's chunks and own(i) for each of this rank's, in
+    # any order, once ``items[i]`` holds its gradients; finish.
+
+    def start(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._hand, daemon=True)
+        self._sender.start()
+
+    def hand(self, i: int) -> None:
+        """The partner's chunk ``i``: to the partner, from the sender thread (a slow link must
+        not hold the caller: backward's hooks, under overlap)."""
+        self._queue.put(i)
+
+    def own(self, i: int) -> Future:
+        """This rank's chunk ``i``: on a lane, the pair's sum to the store once the partner's half is here."""
+        g, part = self.items[i]
+        return self.pairs._router.submit_part(self._write_own, g, part, self.pairs._submit)
+
+    def finish(self, futures: list[Future], theirs: list[int]) -> dict:
         router = self.pairs._router
-        sender = threading.Thread(target=self._hand, args=(theirs,), daemon=True)
-        sender.start()
-        router.each_group_at_once(self._write_own, [(self.items[i][0], self.items[i][1]) for i in mine],
-                                  self.pairs._submit)
-        sender.join(self.timeout + router.timeout)
+        self._queue.put(None)
+        wait(futures)                   # every chunk's outcome, before any error is raised
+        for future in futures:
+            future.result()
+        self._sender.join(self.timeout + router.timeout)
         # chunks not handed to the partner: this rank's gradients go alone
         alone = [(self.items[i][0], self.items[i][1]) for i in theirs if i not in self.handed]
         if alone:
@@ -138,11 +165,17 @@ class _PairStep:
             return {k: v[0] if isinstance(v, dict) and list(v) == [0] else v for k, v in result.items()}
         return result
 
-    def _hand(self, theirs: list[int]) -> None:
-        for i in theirs:
-            if not self.link.send({"kind": "grads", "step": self.step, "item": i, "tensors": self.items[i][1]}):
+    def _hand(self) -> None:
+        failed = False
+        for _ in range(len(self.items) + 1):       # bounded: each chunk is handed at most once, then None
+            i = self._queue.get()
+            if i is None:
                 return
-            self.handed.add(i)
+            # after a failed send the rest go alone (finish)
+            failed = failed or not self.link.send({"kind": "grads", "step": self.step, "item": i,
+                                                   "tensors": self.items[i][1]})
+            if not failed:
+                self.handed.add(i)
 
     def _fields(self, part: dict, ranks: list[int]) -> dict:
         c = max(self.chunk_of[n] for n in part)

@@ -16,6 +16,11 @@ the one before it in its group (it is submitted after it, and its bytes wait unt
 last byte left, as push_step's chunks do), so ready chunks wait for an earlier one that is not
 (a parameter without a gradient holds its chunk, and those after it, until ``finish``).
 ``finish()`` waits for every chunk's answer and gives push_step's reply.
+
+With ``pairs`` (push_step's, pair_steps.py): ranks 2i and 2i + 1 split the plan's chunks in two
+halves of equal bytes; a ready chunk of the partner's half goes to the partner (a thread of its
+own sends it), one of this rank's half goes on a lane, where it waits for the partner's, and
+their sum goes to the store; the answers are relayed as pair_steps.py relays them.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from raftps.client.job_steps import chunk_job
+from raftps.client.pair_steps import _PairStep, halves
 from raftps.client.router import merge, merge_same_group
 from raftps.client.transport import when_sent
 from raftps.jobs import is_skip_flag
@@ -79,13 +85,19 @@ class StepStream:
     """Job ``job``'s steps of rank ``rank`` of ``workers``, in the chunks ``plan``, on ``client``'s
     lanes. One step at a time: ``begin``, ``ready`` for each chunk (any order), ``finish``."""
 
-    def __init__(self, client: Any, job: str | None, workers: int, rank: int, timeout: float, plan: list[Chunk]):
+    def __init__(self, client: Any, job: str | None, workers: int, rank: int, timeout: float, plan: list[Chunk],
+                 pairs: bool = False, sizes: dict[str, tuple[tuple[int, ...], str]] | None = None):
         self._router, self._submit, self._steps = client._router, client._pipeline.submit, client._steps
+        self._pairs = client._pairs if pairs else None      # push_step's pairs (pair_steps.py), chunk by chunk
         self.job, self.workers, self.rank, self.timeout, self.plan = job, workers, rank, timeout, plan
         self._steps.expect_chunk_counts(job, {c.group: c.index + 1 for c in plan})
         self._chunk_of = {n: c.index for c in plan for n in c.names}
+        # a pair's items: each chunk's (group, tensors), shaped zeros until the chunk is ready
+        self._shapes = [(c.group, {**{n: np.broadcast_to(np.zeros((), sizes[n][1]), sizes[n][0]) for n in c.names},
+                                   **{f: np.zeros(1, np.float32) for f in c.flags}}) for c in plan] if pairs else []
         self._lock = threading.Lock()
         self.step: int | None = None          # the step on its way, None between steps
+        self._pair: Any = None                # this step's pair_steps._PairStep, when paired
 
     def begin(self, step: int, hyper: dict[str, dict] | None) -> None:
         with self._lock:
@@ -98,6 +110,20 @@ class StepStream:
             self._next = {c.group: 0 for c in self.plan}           # per group: the next chunk to submit
             self._sent_events = {(c.group, c.index): threading.Event() for c in self.plan}
             self._submitted: set[int] = set()
+            self._pair = self._pair_step() if self._pairs is not None else None
+
+    def _pair_step(self) -> Any:
+        """This step's half of a pair (None: unpaired, an odd world's last rank or a partner lost)."""
+        link = self._pairs.link(self.job, self.rank, self.workers, self.timeout)
+        if link is None:
+            return None
+        lower = self.rank - self.rank % 2
+        chunk_of = {**{f: 0 for c in self.plan for f in c.flags}, **self._chunk_of}
+        pair = _PairStep(self._pairs, link, list(self._shapes), chunk_of, self.step, self.workers, self.job, self.rank,
+                         lower, self.timeout, self.hyper or None)
+        pair.owners = halves(self._shapes, lower)
+        pair.start()
+        return pair
 
     def ready(self, i: int, tensors: dict[str, np.ndarray]) -> None:
         """Chunk ``plan[i]``'s tensors (its names; the skip flags are added, as 0: not skipped) are final."""
@@ -109,6 +135,14 @@ class StepStream:
                 raise RuntimeError(f"sync step {self.step}: chunk {chunk.index} of Raft group {chunk.group} made ready twice")
             part = {n: np.asarray(tensors[n]) for n in chunk.names}
             part.update({flag: np.zeros(1, np.float32) for flag in chunk.flags})
+            if self._pair is not None:         # paired: this rank's half to the store, the other to the partner
+                self._pair.items[i] = (chunk.group, part)
+                self._submitted.add(i)
+                if self._pair.owners[i] == self.rank:
+                    self._futures.append(self._pair.own(i))
+                else:
+                    self._pair.hand(i)
+                return
             self._held[i] = part
             self._submit_in_order(chunk.group)
 
@@ -147,10 +181,15 @@ class StepStream:
             if self.step is None:
                 raise RuntimeError("StepStream.finish before begin")
             left = [i for i in range(len(self.plan)) if i not in self._submitted]
-            futures = list(self._futures)
+            futures, pair = list(self._futures), self._pair
         try:
             if left:
                 raise RuntimeError(f"sync step {self.step}: chunks {left[:5]} of the plan were never made ready")
+            if pair is not None:
+                result = pair.finish(futures, [i for i, o in enumerate(pair.owners) if o != self.rank])
+                groups = set(result["version"]) if isinstance(result["version"], dict) else {0}
+                self._steps.note_replies(self.job, {c.group for c in self.plan}, groups)
+                return result
             wait(futures)                # every chunk's outcome, before any error is raised
             replies: dict[int, dict] = {}
             for future in futures:
@@ -158,7 +197,7 @@ class StepStream:
                     replies[g] = merge_same_group(replies[g], reply) if g in replies else reply
         finally:
             with self._lock:
-                self.step = None
+                self.step, self._pair = None, None
         sent = {c.group for c in self.plan}
         self._steps.note_replies(self.job, sent, set(replies))
         result = merge(dict(sorted(replies.items())))

@@ -61,7 +61,8 @@ class SyncSteps:
             if self.stream_runs is not None:
                 sizes.update({f: ((1,), "float32") for f in self.skip_flags})
                 plan = plan_chunks(self.link.client._router, sizes, self.stream_runs, self.chunk_bytes)
-                self.stream = StepStream(self.link.client, self.job, self.world_size, self.rank, self.step_timeout, plan)
+                self.stream = StepStream(self.link.client, self.job, self.world_size, self.rank, self.step_timeout, plan,
+                                         self.pairs, sizes)
             else:
                 self.link.client.expect_chunks(self.job, sizes, self.chunk_bytes)
         first = self.applied() + 1

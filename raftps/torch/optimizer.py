@@ -280,7 +280,7 @@ def DistributedOptimizer(optimizer_or_model: torch.optim.Optimizer | torch.nn.Mo
     each step streamed in chunks of whole tensors of up to this many bytes; Client.push_step),
     pairs (sync, with chunk_bytes: ranks 2i and 2i + 1 add up half of each step's chunks each and
     relay the store's answers to each other, so the workers' links carry an all-reduce's bytes),
-    overlap (sync, with chunk_bytes, not with pairs: each chunk sent as soon as backward has made
+    overlap (sync, with chunk_bytes, pairs or not: each chunk sent as soon as backward has made
     its gradients, DDP's buckets' way; ``opt.no_sync()`` for gradient accumulation; not with
     clip_grad_norm_ or a GradScaler: overlap.py).
     """

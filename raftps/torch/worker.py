@@ -93,10 +93,9 @@ class Worker:
         if pairs and not (mode == "sync" and chunk_bytes > 0):
             raise ValueError(f"pairs=True works in mode 'sync' with chunk_bytes > 0 (the pair splits a step by its "
                              f"chunks); got mode={mode!r}, chunk_bytes={chunk_bytes}")
-        if overlap and not (mode == "sync" and chunk_bytes > 0 and not pairs):
+        if overlap and not (mode == "sync" and chunk_bytes > 0):
             raise ValueError(f"overlap=True works in mode 'sync' with chunk_bytes > 0 (each chunk leaves when backward "
-                             f"has made its gradients) and without pairs; got mode={mode!r}, chunk_bytes={chunk_bytes}, "
-                             f"pairs={pairs}")
+                             f"has made its gradients); got mode={mode!r}, chunk_bytes={chunk_bytes}")
         self.overlap: Overlap | None = None     # sync overlap=True: the hooks (made once the job's plan is known)
         if codecs.parse(compress or "none")[0] != "none" and mode == "sync":
             raise ValueError("compress works in the async modes; a sync step averages dense contributions")

@@ -116,6 +116,17 @@ def test_overlap_gives_the_bits_of_steps_sent_after_backward(cluster):
         assert min(per_step[1:]) >= 3, f"chunks sent during backward per step: {per_step}"
 
 
+def test_overlap_in_pairs_gives_the_bits_of_pairs_without_overlap(cluster):
+    """K=4 in two pairs: each rank's half of the chunks summed with its partner's as backward
+    makes them; the same bits as pairs without overlap ((g0 + g1) + (g2 + g3))."""
+    data = batches(6, seed=7)
+    plain, _ = train(cluster, "pairs-plain", 4, data, pairs=True)
+    streamed, early = train(cluster, "pairs-streamed", 4, data, pairs=True, overlap=True)
+    for model in streamed:
+        assert_same_bits(plain[0], model)
+    assert min(n for per_step in early for n in per_step[1:]) >= 3
+
+
 def test_no_sync_accumulation_gives_the_bits_of_accumulating_without_overlap(cluster):
     data = batches(8, batch=24, seed=3)
     plain, _ = train(cluster, "acc-plain", 2, data, micro=3)
@@ -175,7 +186,7 @@ def test_construction_refusals_change_nothing(cluster):
 
 def refusals(client, model) -> None:
     cases = [({"mode": "sync"}, "chunk_bytes > 0"), ({"mode": "async", "chunk_bytes": CHUNK}, "mode 'sync'"),
-             ({"mode": "sync", "chunk_bytes": CHUNK, "pairs": True}, "without pairs")]
+             ({"mode": "ssp", "chunk_bytes": CHUNK}, "mode 'sync'")]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
             rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), cluster=client, model=model,
