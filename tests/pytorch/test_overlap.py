@@ -153,9 +153,9 @@ def test_a_job_resumes_with_overlap_where_its_chunks_applied(cluster):
 def one_rank(cluster, prefix: str, **options):
     """One rank's model and optimizer; the optimizer's close() closes its client too."""
     model = net()
-    opt = rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), cluster=cluster.addresses, token=cluster.token, model=model,
-                                   mode="sync", prefix=prefix, rank=0, world_size=1, chunk_bytes=CHUNK, overlap=True,
-                                   **options)
+    opt = rpt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), cluster=cluster.addresses,
+                                   token=cluster.token, model=model, mode="sync", prefix=prefix, rank=0, world_size=1,
+                                   chunk_bytes=CHUNK, overlap=True, **options)
     return model, opt
 
 
