@@ -382,10 +382,27 @@ def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list
         acked = [(0, 0, int(r["step"]) - 1) for r in rows]
     units_file = os.path.join(out, "stream_units.json")      # overlap: rank 0's stream plan (examples/common.py)
     units = json.load(open(units_file)) if os.path.exists(units_file) else None
-    applied = unit_applied(cluster, job, prefix, chunk_bytes, units)
-    with cluster.client(timeout=60) as c:
-        versions = {n: v for n, v in c.export(prefix + "/")["tensor_versions"].items() if "/_raftps" not in n}
-    return store_check(applied, versions, acked)
+
+    def read() -> tuple[dict[str, int], dict[str, int]]:
+        applied = unit_applied(cluster, job, prefix, chunk_bytes, units)
+        with cluster.client(timeout=60) as c:
+            versions = {n: v for n, v in c.export(prefix + "/")["tensor_versions"].items() if "/_raftps" not in n}
+        return applied, versions
+    # A sync step the stopped workers left partly sent still applies, unit by unit (a unit once
+    # its last contribution is in, or step_timeout after its latest): a read between a unit's
+    # applied step and its tensors' versions would see the one before and the other after. So
+    # the store is read until two reads STORE_QUIET_S apart agree (bounded), as it is at rest.
+    seen = read()
+    for _ in range(3):
+        time.sleep(STORE_QUIET_S)
+        again = read()
+        if again == seen:
+            break
+        seen = again
+    return store_check(seen[0], seen[1], acked)
+
+
+STORE_QUIET_S = 12.0       # a sync step's default step_timeout (10 s), and some
 
 
 STARTERS = {"ddp": start_ddp, "ddp-ckpt": start_ddp, "torchft-ddp": start_torchft, "torchft-diloco": start_torchft,

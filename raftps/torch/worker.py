@@ -291,8 +291,9 @@ class Worker:
 
     def _step_sync(self) -> None:
         if self.overlap is not None:
-            reply, sent_hyper = self.overlap.finish(self.step_count, self._buffer_drift(1),
-                                                    self._grad_scale is not None or self._under_scaler)
+            with self.link.timing("push"):     # what step() waits once backward is done
+                reply, sent_hyper = self.overlap.finish(self.step_count, self._buffer_drift(1),
+                                                        self._grad_scale is not None or self._under_scaler)
             self._sync_result(self.engine.answered(reply, self.step_count, self._pulled_names()))
             if sent_hyper != self._hyper:      # raised once the step is counted (step())
                 self._after_step = OverlapError(
