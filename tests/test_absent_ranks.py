@@ -14,7 +14,7 @@ import pytest
 from raftps.server.absent_ranks import AbsentRanks, base_job, missing_ranks, step_complete
 from tests.conftest import start_cluster
 
-BASE = 34810
+BASE = 15210                          # below the ephemeral range (32768-60999): no client socket holds it
 SGD = {"name": "sgd", "lr": 1.0}
 SIZES = {"a": 20_000, "b": 12_000, "c": 16_000, "d": 8_000}    # float32 elements
 CHUNK = 40_000                        # bytes: several chunks per group
