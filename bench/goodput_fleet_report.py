@@ -114,6 +114,8 @@ def report(record: dict[str, Any], png: str) -> str:
              "which holds its rendezvous store). Faults (s since the launch): "
              + "; ".join(f"{f['at_s']:.1f} {'worker host ' + str(f['worker'] + 1) if f['worker'] >= 0 else f['what']} "
                          f"(back {f['back_s']:.1f})" for f in m["faults"]) + ".", ""]
+    if m.get("why"):
+        lines += [f"Why this schedule and budget: {m['why']}", ""]
     if m.get("raftps"):
         lines += [raftps_setup(m["raftps"]), ""]
     if m.get("merged_from"):
@@ -228,6 +230,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--return-delay", type=float, default=10.0, help="seconds a preempted host stays away")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may run; also the schedule's horizon (the coordinator is lost "
                     "between 15%% and 50%% of it)")
+    ap.add_argument("--coordinator-at", default="0.15,0.5", help="LO,HI: the coordinator is lost at a seeded offset "
+                    "between these fractions of the horizon (--timeout)")
+    ap.add_argument("--why", default="", help="why this schedule and budget: a sentence the report's header carries")
     ap.add_argument("--schedule", choices=("both", "off", "on"), default="both",
                     help="run every configuration without the failure schedule, with it, or both")
     ap.add_argument("--groups", type=int, default=3, help="raftps: Raft groups the model is sharded over (leaders "
@@ -260,7 +265,13 @@ def main(argv: list[str]) -> int:
         ap.error(f"unknown configurations {sorted(unknown)}" if unknown else "--budget >= 4, --eval-every and --sync-every >= 1")
     from .goodput_launch import char_gpt_lr, torchft_available
     skip = torchft_available()
-    faults = schedule(a.seed, a.timeout, a.mean_interval, a.return_delay, WORKERS)
+    try:
+        lo, hi = (float(x) for x in a.coordinator_at.split(","))
+    except ValueError:
+        ap.error(f"--coordinator-at takes LO,HI (fractions of --timeout), got {a.coordinator_at!r}")
+    if not 0 <= lo <= hi <= 1:
+        ap.error(f"--coordinator-at: 0 <= LO <= HI <= 1, got {lo},{hi}")
+    faults = schedule(a.seed, a.timeout, a.mean_interval, a.return_delay, WORKERS, (lo, hi))
     load0, t0 = os.getloadavg()[0], time.monotonic()
     results: list[dict] = []
     with (contextlib.nullcontext(os.path.abspath(a.run_dir)) if a.run_dir else
@@ -276,7 +287,7 @@ def main(argv: list[str]) -> int:
                         if skip and c.startswith("torchft") for f in plan.schedules]
             gf.run_link(plan, link, chosen, faults, results)
     meta = {"links": links, "budget": a.budget, "eval_every": a.eval_every, "sync_every": a.sync_every, "outer": a.outer,
-            "seed": a.seed, "mean_interval_s": a.mean_interval, "return_delay_s": a.return_delay, "target": plan.target,
+            "seed": a.seed, "mean_interval_s": a.mean_interval, "return_delay_s": a.return_delay, "why": a.why, "target": plan.target,
             "faults": [f.as_dict() for f in faults if f.at_s < a.timeout], "command": "python -m bench.goodput " + " ".join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
             "load": (load0, os.getloadavg()[0]), "seconds": round(time.monotonic() - t0),

@@ -291,6 +291,8 @@ def test_fleet_report_checks_issue_35s_targets_and_writes_its_files(tmp_path):
     paired = rep.report({"meta": {**meta, "raftps": {"groups": 3, "chunk_bytes": 53_000, "pairs": True, "compress": "int8"}},
                          "results": results, "targets": []}, "x.png")
     assert "(whole parts on faster ones), in pairs of ranks;" in paired
+    why = rep.report({"meta": {**meta, "why": "faults before every target"}, "results": results, "targets": []}, "x.png")
+    assert "Why this schedule and budget: faults before every target" in why and "Why this" not in paired
     for name in ("gf.md", "gf.json", "gf.png"):
         assert os.path.getsize(tmp_path / name) > 0
     # a second run at another link rate, merged: both runs' rows, each link's ratios from its own run

@@ -138,7 +138,7 @@ def wait_until(predicate, timeout, what):
 
 
 def test_a_rank_killed_mid_round_is_left_out_and_resumes_at_the_stores_round(cluster, tmp_path):
-    h, rounds, timeout = 4, 4, 6.0     # the restarted rank has 6 s to start and reach round 2's end
+    h, rounds, timeout = 4, 4, 6.0     # round 1 waits 6 s for the killed rank, then leaves it out
     group = jobs.diloco_job("killrank", 0, 1)
     logs = [str(tmp_path / f"rank{r}.log") for r in range(3)]
     env = {**os.environ, **cluster.client_env}
@@ -164,11 +164,15 @@ def test_a_rank_killed_mid_round_is_left_out_and_resumes_at_the_stores_round(clu
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    survivor = [e for e in read_log(logs[0]) if "round" in e]
-    assert [(e["round"], e["count"]) for e in survivor] == [(0, 3), (1, 2), (2, 3), (3, 3)]
+    survivor = [(e["round"], e["count"]) for e in read_log(logs[0]) if "round" in e]
+    # Round 1 left rank 2 out after its timeout, so the store knows it absent: round 2 goes out
+    # once ranks 0 and 1 are in, with rank 2's contribution if it came first, else rank 2's is
+    # answered late; either way it is present again and round 3 waits for it.
+    assert survivor[:2] == [(0, 3), (1, 2)] and survivor[3:] == [(3, 3)] and survivor[2] in ((2, 2), (2, 3)), survivor
     restarted = read_log(logs[2])
     assert [e["start"] for e in restarted if "start" in e] == [0, 2 * h]      # resumed at round 2
-    assert [(e["round"], e["late"]) for e in restarted if "round" in e] == [(0, False), (2, False), (3, False)]
+    assert [(e["round"], e["late"]) for e in restarted if "round" in e] == [(0, False), (2, survivor[2][1] == 2),
+                                                                            (3, False)], restarted
 
 
 def test_a_late_rank_loses_its_round_and_rejoins_at_the_stores_next(cluster):

@@ -173,3 +173,38 @@ def test_a_partner_sigkilled_mid_run_leaves_its_partner_stepping_alone(cluster) 
     assert all(len(c) == steps and all(0 <= n <= WORLD for n in c) for c in counts.values()), counts
     assert counts[2][:2] == [WORLD, WORLD] and counts[2][-1] < WORLD, counts
     assert 3 in counts[0], f"rank 0 never counted beside the pair [2, 3] after its partner died: {counts}"
+
+
+def test_a_returning_rank_does_not_wait_a_timeout_for_a_partner_that_stepped_on_alone(cluster) -> None:
+    """Rank 1 goes away (its client closed: its partner's link breaks); rank 0 steps on unpaired.
+    Rank 1 comes back at step 3 with a client of its own: it looks for its partner briefly, not
+    for the step's timeout (20 s), and the step after counts every rank again (rank 1, known
+    absent to the store since step 2's timeout, is waited for once it contributed)."""
+    prefix = "pairs-return"
+    clients = start_job(cluster, prefix)
+    answers: dict = {}
+    try:
+        assert not run_ranks(cluster, prefix, range(2), list(range(WORLD)), answers, clients)
+        clients[1].close()
+        assert not run_ranks(cluster, prefix, range(2, 3), [0, 2, 3], answers, clients, timeout=3.0)
+        assert all(answers[(r, 2)]["count"] == 3 for r in (0, 2, 3)), answers
+        clients[1] = cluster.client(timeout=30)          # rank 1 back, a new process's client
+        took: dict[int, float] = {}
+
+        def timed(rank: int) -> None:
+            started = time.monotonic()
+            grads = {f"{prefix}/{k}": v for k, v in gradients(rank, 3).items()}
+            answers[(rank, 3)] = clients[rank].push_step(grads, 3, WORLD, job=prefix, rank=rank, timeout=20.0,
+                                                         pull=True, chunk_bytes=CHUNK, pairs=True)
+            took[rank] = time.monotonic() - started
+        back = threading.Thread(target=timed, args=(1,), daemon=True)
+        back.start()
+        assert not run_ranks(cluster, prefix, range(3, 4), [0, 2, 3], answers, clients, timeout=20.0)
+        back.join(60.0)
+        assert not back.is_alive() and 1 in took, "rank 1's step 3 did not finish within 60 s"
+        assert took[1] < 15.0, f"the returning rank took {took[1]:.1f} s: it waited out the timeout for its partner"
+        assert not run_ranks(cluster, prefix, range(4, 5), list(range(WORLD)), answers, clients, timeout=20.0)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert [answers[(r, 4)]["count"] for r in range(WORLD)] == [WORLD] * WORLD, [answers[(r, 4)] for r in range(WORLD)]

@@ -19,7 +19,13 @@ it could not hand to the partner goes to the store alone; an answer the partner 
 is read from the store once the step is applied. What a partner's death costs: the chunks this
 rank had handed it are missing from that step (that step applies them with the contributions
 that came, after its timeout), as a rank dying between groups costs today. Nothing is counted
-twice and nothing acknowledged is lost.
+twice and nothing acknowledged is lost. A rank whose partner died stays unpaired for the rest of
+the job, and a rank that comes back (its first step > 0) looks for its partner only briefly
+(RESUMED_PAIR_WAIT): so a partner's loss costs one step timeout, at the step it happened in, not
+one at every return. The store leaves out a rank only after a step's timeout and then stops
+waiting for it (aggregate.py): the chunks a rank had handed its dying partner make that step wait
+once, and may leave the live rank known absent until its next contribution, which that leader
+may find late for a chunk the other ranks completed first.
 """
 from __future__ import annotations
 
@@ -37,6 +43,11 @@ from raftps.client.router import Router, merge, merge_same_group
 from raftps.jobs import is_skip_flag
 
 log = logging.getLogger("raftps.client.pair_steps")
+# How long a rank that joins a job already under way (its first step > 0: it came back) looks for
+# its partner. The partner that stayed unpaired itself when the link broke and never pairs again,
+# so waiting the step's timeout for it was a timeout lost at every return; two partners that
+# restart together still find each other within this.
+RESUMED_PAIR_WAIT = 2.0
 
 
 def halves(items: list[tuple[int, dict[str, np.ndarray]]], lower: int) -> list[int]:
@@ -67,8 +78,9 @@ class PairSteps:
         self._lock = lock                  # the client's: held for a request on its own connections
         self._links: dict[str, peers.PeerLink | None] = {}
 
-    def link(self, job: str | None, rank: int, workers: int, timeout: float) -> peers.PeerLink | None:
+    def link(self, job: str | None, rank: int, workers: int, timeout: float, step: int = 0) -> peers.PeerLink | None:
         if (job or "") not in self._links:
+            timeout = timeout if step == 0 else min(timeout, RESUMED_PAIR_WAIT)
             pair = peers.pair_of(rank, workers)
             link = None
             if pair is not None:
@@ -91,7 +103,7 @@ class PairSteps:
     def contribute(self, grads: dict[str, np.ndarray], step: int, workers: int, job: str | None, rank: int,
                    timeout: float, chunk_bytes: int, hyper: dict | None = None) -> dict:
         extra = {"hyper": hyper} if hyper else {}
-        link = self.link(job, rank, workers, timeout)
+        link = self.link(job, rank, workers, timeout, step)
         if link is None:
             return self._steps.contribute("push_step", grads, step, workers, job, rank, waits=timeout,
                                           chunk_bytes=chunk_bytes, timeout=timeout, pull=True, **extra)

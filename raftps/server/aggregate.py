@@ -34,6 +34,19 @@ link for K times one's transfer time, so counting from the first dropped live ra
 bytes were still arriving. A rank is left out only once ``timeout`` s pass with no contribution
 arriving: a rank whose bytes take longer than that alone on the link must be given a larger
 timeout.
+
+A rank left out of a step that way is then known absent for its job (absent_ranks.py; every
+chunk job of a chunked step shares its job's set): the job's later ranked steps go out as soon
+as every rank not known absent is in, and a step already waiting re-checks this each poll, so
+once one chunk's timeout leaves a rank out the job's other chunks stop waiting for it too. Any
+contribution from that rank, to any step, marks it present again, and the next step waits for
+it. Only the wait changes: what is counted is still what the entry records (its contributors),
+so exactly-once is untouched; an absent rank's contribution to a step already applied is
+answered ``late``, as any late one is, and the rank rejoins at the next step. The set is this
+leader's alone, not replicated, and dropped when its term changes: a new leader knows nobody
+absent and waits one timeout. Without it every step of a job, and every chunk of each (in
+series when there are more chunks than lanes), waited out the timeout for as long as a rank
+was dead. Unranked steps keep the timeout alone: there is no rank to remember.
 """
 from __future__ import annotations
 
@@ -52,6 +65,7 @@ from raftps.jobs import MAX_STEP_TIMEOUT, is_skip_flag
 from raftps.store.sync_jobs import sum_in_order
 from raftps.tensor import check_fits
 from raftps.raft import NotApplied
+from raftps.server.absent_ranks import AbsentRanks, missing_ranks
 
 if TYPE_CHECKING:
     from raftps.server.node import RaftNode
@@ -112,6 +126,7 @@ class StepAggregator:
         self.max_open_steps = max_open_steps     # each holds one copy of its step's gradients
         self._lock = threading.Lock()
         self._open: dict[tuple[str, int], _Step] = {}
+        self._absent = AbsentRanks()             # leader-local: ranks a job's steps no longer wait for
 
     def contribute(self, request: dict, grads: dict[str, np.ndarray]) -> dict:
         """Add one worker's contribution (a checked push_step request) and return its answer once
@@ -121,6 +136,13 @@ class StepAggregator:
         client, seq, ack = request["client"], request["seq"], request.get("ack", 1)
         timeout = min(float(request.get("timeout", 10.0)), MAX_STEP_TIMEOUT)
         self._drop_moved_steps()
+        ranks = covered_ranks(request)
+        if ranks is not None:        # heard from, even late: the job's next step waits for it again
+            with self._lock:
+                self._absent.observe_term(self._term())
+                back = self._absent.mark_present(job, ranks)
+            if back:
+                log.info("sync job %r: ranks %s contribute again (step %d)", job, sorted(back), step)
         # references only: the checks below run outside the apply lock
         applied, tensors, misplaced = self.node.read_locked(lambda machine: (
             machine.sync_step_applied(job), {name: machine.tensors.get(name) for name in grads},
@@ -174,14 +196,14 @@ class StepAggregator:
             mine = len(s.contributors) - 1
         if mine is not None and request.get("pull"):
             s.pullers.add(mine)
-        propose = not s.proposed and s.count >= s.workers
+        propose = not s.proposed and (s.count >= s.workers or self._absent_complete(s))
         s.proposed = s.proposed or propose
         return s, mine, propose
 
     def _wait(self, s: _Step) -> None:
         """Until ``s`` is settled: its entry applied or failed, or this node no longer leads (then
-        its contributions are given back to be sent again), or its deadline passed (then the
-        contributions that arrived go out as the step)."""
+        its contributions are given back to be sent again), or its deadline passed or every rank
+        it misses is known absent (then the contributions that arrived go out as the step)."""
         while not s.done.wait(POLL):
             now = time.monotonic()
             # A proposer replicating the step on a slow link takes as long as the bytes need.
@@ -194,13 +216,35 @@ class StepAggregator:
                 break
             if not self.node.is_leader():
                 self._abandon(s, "this node stopped leading while the step was open")
-            elif now >= s.deadline:
-                with self._lock:
-                    go, s.proposed = not s.proposed, True
-                if go:
-                    log.info("sync step %d of %r: %d of %d contributions after its timeout; applying those",
-                             s.step, s.job, s.count, s.workers)
-                    self._propose(s)
+            else:
+                self._propose_if_due(s, now)
+
+    def _propose_if_due(self, s: _Step, now: float) -> None:
+        """Propose an open step whose deadline passed (its missing ranks are then known absent)
+        or whose missing ranks are all known absent already (another chunk's timeout, say)."""
+        with self._lock:
+            timed_out = now >= s.deadline
+            go = not s.proposed and (timed_out or self._absent_complete(s))
+            s.proposed = s.proposed or go
+            missing = missing_ranks(s.workers, s.ranks) if go and s.ranked else set()
+            if go and timed_out:
+                self._absent.mark_absent(s.job, missing)
+        if not go:
+            return
+        if timed_out:
+            log.info("sync step %d of %r: %d of %d contributions after its timeout; applying those%s",
+                     s.step, s.job, s.count, s.workers, f" (ranks {sorted(missing)} now absent)" if missing else "")
+        self._propose(s)
+
+    def _absent_complete(self, s: _Step) -> bool:
+        """(caller holds the lock) A ranked step whose missing ranks are all known absent."""
+        if not s.ranked:
+            return False
+        self._absent.observe_term(self._term())
+        return self._absent.complete(s.job, s.workers, s.ranks)
+
+    def _term(self) -> object:
+        return getattr(self.node.log, "term", None)
 
     def _propose(self, s: _Step) -> None:
         s.proposed_at = time.monotonic()
