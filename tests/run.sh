@@ -20,6 +20,10 @@ if [ $# -gt 0 ] || [ "$(id -u)" != 0 ] || ! ip netns add "$ns" 2>/dev/null; then
 fi
 trap 'ip netns del "$ns" 2>/dev/null || true' EXIT
 ip netns exec "$ns" ip link set lo up
+# Tests bind fixed ports below 45000; a client's ephemeral port from the kernel's default range
+# (32768-60999) once took one of them ("address already in use"). This namespace's own range
+# keeps them apart.
+ip netns exec "$ns" sh -c 'echo "45000 60999" > /proc/sys/net/ipv4/ip_local_port_range'
 
 # The half that shapes, cuts and partitions networks: every test file that names them.
 mapfile -t netfault < <(grep -rlE --include='test_*.py' 'netns|iptables|Fleet\(' tests | sort)
