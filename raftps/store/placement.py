@@ -64,7 +64,7 @@ def next_step(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset
     for move in hosts.moves:
         if move.target in up:
             return Step("resume", move.group, move.source, move.target)
-        if move.target in dead or move.stage == "add":
+        if move.target in dead or move.stage in ("learn", "add"):     # a target that never joined as a voter
             return Step("abort", move.group, move.source, move.target)
     refills = _refills(hosts, up, dead)
     if refills:

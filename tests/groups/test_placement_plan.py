@@ -55,6 +55,17 @@ def test_a_move_in_flight_goes_on_or_is_rolled_back():
     assert next_step(hosts, ALL6 - {6}, dead=frozenset({6})) == Step("abort", 3, 1, 6)
 
 
+def test_a_silent_learner_is_rolled_back_at_once():
+    """At stages learn and add the target is no voter (its learner changed no membership), so a
+    target that does not answer costs the group nothing and its move is rolled back at once."""
+    hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
+    hosts = hosts.change({"action": "move_start", "move_group": 3, "source": 1, "target": 6, "learn": True})
+    assert next_step(hosts, ALL6) == Step("resume", 3, 1, 6)
+    assert next_step(hosts, ALL6 - {6}) == Step("abort", 3, 1, 6)
+    hosts = hosts.change({"action": "move_stage", "move_group": 3, "stage": "add"})
+    assert next_step(hosts, ALL6 - {6}) == Step("abort", 3, 1, 6)
+
+
 def test_a_dead_node_is_refilled_before_anything_is_balanced():
     hosts = six_groups_five_nodes()
     up = frozenset({1, 2, 3, 4})
