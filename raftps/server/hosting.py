@@ -11,9 +11,12 @@ set aside, ``group<g>.left-e<epoch>``). The node's layout op and the member op's
 record through this object, so clients route by it.
 
 A move's target first runs a non-voting learner of the group (the record's stages "learn" and
-"add": ``learners``), which catches up into the replica's own data dir; at stage "catch_up" the
-node stops the learner and starts the voter on the same files. A move rolled back at either
-stage stops the learner and sets its files aside. Learners serve no client: they are not in
+"add": ``learners``), which catches up into the replica's own data dir. Once the group's log
+makes the node a member (the move's Raft add, which reaches the learner as any entry does, and
+is in force on append) or the record reaches "catch_up", whichever comes first, the node stops
+the learner and starts the voter on the same files: a voter started before its add could only
+raise its term, unheard, and disturb the group when it is added. A move rolled back stops the
+learner (or the voter) and sets its files aside. Learners serve no client: they are not in
 ``replicas``.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ from raftps.client.transport import TcpTransport
 
 log = logging.getLogger("raftps.server.hosting")
 RECORD_FILE = "hosts.json"
+LEARNER_CHECK = 0.2        # seconds between looks at whether a learner's group has made it a member
 
 
 class Hosting:
@@ -139,11 +143,29 @@ class Hosting:
             log.warning("this node does not follow the hosts record: it needs --token-file and no --tls-cert")
             return
         transport = self._transport()             # its connections kept from one poll to the next
+        polled = time.monotonic()
         try:
-            while not self._stop.wait(self._poll):
-                self.refresh(transport)
+            while not self._stop.wait(min(self._poll, LEARNER_CHECK)):
+                if time.monotonic() - polled >= self._poll:
+                    polled = time.monotonic()
+                    self.refresh(transport)
+                self._promote_joined()
         finally:
             transport.close()
+
+    def _promote_joined(self) -> None:
+        """A learner whose group's log has just made this node a member becomes the voter now,
+        on the learner's files, not at the next record: with a member of the group down, the
+        add commits only once this voter answers."""
+        with self._lock:
+            for group in sorted(self.learners):
+                if self.learners[group].joined() and self.current is not None:
+                    log.warning("Raft group %d's log has this node as a member: its learner hands over to "
+                                "the voter", group)
+                    self._stop_learner(group)
+                    config = dataclasses.replace(learner_config(self.config, self.current, group), learner=False)
+                    self.replicas[group] = replica = self._make_replica(config)
+                    replica.set_preferred_leader(self.current.raft_address(self.current.preferred_leader(group), group))
 
     def _transport(self) -> TcpTransport:
         return TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
@@ -189,7 +211,8 @@ class Hosting:
             self._save(newest)
             self.current = newest
             hosted = bool(self.replicas)
-            wanted = set(newest.hosted_by(self.node))
+            # a voter started from its learner at stage add (``_promote_joined``) stays
+            wanted = set(newest.hosted_by(self.node)) | {g for g in self.replicas if newest.learner_of(g) == self.node}
             self._follow_learners(newest)
             for group in sorted(wanted - set(self.replicas)):
                 log.warning("hosts epoch %d: starting this node's replica of Raft group %d", newest.epoch, group)

@@ -165,6 +165,11 @@ class RaftNode:
         """Raft addresses of every member, this node included."""
         return self._membership.members
 
+    def joined(self) -> bool:
+        """A learner: whether the group's log has made this node's address a member (appended,
+        perhaps not committed yet: pysyncobj puts a membership change in force on append)."""
+        return self.config.raft_address in self._membership.others
+
     @property
     def majority(self) -> int:
         return self._membership.majority
