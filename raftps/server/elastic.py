@@ -49,8 +49,10 @@ class HostsAdmin:
         self._router = Router(parse_addresses(addresses), self._transport, Session(), timeout, attempt_timeout,
                               threading.RLock())
         self.timeout = timeout
-        self.last_catch_up: tuple[float, int] | None = None      # (seconds, bytes) of the last move's catch-up
-        self.last_voting_window: float | None = None    # seconds from the last move's Raft add to its voter caught up
+        # the last move's (seconds, bytes) of catch-up, its learner's (a move resumed past its
+        # learner: its voter's), and the seconds from its Raft add to its voter caught up
+        self.last_catch_up: tuple[float, int] | None = None
+        self.last_voting_window: float | None = None
 
     def close(self) -> None:
         self._transport.close()
@@ -141,27 +143,29 @@ class HostsAdmin:
         src, tgt = hosts.node_of(source), hosts.node_of(target)
         if tgt in hosts.placed[group] and src not in hosts.placed[group] and hosts.move_of(group) is None:
             return hosts, False                       # done already (a finished move run again)
+        self.last_catch_up = self.last_voting_window = learned = added = None
         move = hosts.move_of(group)
         if move is None or (move.source, move.target) != (src, tgt):
             hosts = self.change("move_start", move_group=group, source=src, target=tgt, learn=True)
             move = hosts.move_of(group)
         if move.stage == "learn":
             self._wait_caught_up(hosts, group, tgt, catch_up_timeout, gone_after, learner=True)
+            learned = self.last_catch_up
             hosts = self.change("move_stage", move_group=group, stage="add")
             move = hosts.move_of(group)
-        added = time.monotonic()
         if move.stage == "add":
+            added = time.monotonic()
             if not any(r.get("node") == src for r in self.group_rows(hosts, group)):
                 # a dead source goes first (as member replace does for one group): with it still
                 # a voter, the target's add would need the target's voter to commit
                 self.member(group, "remove", hosts.raft_address(src, group))
             self._add(hosts, group, tgt)
             hosts = self.change("move_stage", move_group=group)
-        seen = self.last_catch_up
         self._wait_caught_up(hosts, group, tgt, catch_up_timeout, gone_after)
-        self.last_voting_window = time.monotonic() - added
-        if seen is not None:
-            self.last_catch_up = seen             # the copy is the learner's; the voter's is the delta
+        if added is not None:
+            self.last_voting_window = time.monotonic() - added
+        if learned is not None:
+            self.last_catch_up = learned          # the copy is the learner's; the voter's is the delta
         self.member(group, "remove", hosts.raft_address(src, group))
         return self.change("move_done", move_group=group), True
 

@@ -64,8 +64,12 @@ def next_step(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset
     for move in hosts.moves:
         if move.target in up:
             return Step("resume", move.group, move.source, move.target)
-        if move.target in dead or move.stage in ("learn", "add"):     # a target that never joined as a voter
+        if move.target in dead or move.stage == "add":
             return Step("abort", move.group, move.source, move.target)
+    if any(move.stage == "learn" for move in hosts.moves):
+        # a learner's host briefly silent (busy installing the group's snapshot) costs its group
+        # nothing: the move waits, as at catch_up, and is rolled back once its target is dead
+        return None
     refills = _refills(hosts, up, dead)
     if refills:
         return refills[0]
