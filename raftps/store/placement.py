@@ -21,9 +21,10 @@ never moved (its files share the node's data dir). A target may have at most
 ``catch_ups_per_host`` moves in flight: the snapshots it receives at once.
 
 Only 2's refills go together (``next_steps``): each refilled group is one replica short already,
-and copying them at once ends that sooner. Every other step comes alone. A move takes a healthy
-group to 4 voters, one of them still empty: until it has caught up, one more failure among the
-other 3 stops the group. Several such moves at once would let one host's failure stop two
+and copying them at once ends that sooner. Every other step comes alone. A move copies as a
+learner, then takes a healthy group to 4 voters for the short time its new voter catches up the
+log since: in that window one more failure among the other 3 stops the group. Several such
+moves at once would let one host's failure stop two
 groups (a member of one, the target of another); one at a time, only the group whose own
 target or member fails is at risk (tests/groups/test_placement_plan.py shows the case).
 """
