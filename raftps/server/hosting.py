@@ -158,14 +158,19 @@ class Hosting:
         on the learner's files, not at the next record: with a member of the group down, the
         add commits only once this voter answers."""
         with self._lock:
+            hosts = self.current
             for group in sorted(self.learners):
-                if self.learners[group].joined() and self.current is not None:
-                    log.warning("Raft group %d's log has this node as a member: its learner hands over to "
-                                "the voter", group)
-                    self._stop_learner(group)
-                    config = dataclasses.replace(learner_config(self.config, self.current, group), learner=False)
+                if hosts is None or hosts.learner_of(group) != self.node or not self.learners[group].joined():
+                    continue
+                log.warning("Raft group %d's log has this node as a member: its learner hands over to the voter",
+                            group)
+                self._stop_learner(group)
+                try:
+                    config = dataclasses.replace(learner_config(self.config, hosts, group), learner=False)
                     self.replicas[group] = replica = self._make_replica(config)
-                    replica.set_preferred_leader(self.current.raft_address(self.current.preferred_leader(group), group))
+                    replica.set_preferred_leader(hosts.raft_address(hosts.preferred_leader(group), group))
+                except Exception:         # a voter that would not start: the record's catch_up starts it
+                    log.exception("starting this node's voter of Raft group %d failed", group)
 
     def _transport(self) -> TcpTransport:
         return TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
