@@ -160,7 +160,10 @@ class Hosting:
         with self._lock:
             hosts = self.current
             for group in sorted(self.learners):
-                if hosts is None or hosts.learner_of(group) != self.node or not self.learners[group].joined():
+                # only once the record says the add is due: a learner restarted on the files of an
+                # attempt rolled back since may still hold that attempt's add (a stale member)
+                move = hosts.move_of(group) if hosts is not None else None
+                if move is None or move.target != self.node or move.stage != "add" or not self.learners[group].joined():
                     continue
                 log.warning("Raft group %d's log has this node as a member: its learner hands over to the voter",
                             group)
@@ -216,17 +219,19 @@ class Hosting:
             self._save(newest)
             self.current = newest
             hosted = bool(self.replicas)
-            # a voter started from its learner at stage add (``_promote_joined``) stays
-            wanted = set(newest.hosted_by(self.node)) | {g for g in self.replicas if newest.learner_of(g) == self.node}
+            # a voter started from its learner at stage add (``_promote_joined``) stays; at stage
+            # learn (a new attempt after a rollback) it goes, and a learner starts afresh
+            wanted = set(newest.hosted_by(self.node)) | {
+                g for g in self.replicas if newest.learner_of(g) == self.node and newest.move_of(g).stage == "add"}
+            for group in sorted(set(self.replicas) - wanted):
+                log.warning("hosts epoch %d: stopping this node's replica of Raft group %d", newest.epoch, group)
+                self.replicas.pop(group).stop(snapshot_timeout=0.0)
+                self._set_aside(group, newest.epoch)
             self._follow_learners(newest)
             for group in sorted(wanted - set(self.replicas)):
                 log.warning("hosts epoch %d: starting this node's replica of Raft group %d", newest.epoch, group)
                 config = dataclasses.replace(group_config(self.config, newest, group), metrics_port=0)
                 self.replicas[group] = self._make_replica(config)
-            for group in sorted(set(self.replicas) - wanted):
-                log.warning("hosts epoch %d: stopping this node's replica of Raft group %d", newest.epoch, group)
-                self.replicas.pop(group).stop(snapshot_timeout=0.0)
-                self._set_aside(group, newest.epoch)
             for group, replica in self.replicas.items():      # the named leaders (set_leader)
                 replica.set_preferred_leader(newest.raft_address(newest.preferred_leader(group), group))
             # a node that served and now serves nothing was drained; a host started with --join
