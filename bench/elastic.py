@@ -129,6 +129,38 @@ class Timeline:
                             + (f"moving {moves}" if moves else "no move") + f"; placed {[list(m) for m in record.placed]}"])
 
 
+LOOP_METRICS = ("raftps_catch_up_seconds_sum", "raftps_catch_up_seconds_count", "raftps_catch_up_bytes_total",
+                "raftps_voting_window_seconds_sum", "raftps_voting_window_seconds_count")
+
+
+def loop_metrics(cl: Any, nodes: range) -> dict[str, float]:
+    """The placement loop's catch-up and voting-window figures, summed over the nodes' /metrics
+    (each node that led group 0 ran the loop for a while; a node that does not answer counts 0)."""
+    import urllib.request
+    totals = dict.fromkeys(LOOP_METRICS, 0.0)
+    for n in nodes:
+        host, port = cl.peers[n - 1].rsplit(":", 1)
+        try:
+            with urllib.request.urlopen(f"http://{host}:{int(port) + 300}/metrics", timeout=5) as page:
+                lines = page.read().decode().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            name, _, value = line.partition(" ")
+            if name in totals:
+                totals[name] += float(value)
+    return totals
+
+
+def loop_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Moves' learner catch-up (mean s, MiB) and voting window (mean s) between two scrapes."""
+    d = {k: after[k] - before[k] for k in LOOP_METRICS}
+    learned, voted = d["raftps_catch_up_seconds_count"], d["raftps_voting_window_seconds_count"]
+    return {"moves_learned": int(learned), "learner_mean_s": d["raftps_catch_up_seconds_sum"] / learned if learned else None,
+            "learner_mib": d["raftps_catch_up_bytes_total"] / MiB, "moves_voted": int(voted),
+            "voting_window_mean_s": d["raftps_voting_window_seconds_sum"] / voted if voted else None}
+
+
 def placement(cl: Any) -> tuple[Any, dict[int, list[dict]]]:
     from raftps.server.elastic import HostsAdmin
     with HostsAdmin(cl.addresses, token=cl.token, tls=False, timeout=30) as admin:
@@ -211,6 +243,7 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
         log(f"elastic: {out['bytes_total'] / MiB:.0f} MiB in; data plane {out['data_plane_mb_s_before']:.0f} MB/s")
 
         load = PushLoad(cl, small)
+        scraped = loop_metrics(cl, range(1, NODES + 1))
         time.sleep(2.0)                      # connections made, leaders known
         t_base = time.monotonic()
         time.sleep(baseline_s)
@@ -226,6 +259,8 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
                    push_rate_before=rate(load.stamps, t_base, t_add),
                    push_rate_during=rate(load.stamps, t_add, t_done),
                    push_rate_per_s=per_second(load.stamps, t_base, t_done))
+        now = loop_metrics(cl, range(1, new + 1))
+        out["rebalance_moves"], scraped = loop_delta(scraped, now), now
         out["groups_moved_to_new"] = sum(new in m for m in got["placed"])
         out["bytes_moved"] = out["groups_moved_to_new"] * per_tensor
         out["push_ratio"] = out["push_rate_during"] / out["push_rate_before"]
@@ -245,7 +280,8 @@ def measure(run_dir: str, base_port: int, mib: int = 256, dead_host_timeout: flo
         timeline = Timeline(t_kill)
         placed, t_back = wait_for("3 replicas of every group on the survivors", lambda: refilled(cl, dead, timeline),
                                   dead_host_timeout + REFILL_EXTRA_TIMEOUT)
-        out.update(refill_timeline=timeline.events, refill_s=t_back - t_kill, after_kill=placed)
+        out.update(refill_timeline=timeline.events, refill_s=t_back - t_kill, after_kill=placed,
+                   refill_moves=loop_delta(scraped, loop_metrics(cl, range(1, new + 1))))
         last: list[str] = []
         try:
             _, t_agree = wait_for("each group's 3 replicas agree", lambda: replicas_agree(cl, placed, last), 60.0)
@@ -296,8 +332,8 @@ def report(r: dict[str, Any]) -> str:
         "",
         f"The copy time uses the faster of the two data-plane rates (the stricter bound). The rebalance moved "
         f"{r['bytes_moved'] / 1e6:.0f} MB in {r['rebalance_s']:.1f} s ({r['bytes_moved'] / 1e6 / r['rebalance_s']:.1f} MB/s "
-        "end to end: moves go one at a time, each the new voter's add, its catch-up and the old replica's removal, "
-        "and leaders are then handed over). Pushes/s in each second from the start of the baseline to the end of the "
+        "end to end: moves go one at a time, each a learner's catch-up, the new voter's add, its catch-up of the "
+        "log since and the old replica's removal, and leaders are then handed over). Pushes/s in each second from the start of the baseline to the end of the "
         f"rebalance (the host added at second {r['baseline_s']:g}): {r['push_rate_per_s']}.  Pushes acknowledged: {r['pushes_acked']}, "
         f"without an answer: {r['pushes_unanswered']}{' (' + '; '.join(r['push_errors']) + ')' if r['push_errors'] else ''}. "
         "The node killed is one that does not serve Raft group 0: the placement loop does not move group 0's "
@@ -307,6 +343,8 @@ def report(r: dict[str, Any]) -> str:
         + (f"; each group's 3 replicas answer, one leads, and they hold the same version and digest "
            f"{r['replicas_agree_s']:.1f} s after the kill." if r.get("replicas_agree_s") is not None
            else f"; the replicas did NOT agree: {r['replicas_disagree']}." if "replicas_disagree" in r else "."),
+        *[moves_line(what, r[key]) for what, key in (("the rebalance", "rebalance_moves"), ("the refill", "refill_moves"))
+          if r.get(key)],
         "",
         "The hosts record as polled every 0.5 s (seconds since the host's add / its SIGKILL):",
         "",
@@ -314,6 +352,16 @@ def report(r: dict[str, Any]) -> str:
         *[f"- kill +{t:g} s: {what}" for t, what in r["refill_timeline"]],
         "",
     ])
+
+
+def moves_line(what: str, m: dict[str, Any]) -> str:
+    """The placement loop's own figures for the moves of one phase (its node's /metrics)."""
+    def mean(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f} s"
+    return (f"Moves of {what} (the placement loop's /metrics): {m['moves_learned']} learner catch-up(s), "
+            f"{m['learner_mib']:.1f} MiB, mean {mean(m['learner_mean_s'])}; {m['moves_voted']} voting window(s) "
+            f"(from the Raft add to the new voter caught up: the group at 4 voters, one catching up), mean "
+            f"{mean(m['voting_window_mean_s'])}.")
 
 
 def bench_part(run_dir: str, base_port: int, mode: str, out: str) -> list[dict]:

@@ -60,10 +60,15 @@ class PlacementInstruments:
         self.changes = Counter("raftps_placement_changes", "Placement steps carried out by the placement loop, by "
                                "kind (balance, drain, refill, resume, abort, lead)", ["kind"], registry=r)
         self.catch_up_bytes = Counter("raftps_catch_up_bytes", "Bytes of state new replicas caught up with "
-                                      "(their group's model and optimizer state)", registry=r)
-        self.catch_up_seconds = Histogram("raftps_catch_up_seconds", "From a new replica joining its group to "
-                                          "its having applied what the group had committed",
+                                      "as learners (their group's model and optimizer state)", registry=r)
+        self.catch_up_seconds = Histogram("raftps_catch_up_seconds", "From a move's learner starting to its "
+                                          "having applied what the group had committed (a move of an older "
+                                          "driver's, resumed past its learner: from the voter's add)",
                                           buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r)
+        self.voting_window_seconds = Histogram("raftps_voting_window_seconds", "From a move's Raft add of its "
+                                               "new replica to that voter having applied what the group had "
+                                               "committed: the time the group has 4 voters, one catching up",
+                                               buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r)
         self.host_load = Gauge("raftps_host_load", "Each host's load as of the placement loop's last heartbeat: "
                                "replicas, leaders, bytes (of the groups it serves), pushes_per_second (applied by "
                                "the groups it leads)", ["node", "kind"], registry=r)

@@ -133,6 +133,8 @@ _RECORDS = [
         **WRITE, "action": (Enum(HOSTS_ACTIONS), True),
         "address": (_ADDRESS, False), "new": (_ADDRESS, False), "move_group": (RAFT_GROUP, False),
         "source": (Int(1, 64), False), "target": (Int(1, 64), False),
+        # move_start: begin with a learner (stage "learn"); move_stage: the stage to reach
+        "learn": (Bool(), False), "stage": (Enum(("add", "catch_up")), False),
         # the formula's record, which the first change starts from (the state machine has no
         # layout): group 0's leader puts its own in the entry, whatever a client sent
         "base_nodes": (ListOf(Str("a Raft address HOST:PORT", max_len=255), min_len=1, max_len=64), False),

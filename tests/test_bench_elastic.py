@@ -59,3 +59,18 @@ def test_the_report_says_whether_the_refilled_replicas_agree():
         {**report_input(0.8, 12.0), "replicas_agree_s": 21.5})
     said = elastic.report({**report_input(0.8, 12.0), "replicas_agree_s": None, "replicas_disagree": "not within 60 s"})
     assert "did NOT agree: not within 60 s" in said
+
+
+def test_the_report_gives_the_loops_learner_and_voting_window_figures():
+    scrape = dict.fromkeys(elastic.LOOP_METRICS, 0.0)
+    later = {**scrape, "raftps_catch_up_seconds_sum": 6.0, "raftps_catch_up_seconds_count": 3.0,
+             "raftps_catch_up_bytes_total": 3 * 2**20, "raftps_voting_window_seconds_sum": 1.5,
+             "raftps_voting_window_seconds_count": 3.0}
+    moves = elastic.loop_delta(scrape, later)
+    assert moves == {"moves_learned": 3, "learner_mean_s": 2.0, "learner_mib": 3.0, "moves_voted": 3,
+                     "voting_window_mean_s": 0.5}
+    said = elastic.report({**report_input(0.8, 12.0), "rebalance_moves": moves,
+                           "refill_moves": elastic.loop_delta(scrape, scrape)})
+    assert "Moves of the rebalance (the placement loop's /metrics): 3 learner catch-up(s), 3.0 MiB, mean 2.00 s; " \
+        "3 voting window(s)" in said and "mean 0.50 s." in said
+    assert "Moves of the refill (the placement loop's /metrics): 0 learner catch-up(s), 0.0 MiB, mean -" in said

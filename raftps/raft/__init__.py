@@ -86,6 +86,11 @@ class RaftSettings:
     compaction_entries: int = 2000             # a snapshot after this many entries
     read_confirm: bool = True                  # ReadIndex's confirmation round (False: tests only, UNSAFE)
     read_lease: bool = False                   # leader leases: most reads skip the confirmation round
+    # A non-voting learner (docs/design/elastic.md, "Moving a replica"): it receives the group's
+    # snapshot and log from the leader and applies them into ``data_dir`` but never votes, never
+    # counts toward a majority and is in no member's configuration (pysyncobj's read-only node).
+    # A voter started later on the same ``data_dir`` and ``address`` goes on from what it kept.
+    learner: bool = False
     # The replica's durability (raft/durability.py), shared with its payload store: with "fsync"
     # the log, term and vote are fsynced before they count (a follower's acknowledgement, the
     # leader's own vote in the commit count, a granted vote), and snapshots before they replace

@@ -19,7 +19,8 @@ The fix, ``install(node)``, on every node right after ``SyncObj.__init__``:
   prevLogTerm and overwrites only what does not match.
 * follower side: a failed reset reply never names more than ``commitIndex + 1`` (committed entries
   are on the leader, so the leader can resume right after them), which jumps over the whole
-  divergent tail in one step instead of one entry per round.
+  divergent tail in one step instead of one entry per round. The last applied index counts as
+  committed too: after a snapshot load the journal's commit index may lag the snapshot.
 Either side alone stops the livelock (the leader side alone backs off one entry per round).
 
 Also pipelining: on a success reply that raises matchIndex, the leader sets ``nextIndex`` to the
@@ -97,7 +98,9 @@ def install(node: SyncObj) -> None:
     def send_hinted(peer: Any, message: Any) -> Any:
         if isinstance(message, dict):
             if message.get("type") == "next_node_idx":
-                message = follower_hint(message, node._SyncObj__raftCommitIndex)
+                # what this node applied was committed too: after a snapshot load the journal's
+                # commit index can be older than the snapshot (see follower_hint)
+                message = follower_hint(message, max(node._SyncObj__raftCommitIndex, node.raftLastApplied))
             elif message.get("serialized"):
                 message = stream.tag(peer, message)
         return send(peer, message)
@@ -192,7 +195,14 @@ def keep_next_index(next_index: dict, peer: Any, before: int) -> None:
 
 
 def follower_hint(message: dict, commit_index: int) -> dict:
-    """Follower side: a failed reset reply asks for at most commitIndex + 1."""
+    """Follower side: a failed reset reply asks for at most ``commit_index`` + 1, where
+    ``commit_index`` is the highest index this node knows committed: its commit index or, if
+    higher, its last applied index. pysyncobj restores the commit index from the journal's meta
+    (written at most once a second) and does not raise it to a snapshot it loads, so a replica
+    restarted on a snapshot taken within a second of its start (a learner stopped right after
+    catching up, hosting.py) has commit 1 below a log that starts at the snapshot: asking for
+    commit + 1 = 2 then never matched (the entry before 2 is not in its log), and it asked again
+    forever (tests/groups/test_elastic.py's refill, 3 times in 10 runs)."""
     if message.get("reset") and not message.get("success") and message["next_node_idx"] > commit_index + 1:
         return dict(message, next_node_idx=commit_index + 1)
     return message

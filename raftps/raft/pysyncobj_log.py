@@ -53,7 +53,10 @@ class Core(SyncObj):
         self.ready = threading.Event()
         # Peer messages signed, not encrypted (peer_mac.py); no secret: `serve --insecure`, loopback only.
         self.peer_mac = PeerMac(settings.secret) if settings.secret else None
-        super().__init__(settings.address, sorted(settings.others), conf)
+        # A learner is pysyncobj's read-only node (selfNode None): it dials every member, says
+        # 'readonly' instead of its address, and the leader sends it the log and snapshots
+        # without counting it (syncobj.py __onReadonlyNodeConnected, __sendAppendEntries).
+        super().__init__(None if settings.learner else settings.address, sorted(settings.others), conf)
         # pysyncobj's tick thread ends once the thread that made the SyncObj has ended
         # (syncobj.py:587). A node starts a replica the hosts record gives it from whatever thread
         # read the record, a request's among them (hosting.refresh before a member change): the
@@ -172,7 +175,9 @@ class SyncObjLog(ReplicatedLog):
 
     def _save_snapshot(self, filename: str, raft_data: tuple) -> None:
         last, previous, cluster = raft_data
-        meta = SnapshotMeta(tuple(last), tuple(previous), sorted(node.address for node in cluster))
+        # a learner's own snapshot: pysyncobj puts its selfNode, None, in the cluster; the members
+        # are the others (the voter later started on these files is added by the log, as any)
+        meta = SnapshotMeta(tuple(last), tuple(previous), sorted(node.address for node in cluster if node is not None))
         self._applier.save_snapshot(filename, meta)
         self._saving = meta                        # for _tell_saved_snapshots, once it is in place
 
@@ -241,7 +246,9 @@ class SyncObjLog(ReplicatedLog):
                           commit=raw["commit_idx"], applied=raw["last_applied"], log_len=raw["log_len"],
                           has_quorum=bool(raw["has_quorum"]),
                           leader=None if leader is None else leader.address,
-                          match={k[len(match):]: v for k, v in raw.items() if k.startswith(match)},
+                          # members only: a learner connected to a leader has an entry too, by a
+                          # counter (pysyncobj's read-only node id), not by an address
+                          match={k[len(match):]: v for k, v in raw.items() if k.startswith(match) and ":" in k},
                           connected={k[len(link):]: 1 if v == 2 else 0 for k, v in raw.items() if k.startswith(link)},
                           read_rounds=self._reads.read_rounds, lease_reads=self._reads.lease_reads,
                           votes_withheld=self._reads.votes_withheld)

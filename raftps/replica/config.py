@@ -67,6 +67,9 @@ class NodeConfig:
     # Tests only: skip ReadIndex's confirmation round (step 3). UNSAFE: a deposed leader that does
     # not know it yet then serves stale reads; tests/test_readindex.py shows it.
     read_confirm: bool = True
+    # A non-voting learner of the group (a move's stage "learn", hosting.py): it catches up into
+    # data_dir and is never a member until a voter is started on the same files.
+    learner: bool = False
 
     def address(self, node: int, offset: int = 0) -> str:
         host, port = self.peers[node - 1].rsplit(":", 1)

@@ -35,6 +35,11 @@ class Membership:
         return sorted([self._config.raft_address, *self._others])
 
     @property
+    def others(self) -> frozenset[str]:
+        """The other members' Raft addresses, as of the last change the log appended."""
+        return self._others
+
+    @property
     def size(self) -> int:
         return len(self._others) + 1
 

@@ -2,18 +2,24 @@
 the hosts record, move one Raft group's replica from one node to another, online, or roll a
 move back (``abort``: its target leaves the group, then the record forgets the move).
 
-A move is five steps, each idempotent, so running the command again after any crash goes on
+A move is six steps, each idempotent, so running the command again after any crash goes on
 where it stopped (the record says which stage the group's move is at):
 
-1. ``move_start`` in group 0: the intent (one move per group at a time);
-2. Raft add: the group's log makes the target a member (4 voters; the 3 old ones still make
-   every majority, so the group keeps committing while the target is empty). A source whose
-   node does not answer is removed first: 2 live voters of 2, then 3 with the target;
-3. ``move_stage`` catch_up in group 0: the target's node starts its replica (hosting.py), which
-   catches up from the group's leader (its snapshot, then the log; payloads from its peers);
-4. when the target has applied what the group had committed: Raft remove of the source (a
+1. ``move_start`` in group 0 (stage "learn"): the intent (one move per group at a time). The
+   target's node runs a non-voting learner of the group (hosting.py), which catches up from the
+   group's leader into the replica's own files (its snapshot, then the log; payloads from its
+   peers). Membership is unchanged: the group commits with its 3 voters as before;
+2. once the learner has applied what the group had committed: ``move_stage`` add in group 0;
+3. Raft add: the group's log makes the target a member (4 voters). A source whose node does not
+   answer is removed first: 2 live voters of 2, then 3 with the target;
+4. ``move_stage`` catch_up in group 0: the target's node stops its learner and starts its voter
+   on the learner's files, so what it still has to catch up is the log since step 2;
+5. when the target has applied what the group had committed: Raft remove of the source (a
    leader hands leadership over first, and the request is sent again to the new leader);
-5. ``move_done`` in group 0: the source's node stops its replica.
+6. ``move_done`` in group 0: the source's node stops its replica.
+
+A move left at stage "add" by an older driver goes on from step 3 (its target catches up as a
+voter, from nothing).
 """
 from __future__ import annotations
 
@@ -43,7 +49,10 @@ class HostsAdmin:
         self._router = Router(parse_addresses(addresses), self._transport, Session(), timeout, attempt_timeout,
                               threading.RLock())
         self.timeout = timeout
-        self.last_catch_up: tuple[float, int] | None = None      # (seconds, bytes) of the last move's catch-up
+        # the last move's (seconds, bytes) of catch-up, its learner's (a move resumed past its
+        # learner: its voter's), and the seconds from its Raft add to its voter caught up
+        self.last_catch_up: tuple[float, int] | None = None
+        self.last_voting_window: float | None = None
 
     def close(self) -> None:
         self._transport.close()
@@ -85,11 +94,12 @@ class HostsAdmin:
         """The status rows for ``group`` of every node in ``hosts`` (nodes that do not answer are left out)."""
         return [r for rows in self.status_rows(hosts).values() for r in rows if r.get("group", 0) == group]
 
-    def status_rows(self, hosts: Hosts, timeout: float = 5.0) -> dict[int, list[dict]]:
+    def status_rows(self, hosts: Hosts, timeout: float = 5.0, learners: bool = False) -> dict[int, list[dict]]:
         """Every answering node's status rows (one per Raft group it serves), by node id: the
         hosts' heartbeat (groups, leaders, bytes of state, pushes). The nodes are asked at once,
         one thread each (each node has its own connection), so a host whose packets are dropped costs
-        the call one connect timeout (or ``timeout``), not one per silent host."""
+        the call one connect timeout (or ``timeout``), not one per silent host. ``learners``: with
+        the rows of the learners a node runs (role "learner"), which serve no group yet."""
         def ask(address: str) -> list[dict] | None:
             try:
                 reply = self._transport.call(offset_address(address, CLIENT_OFFSET), {"op": "status", "digest": False},
@@ -97,7 +107,8 @@ class HostsAdmin:
             except (OSError, ConnectionError):
                 return None
             # a reply without a role is a refusal (a node still starting): it answered, with no rows
-            return [r for r in reply.get("groups", [reply]) if r.get("role") not in (None, "down")]
+            return [r for r in reply.get("groups", [reply]) + (reply.get("learners", []) if learners else [])
+                    if r.get("role") not in (None, "down")]
         with ThreadPoolExecutor(max_workers=len(hosts.nodes), thread_name_prefix="heartbeat") as pool:
             replies = list(pool.map(ask, hosts.nodes))
         return {node: rows for node, rows in enumerate(replies, 1) if rows is not None}
@@ -132,18 +143,29 @@ class HostsAdmin:
         src, tgt = hosts.node_of(source), hosts.node_of(target)
         if tgt in hosts.placed[group] and src not in hosts.placed[group] and hosts.move_of(group) is None:
             return hosts, False                       # done already (a finished move run again)
+        self.last_catch_up = self.last_voting_window = learned = added = None
         move = hosts.move_of(group)
         if move is None or (move.source, move.target) != (src, tgt):
-            hosts = self.change("move_start", move_group=group, source=src, target=tgt)
+            hosts = self.change("move_start", move_group=group, source=src, target=tgt, learn=True)
+            move = hosts.move_of(group)
+        if move.stage == "learn":
+            self._wait_caught_up(hosts, group, tgt, catch_up_timeout, gone_after, learner=True)
+            learned = self.last_catch_up
+            hosts = self.change("move_stage", move_group=group, stage="add")
             move = hosts.move_of(group)
         if move.stage == "add":
+            added = time.monotonic()
             if not any(r.get("node") == src for r in self.group_rows(hosts, group)):
                 # a dead source goes first (as member replace does for one group): with it still
-                # a voter, the target's add would need the empty target to commit
+                # a voter, the target's add would need the target's voter to commit
                 self.member(group, "remove", hosts.raft_address(src, group))
-            self.member(group, "add", hosts.raft_address(tgt, group))
+            self._add(hosts, group, tgt)
             hosts = self.change("move_stage", move_group=group)
         self._wait_caught_up(hosts, group, tgt, catch_up_timeout, gone_after)
+        if added is not None:
+            self.last_voting_window = time.monotonic() - added
+        if learned is not None:
+            self.last_catch_up = learned          # the copy is the learner's; the voter's is the delta
         self.member(group, "remove", hosts.raft_address(src, group))
         return self.change("move_done", move_group=group), True
 
@@ -174,25 +196,39 @@ class HostsAdmin:
         move = hosts.move_of(group) if 0 <= group < hosts.groups else None
         if move is None:
             raise InvalidRequest(f"Raft group {group} has no move in flight: nothing to abort")
-        self.member(group, "remove", hosts.raft_address(move.target, group))
+        if move.stage != "learn":                 # a learner changed no membership
+            self.member(group, "remove", hosts.raft_address(move.target, group))
         return self.change("move_abort", move_group=group)
 
+    def _add(self, hosts: Hosts, group: int, target: int) -> None:
+        """Raft add of ``target``. With one old member down besides the source, the add commits only
+        once the target's voter (started at stage catch_up, next) answers: it is in force from
+        the moment the leader appends it, so once the leader lists it the move goes on."""
+        address = hosts.raft_address(target, group)
+        try:
+            self.member(group, "add", address)
+        except Unavailable:
+            if address not in self._router.request({"op": "member", "action": "list"}, raft_group=group)["members"]:
+                raise
+
     def _wait_caught_up(self, hosts: Hosts, group: int, target: int, timeout: float,
-                        gone_after: float | None = None) -> None:
-        """Until the target's replica has applied what the group's leader had committed when we
-        started waiting (bounded; Unavailable sooner if the target's node has not answered for
-        ``gone_after`` seconds). Notes the catch-up's time and bytes in ``last_catch_up``."""
+                        gone_after: float | None = None, learner: bool = False) -> None:
+        """Until the target's replica (``learner``: its learner) has applied what the group's
+        leader had committed when we started waiting (bounded; Unavailable sooner if the target's
+        node has not answered for ``gone_after`` seconds). Notes the catch-up's time and bytes in
+        ``last_catch_up``."""
         start = seen = time.monotonic()
         deadline = start + timeout
         goal = None
         last: Any = "no answer yet"
         while time.monotonic() < deadline:
-            answered = self.status_rows(hosts, timeout=2.0)
+            answered = self.status_rows(hosts, timeout=2.0, learners=learner)
             rows = [r for node_rows in answered.values() for r in node_rows if r.get("group", 0) == group]
             leader = next((r for r in rows if r.get("role") == "leader"), None)
             if goal is None and leader is not None:
                 goal = leader["commit"]
-            mine = next((r for r in rows if r.get("node") == target), None)
+            role = ("learner",) if learner else ("leader", "follower", "candidate")
+            mine = next((r for r in rows if r.get("node") == target and r.get("role") in role), None)
             last = mine and mine.get("applied")
             if goal is not None and mine is not None and mine["applied"] >= goal:
                 self.last_catch_up = (time.monotonic() - start, int(mine.get("model_bytes") or 0))

@@ -59,7 +59,22 @@ class Handlers:
         digest = req.get("digest", True) is not False
         rows = [{**node.status(digest=digest), "group": g, "open_steps": self._aggregator(g, node).open_steps()}
                 for g, node in sorted(self.replicas.items())]
-        return {**rows[0], "connections": self.open_connections(), **({"groups": rows} if len(rows) > 1 else {})}
+        learners = self._learner_rows(digest)
+        # a joining node whose only Raft group is still a learner's answers with that row
+        first = rows[0] if rows else {**learners[0], "role": "down"} if learners else {"role": "down"}
+        return {**first, "connections": self.open_connections(), **({"groups": rows} if len(rows) > 1 else {}),
+                **({"learners": learners} if learners else {})}
+
+    def _learner_rows(self, digest: bool) -> list[dict]:
+        """A row per learner this node runs (hosting.py), role "learner"; one handing over to its
+        voter meanwhile is left out (stopped, it has no status to give)."""
+        rows = []
+        for g, node in sorted(dict(getattr(self.layout, "learners", {})).items()):
+            try:
+                rows.append({**node.status(digest=digest), "group": g})
+            except (RuntimeError, OSError, ValueError, AttributeError):
+                continue
+        return rows
 
     def _layout(self, req: dict, identity: Identity) -> dict:
         """How many Raft groups, which nodes are members of each, and every node's client address."""

@@ -9,6 +9,15 @@ epoch, and a node only ever moves to a newer one) and, for a newer record, start
 of the groups that now name this node and stops the ones that no longer do (their data dir is
 set aside, ``group<g>.left-e<epoch>``). The node's layout op and the member op's checks read the
 record through this object, so clients route by it.
+
+A move's target first runs a non-voting learner of the group (the record's stages "learn" and
+"add": ``learners``), which catches up into the replica's own data dir. Once the group's log
+makes the node a member (the move's Raft add, which reaches the learner as any entry does, and
+is in force on append) or the record reaches "catch_up", whichever comes first, the node stops
+the learner and starts the voter on the same files: a voter started before its add could only
+raise its term, unheard, and disturb the group when it is added. A move rolled back stops the
+learner (or the voter) and sets its files aside. Learners serve no client: they are not in
+``replicas``.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from typing import Any, Callable
 
 from raftps import codec
@@ -30,6 +40,7 @@ from raftps.client.transport import TcpTransport
 
 log = logging.getLogger("raftps.server.hosting")
 RECORD_FILE = "hosts.json"
+LEARNER_CHECK = 0.2        # seconds between looks at whether a learner's group has made it a member
 
 
 class Hosting:
@@ -38,6 +49,7 @@ class Hosting:
         self.config = config
         self.node = config.node_id
         self.replicas: dict[int, Any] = {}        # Raft group -> this node's replica (RaftNode); shared
+        self.learners: dict[int, Any] = {}        # Raft group -> this node's learner (a move's target)
         self._make_replica = make_replica
         self._file = os.path.join(config.data_dir, RECORD_FILE)
         self.current: Hosts | None = self._load() or (None if join else Hosts.from_layout(layout))
@@ -100,6 +112,7 @@ class Hosting:
         if self.current is not None:
             for group in self.current.hosted_by(self.node):
                 self.replicas[group] = self._make_replica(group_config(self.config, self.current, group))
+            self._follow_learners(self.current)       # a learner's host restarted: it goes on from its files
         threading.Thread(target=self._run, name="hosting", daemon=True).start()
         if self._loop is not None:
             self._loop.start()
@@ -108,6 +121,9 @@ class Hosting:
         self._stop.set()
         if self._loop is not None:
             self._loop.stop()
+        with self._lock:
+            for group in sorted(self.learners):
+                self._stop_learner(group)
 
     def _applied_here(self) -> Hosts | None:
         """The record as this node's replica of group 0 has applied it (the newest there is, on
@@ -127,11 +143,37 @@ class Hosting:
             log.warning("this node does not follow the hosts record: it needs --token-file and no --tls-cert")
             return
         transport = self._transport()             # its connections kept from one poll to the next
+        polled = time.monotonic()
         try:
-            while not self._stop.wait(self._poll):
-                self.refresh(transport)
+            while not self._stop.wait(min(self._poll, LEARNER_CHECK)):
+                if time.monotonic() - polled >= self._poll:
+                    polled = time.monotonic()
+                    self.refresh(transport)
+                self._promote_joined()
         finally:
             transport.close()
+
+    def _promote_joined(self) -> None:
+        """A learner whose group's log has just made this node a member becomes the voter now,
+        on the learner's files, not at the next record: with a member of the group down, the
+        add commits only once this voter answers."""
+        with self._lock:
+            hosts = self.current
+            for group in sorted(self.learners):
+                # only once the record says the add is due: a learner restarted on the files of an
+                # attempt rolled back since may still hold that attempt's add (a stale member)
+                move = hosts.move_of(group) if hosts is not None else None
+                if move is None or move.target != self.node or move.stage != "add" or not self.learners[group].joined():
+                    continue
+                log.warning("Raft group %d's log has this node as a member: its learner hands over to the voter",
+                            group)
+                self._stop_learner(group)
+                try:
+                    config = dataclasses.replace(learner_config(self.config, hosts, group), learner=False)
+                    self.replicas[group] = replica = self._make_replica(config)
+                    replica.set_preferred_leader(hosts.raft_address(hosts.preferred_leader(group), group))
+                except Exception:         # a voter that would not start: the record's catch_up starts it
+                    log.exception("starting this node's voter of Raft group %d failed", group)
 
     def _transport(self) -> TcpTransport:
         return TcpTransport(self.config.client_token, None, codec.DEFAULT_LIMITS, connect_timeout=2.0)
@@ -177,21 +219,51 @@ class Hosting:
             self._save(newest)
             self.current = newest
             hosted = bool(self.replicas)
-            wanted = set(newest.hosted_by(self.node))
-            for group in sorted(wanted - set(self.replicas)):
-                log.warning("hosts epoch %d: starting this node's replica of Raft group %d", newest.epoch, group)
-                config = dataclasses.replace(group_config(self.config, newest, group), metrics_port=0)
-                self.replicas[group] = self._make_replica(config)
+            # a voter started from its learner at stage add (``_promote_joined``) stays; at stage
+            # learn (a new attempt after a rollback) it goes, and a learner starts afresh
+            wanted = set(newest.hosted_by(self.node)) | {
+                g for g in self.replicas if newest.learner_of(g) == self.node and newest.move_of(g).stage == "add"}
             for group in sorted(set(self.replicas) - wanted):
                 log.warning("hosts epoch %d: stopping this node's replica of Raft group %d", newest.epoch, group)
                 self.replicas.pop(group).stop(snapshot_timeout=0.0)
                 self._set_aside(group, newest.epoch)
+            self._follow_learners(newest)
+            for group in sorted(wanted - set(self.replicas)):
+                log.warning("hosts epoch %d: starting this node's replica of Raft group %d", newest.epoch, group)
+                config = dataclasses.replace(group_config(self.config, newest, group), metrics_port=0)
+                self.replicas[group] = self._make_replica(config)
             for group, replica in self.replicas.items():      # the named leaders (set_leader)
                 replica.set_preferred_leader(newest.raft_address(newest.preferred_leader(group), group))
             # a node that served and now serves nothing was drained; a host started with --join
             # before the record gives it a group (replace, add-host) waits for one
             if not self.replicas and (hosted or self.node in newest.draining):
                 self.drained.set()
+
+    def _follow_learners(self, newest: Hosts) -> None:
+        """Run a learner for each group whose move in flight targets this node at stage learn or
+        add; stop the others. A learner whose move reached catch_up leaves its files for the
+        voter that starts on them next; one whose move is gone (rolled back) has them set aside."""
+        learning = {g for g in range(newest.groups) if newest.learner_of(g) == self.node}
+        for group in sorted(set(self.learners) - learning):
+            promoted = self.node in newest.members(group)
+            log.warning("hosts epoch %d: stopping this node's learner of Raft group %d (%s)", newest.epoch, group,
+                        "the voter starts on its files" if promoted else "the move was rolled back")
+            self._stop_learner(group)
+            if not promoted:
+                self._set_aside(group, newest.epoch)
+        for group in sorted(learning - set(self.learners) - set(self.replicas)):
+            log.warning("hosts epoch %d: starting a learner of Raft group %d", newest.epoch, group)
+            self.learners[group] = self._make_replica(learner_config(self.config, newest, group))
+
+    def _stop_learner(self, group: int, timeout: float = 15.0) -> None:
+        """Stop a learner and wait for its Raft thread to end: the voter opens the same journal."""
+        learner = self.learners.pop(group)
+        learner.stop(snapshot_timeout=0.0)
+        deadline = time.monotonic() + timeout
+        while learner.tick_thread_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if learner.tick_thread_alive():
+            log.error("the learner of Raft group %d did not stop within %.0f s", group, timeout)
 
     def _set_aside(self, group: int, epoch: int) -> None:
         """A left replica's files, kept but out of the way: a later replica of the group starts
@@ -222,3 +294,12 @@ class Hosting:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._file)
+
+
+def learner_config(config: NodeConfig, hosts: Hosts, group: int) -> NodeConfig:
+    """The config of this node's learner of ``group``: the replica's config as it will be once
+    the move's target is a member (its data dir, its addresses, the members as peers), marked
+    learner, without /metrics of its own."""
+    joined = tuple(dataclasses.replace(m, stage="catch_up") if m.group == group else m for m in hosts.moves)
+    return dataclasses.replace(group_config(config, dataclasses.replace(hosts, moves=joined), group),
+                               learner=True, metrics_port=0)

@@ -86,7 +86,7 @@ class RaftNode:
             secret=config.secret, bind=":".join(map(str, config.bind(0))), heartbeat=config.heartbeat,
             election_timeout=config.election_timeout, leader_fallback=config.leader_fallback,
             compaction_entries=config.compaction_entries, read_confirm=config.read_confirm,
-            read_lease=config.read_mode == "lease",
+            read_lease=config.read_mode == "lease", learner=config.learner,
             durability=durability), self._replica)
         self._membership.attach(self.log)
         self._group_commit = GroupCommit(self.log, in_flight=config.entries_in_flight)
@@ -165,6 +165,11 @@ class RaftNode:
         """Raft addresses of every member, this node included."""
         return self._membership.members
 
+    def joined(self) -> bool:
+        """A learner: whether the group's log has made this node's address a member (appended,
+        perhaps not committed yet: pysyncobj puts a membership change in force on append)."""
+        return self.config.raft_address in self._membership.others
+
     @property
     def majority(self) -> int:
         return self._membership.majority
@@ -202,7 +207,7 @@ class RaftNode:
         return ReplicaStatus(
             node=config.cluster_node or config.node_id, address=config.address(config.node_id, config.client_offset),
             pid=os.getpid(), metrics=self.metrics_address, read_mode=config.read_mode, members=self.members,
-            role=raft.role, term=raft.term, commit=raft.commit, applied=raft.applied,
+            role="learner" if config.learner else raft.role, term=raft.term, commit=raft.commit, applied=raft.applied,
             leader=None if raft.leader is None else offset_address(raft.leader, config.client_offset),
             log_len=raft.log_len, snapshot_index=self._replica.snapshot_index, has_quorum=raft.has_quorum,
             match=raft.match, connected=raft.connected, read_rounds=raft.read_rounds,

@@ -128,13 +128,15 @@ class PlacementLoop:
         elif step.kind == "abort":
             admin.abort(step.group)
         else:
-            admin.last_catch_up = None
+            admin.last_catch_up = admin.last_voting_window = None
             admin.move(step.group, hosts.nodes[step.source - 1], hosts.nodes[step.target - 1],
                        catch_up_timeout=CATCH_UP_TIMEOUT, gone_after=self.dead_host_timeout or None)
             if admin.last_catch_up is not None:
                 seconds, size = admin.last_catch_up
                 self.instruments.catch_up_seconds.observe(seconds)
                 self.instruments.catch_up_bytes.inc(size)
+            if admin.last_voting_window is not None:
+                self.instruments.voting_window_seconds.observe(admin.last_voting_window)
         self.instruments.changes.labels(step.kind).inc()
 
     def _note_load(self, hosts: Hosts, beat: dict[int, list[dict]], now: float) -> None:

@@ -40,11 +40,14 @@ TLS_RECORD_HANDSHAKE = 0x16          # the first byte of every TLS ClientHello
 
 class ClientServer:
     def __init__(self, replicas: RaftNode | dict[int, RaftNode], host: str, port: int,
-                 authorizer: rbac.Authorizer | None = None, layout: Layout | None = None, client_offset: int = 100):
+                 authorizer: rbac.Authorizer | None = None, layout: Layout | None = None, client_offset: int = 100,
+                 first: RaftNode | None = None):
         """``replicas``: this node's replica of each Raft group it hosts (one RaftNode: group 0
-        of a one-group cluster). Requests name their group (``raft_group``, default 0)."""
+        of a one-group cluster). Requests name their group (``raft_group``, default 0). ``first``:
+        whose config the server takes (default: the first replica's; a joining node whose first
+        Raft group is still a learner's, hosting.py, has none yet)."""
         self.replicas = replicas if isinstance(replicas, dict) else {0: replicas}
-        self.node = node = self.replicas[min(self.replicas)]   # the node's first replica: its config
+        self.node = node = first or self.replicas[min(self.replicas)]
         self.layout, self.client_offset = layout, client_offset   # every node's client port: Raft port + offset
         config = node.config
         self.limits = config.limits

@@ -8,12 +8,19 @@ never changed has no record: the formula holds, so old clusters start unchanged.
 
 A record: the nodes (node id i is ``nodes[i-1]``, its Raft address in group 0's port block), each
 group's members (node ids), the moves in flight (one per group at most) and an epoch, the number
-of changes applied. Moving group g's replica from node F to node T goes through three stages,
+of changes applied. Moving group g's replica from node F to node T goes through these stages,
 each one entry, each idempotent (the driver, elastic.py, sends them between the Raft changes):
 
-- ``move_start``: the intent (stage "add"); the group's members are still the old ones.
-- ``move_stage`` to "catch_up": group g's Raft log has committed T as a member; T now counts as
-  a member here too, so T's node starts its replica and catches up from g's leader.
+- ``move_start``: the intent; the group's members are still the old ones. With ``learn`` (what
+  elastic.py sends) the move starts at stage "learn": T's node runs a non-voting learner of g
+  (a pysyncobj read-only node) that catches up g's snapshot and log into T's replica dir, and
+  no membership changes. Without it (entries of older drivers) it starts at stage "add".
+- ``move_stage`` to "add" (``stage="add"``, from "learn"): T's learner has caught up; the
+  driver now adds T to g's Raft membership.
+- ``move_stage`` to "catch_up" (no ``stage``, or ``stage="catch_up"``): group g's Raft log has
+  committed T as a member; T now counts as
+  a member here too, so T's node stops its learner and starts its replica from the learner's
+  files: what remains to catch up is the log written since.
 - ``move_done``: g's Raft log has removed F; F's node stops its replica. ``move_abort`` instead
   forgets the move (the driver first removes T from g's Raft membership).
 
@@ -29,7 +36,7 @@ from typing import Any
 from raftps.errors import InvalidRequest
 from raftps.groups import REPLICAS, Addressing, Layout
 
-STAGES = ("add", "catch_up")
+STAGES = ("learn", "add", "catch_up")
 ACTIONS = ("add_host", "move_start", "move_stage", "move_done", "move_abort", "drain_host", "set_leader",
            "replace_host")
 MIN_HOSTS = 3           # drain_host refuses to leave fewer hosts that are not draining
@@ -66,6 +73,12 @@ class Hosts(Addressing):
 
     def move_of(self, group: int) -> Move | None:
         return next((m for m in self.moves if m.group == group), None)
+
+    def learner_of(self, group: int) -> int | None:
+        """The node running a learner of ``group`` for a move in flight (stages learn and add:
+        until it starts its voter at catch_up), or None."""
+        move = self.move_of(group)
+        return move.target if move is not None and move.stage in ("learn", "add") else None
 
     def members(self, group: int) -> list[int]:
         """Node ids serving ``group``: its settled members and a joining one once its Raft log
@@ -175,14 +188,18 @@ class Hosts(Addressing):
             return self._set_leader(group, command.get("target"))
         move = self.move_of(group)
         if action == "move_start":
-            return self._move_start(group, command.get("source"), command.get("target"), move)
+            return self._move_start(group, command.get("source"), command.get("target"), move,
+                                    command.get("learn") is True)
         if move is None:
             raise InvalidRequest(f"hosts_change {action}: Raft group {group} has no move in flight")
         others = tuple(m for m in self.moves if m.group != group)
         if action == "move_stage":
-            if move.stage == "catch_up":
-                return self           # already there
-            return self._next(moves=tuple(sorted((*others, dataclasses.replace(move, stage="catch_up")),
+            stage = command.get("stage", "catch_up")
+            if stage not in STAGES[1:]:
+                raise InvalidRequest(f"hosts_change move_stage: stage must be add or catch_up, not {stage!r}")
+            if STAGES.index(move.stage) >= STAGES.index(stage):
+                return self           # already there (or past it)
+            return self._next(moves=tuple(sorted((*others, dataclasses.replace(move, stage=stage)),
                                                  key=lambda m: m.group)))
         if action == "move_done":
             if move.stage != "catch_up":
@@ -249,7 +266,7 @@ class Hosts(Addressing):
         leaders[group] = leader
         return self._next(leaders=tuple(leaders))
 
-    def _move_start(self, group: int, source: Any, target: Any, move: Move | None) -> "Hosts":
+    def _move_start(self, group: int, source: Any, target: Any, move: Move | None, learn: bool = False) -> "Hosts":
         n = len(self.nodes)
         if type(source) is not int or type(target) is not int or not (1 <= source <= n and 1 <= target <= n):
             raise InvalidRequest(f"move of Raft group {group}: source and target must be node ids in 1..{n}")
@@ -266,7 +283,8 @@ class Hosts(Addressing):
             raise InvalidRequest(f"node {target} ({self.nodes[target - 1]}) is draining: it takes no replicas")
         if len(self.placed[group]) < min(REPLICAS, n) - 1:
             raise InvalidRequest(f"Raft group {group} has too few members to move one")
-        return self._next(moves=tuple(sorted((*self.moves, Move(group, source, target, "add")), key=lambda m: m.group)))
+        first = "learn" if learn else "add"
+        return self._next(moves=tuple(sorted((*self.moves, Move(group, source, target, first)), key=lambda m: m.group)))
 
     def _next(self, **changes: Any) -> "Hosts":
         return dataclasses.replace(self, epoch=self.epoch + 1, **changes)

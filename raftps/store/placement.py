@@ -21,9 +21,10 @@ never moved (its files share the node's data dir). A target may have at most
 ``catch_ups_per_host`` moves in flight: the snapshots it receives at once.
 
 Only 2's refills go together (``next_steps``): each refilled group is one replica short already,
-and copying them at once ends that sooner. Every other step comes alone. A move takes a healthy
-group to 4 voters, one of them still empty: until it has caught up, one more failure among the
-other 3 stops the group. Several such moves at once would let one host's failure stop two
+and copying them at once ends that sooner. Every other step comes alone. A move copies as a
+learner, then takes a healthy group to 4 voters for the short time its new voter catches up the
+log since: in that window one more failure among the other 3 stops the group. Several such
+moves at once would let one host's failure stop two
 groups (a member of one, the target of another); one at a time, only the group whose own
 target or member fails is at risk (tests/groups/test_placement_plan.py shows the case).
 """
@@ -66,6 +67,10 @@ def next_step(hosts: Hosts, up: frozenset[int], dead: frozenset[int] = frozenset
             return Step("resume", move.group, move.source, move.target)
         if move.target in dead or move.stage == "add":
             return Step("abort", move.group, move.source, move.target)
+    if any(move.stage == "learn" for move in hosts.moves):
+        # a learner's host briefly silent (busy installing the group's snapshot) costs its group
+        # nothing: the move waits, as at catch_up, and is rolled back once its target is dead
+        return None
     refills = _refills(hosts, up, dead)
     if refills:
         return refills[0]

@@ -105,13 +105,12 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     if not replicas:
         print(f"node {args.id}: joining: it serves clients once the hosts record gives it a Raft group", flush=True)
-    while not replicas:                        # a joining node (serve --join), until the record names it
+    while not replicas and not (hosting and hosting.learners):   # joining (serve --join): until the record names it
         time.sleep(0.2)
-    node = replicas[min(replicas)]             # its metrics and status stand for the node
+    node = replicas[min(replicas)] if replicas else next(iter(hosting.learners.values()))   # its metrics, status
     try:
         server = ClientServer(replicas, *config.bind(config.client_offset), authorizer=authorizer,
-                              layout=hosting or layout,
-                              client_offset=config.client_offset)
+                              layout=hosting or layout, client_offset=config.client_offset, first=node)
     except OSError as exc:
         where = "%s:%d" % config.bind(config.client_offset)
         print(f"raftps serve: {_os_error(exc, f'cannot listen on {where} (clients)')}", file=sys.stderr)

@@ -28,6 +28,12 @@ def test_follower_asks_for_at_most_commit_plus_one() -> None:
     assert follower_hint(reply(700, reset=False, success=True), 609)["next_node_idx"] == 700
 
 
+def test_a_follower_whose_snapshot_is_past_its_commit_index_asks_after_the_snapshot() -> None:
+    # a replica started on a snapshot at 1136 with its journal's commit index still 1: the caller
+    # passes max(commit, applied), so the follower asks for 1137 (its log holds 1135..1136), not 2
+    assert follower_hint(reply(1137), commit_index=max(1, 1136))["next_node_idx"] == 1137
+
+
 def test_snapshot_placeholder_cannot_raise_the_commit_index() -> None:
     empty = {"type": "append_entries", "term": 5, "commit_index": 900, "serialized": None}
     assert commit_guard(empty, 609)["commit_index"] == 609

@@ -37,6 +37,33 @@ def test_moving_a_replica_to_a_new_host():
     assert Hosts.from_record(hosts.record()) == hosts
 
 
+def test_a_move_with_a_learner_goes_learn_add_catch_up_done():
+    """A learner changes no membership: at stages learn and add the target hosts nothing (its
+    node runs a learner); at catch_up it is a member. Stages never go back; an entry without
+    ``learn`` (an older driver's) starts at add, and a move_stage without ``stage`` goes to
+    catch_up, as before: old logs replay the same."""
+    hosts = start().change({"action": "add_host", "address": "127.0.0.1:9005"})
+    learning = hosts.change({"action": "move_start", "move_group": 1, "source": 2, "target": 5, "learn": True})
+    assert learning.move_of(1).stage == "learn" and learning.members(1) == [2, 3, 4]
+    assert learning.hosted_by(5) == [] and learning.learner_of(1) == 5 and learning.learner_of(2) is None
+    adding = learning.change({"action": "move_stage", "move_group": 1, "stage": "add"})
+    assert adding.move_of(1).stage == "add" and adding.members(1) == [2, 3, 4] and adding.learner_of(1) == 5
+    assert adding.change({"action": "move_stage", "move_group": 1, "stage": "add"}) is adding
+    joined = adding.change({"action": "move_stage", "move_group": 1, "stage": "catch_up"})
+    assert joined.members(1) == [2, 3, 4, 5] and joined.hosted_by(5) == [1] and joined.learner_of(1) is None
+    assert joined.change({"action": "move_stage", "move_group": 1, "stage": "add"}) is joined     # never back
+    assert joined.change({"action": "move_done", "move_group": 1}).placed[1] == (3, 4, 5)
+    with pytest.raises(InvalidRequest, match="has not reached catch_up"):
+        adding.change({"action": "move_done", "move_group": 1})
+    with pytest.raises(InvalidRequest, match="stage must be add or catch_up"):
+        learning.change({"action": "move_stage", "move_group": 1, "stage": "learn"})
+    assert learning.change({"action": "move_abort", "move_group": 1}).members(1) == [2, 3, 4]
+    assert Hosts.from_record(learning.record()) == learning
+    old = hosts.change({"action": "move_start", "move_group": 1, "source": 2, "target": 5})
+    assert old.move_of(1).stage == "add"
+    assert learning.change({"action": "move_stage", "move_group": 1}).move_of(1).stage == "catch_up"
+
+
 @pytest.mark.parametrize("command, message", [
     ({"action": "add_host", "address": NODES[1]}, "already host 2"),
     ({"action": "add_host", "address": "nohost"}, "HOST:PORT"),

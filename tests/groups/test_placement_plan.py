@@ -55,6 +55,20 @@ def test_a_move_in_flight_goes_on_or_is_rolled_back():
     assert next_step(hosts, ALL6 - {6}, dead=frozenset({6})) == Step("abort", 3, 1, 6)
 
 
+def test_a_silent_learner_waits_until_its_host_is_dead():
+    """At stage learn the target is no voter (its learner changed no membership): a target that
+    misses a heartbeat (busy installing a snapshot) costs the group nothing, so the move waits,
+    and nothing else is planned meanwhile (one change at a time); once the target is dead it is
+    rolled back. At stage add a silent target is rolled back at once, as before."""
+    hosts = six_groups_five_nodes().change({"action": "add_host", "address": "127.0.0.1:9006"})
+    hosts = hosts.change({"action": "move_start", "move_group": 3, "source": 1, "target": 6, "learn": True})
+    assert next_step(hosts, ALL6) == Step("resume", 3, 1, 6)
+    assert next_step(hosts, ALL6 - {6}) is None
+    assert next_step(hosts, ALL6 - {6}, dead=frozenset({6})) == Step("abort", 3, 1, 6)
+    hosts = hosts.change({"action": "move_stage", "move_group": 3, "stage": "add"})
+    assert next_step(hosts, ALL6 - {6}) == Step("abort", 3, 1, 6)
+
+
 def test_a_dead_node_is_refilled_before_anything_is_balanced():
     hosts = six_groups_five_nodes()
     up = frozenset({1, 2, 3, 4})
