@@ -21,7 +21,6 @@ torchft's replica groups and raftps's workers are restarted alone at their host'
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -33,7 +32,7 @@ from typing import Any
 
 from .common import log
 from .goodput_launch import raftps_argv
-from .goodput_report import ACKED_ROUNDS, WORKERS, batch_rows, read_rows, reached, summarize
+from .goodput_report import WORKERS, batch_rows, read_rows, reached, store_check_after, summarize
 from .goodput_schedule import COORDINATOR, Fault, checkpoint_every, schedule, young_daly_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -363,46 +362,6 @@ def start_raftps(fleet: Any, plan: Plan, name: str, out: str, clock: Clock, ckpt
         cluster.stop()
         cluster.wipe()
     return ranks, StoreLeader(cluster), cleanup
-
-
-def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list[dict], chunk_bytes: int) -> dict[str, Any]:
-    """Nothing acknowledged lost or applied twice: synchronous DiLoCo's rounds (the workers'
-    acknowledged rounds against the store's), sync's steps (rank 0's logged steps, each one
-    acknowledged to it, against the store's applied steps); every tensor updated once per step
-    its unit (Raft group, chunk) applied."""
-    from raftps import jobs
-    from .goodput_report import store_check, unit_applied
-    if name == "raftps-diloco":
-        job, chunk_bytes = jobs.diloco_job(prefix, 0, 1), 0
-        acked_path = os.path.join(out, ACKED_ROUNDS)
-        lines = open(acked_path).read().split("\n") if os.path.exists(acked_path) else []
-        acked = [tuple(map(int, line.split())) for line in lines if line.strip()]
-    else:
-        job = jobs.job_name(prefix)
-        acked = [(0, 0, int(r["step"]) - 1) for r in rows]
-    units_file = os.path.join(out, "stream_units.json")      # overlap: rank 0's stream plan (examples/common.py)
-    units = json.load(open(units_file)) if os.path.exists(units_file) else None
-
-    def read() -> tuple[dict[str, int], dict[str, int]]:
-        applied = unit_applied(cluster, job, prefix, chunk_bytes, units)
-        with cluster.client(timeout=60) as c:
-            versions = {n: v for n, v in c.export(prefix + "/")["tensor_versions"].items() if "/_raftps" not in n}
-        return applied, versions
-    # A sync step the stopped workers left partly sent still applies, unit by unit (a unit once
-    # its last contribution is in, or step_timeout after its latest): a read between a unit's
-    # applied step and its tensors' versions would see the one before and the other after. So
-    # the store is read until two reads STORE_QUIET_S apart agree (bounded), as it is at rest.
-    seen = read()
-    for _ in range(3):
-        time.sleep(STORE_QUIET_S)
-        again = read()
-        if again == seen:
-            break
-        seen = again
-    return store_check(seen[0], seen[1], acked)
-
-
-STORE_QUIET_S = 12.0       # a sync step's default step_timeout (10 s), and some
 
 
 STARTERS = {"ddp": start_ddp, "ddp-ckpt": start_ddp, "torchft-ddp": start_torchft, "torchft-diloco": start_torchft,

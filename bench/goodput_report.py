@@ -1,10 +1,13 @@
 """bench/goodput.py's measurements and report: pure functions of rank 0's metrics.csv rows
 (examples/common.py's Metrics) and of the fault events, the ratios, goodput*.md/.json/.png. No
-torch, no processes: tests/test_bench_goodput.py checks them on made-up curves."""
+torch, no processes: tests/test_bench_goodput.py checks them on made-up curves. The store check
+after a raftps run (``store_check_after``, ``unit_applied``) reads the cluster it is given."""
 from __future__ import annotations
 
 import csv
+import json
 import os
+import time
 from typing import Any
 
 from .common import write_results
@@ -178,6 +181,45 @@ def unit_applied(cluster: Any, job: str, prefix: str, chunk_bytes: int,
 
 
 # ---- report ---------------------------------------------------------------------------------
+
+def store_check_after(name: str, cluster: Any, prefix: str, out: str, rows: list[dict], chunk_bytes: int) -> dict[str, Any]:
+    """Nothing acknowledged lost or applied twice: synchronous DiLoCo's rounds (the workers'
+    acknowledged rounds against the store's), sync's steps (rank 0's logged steps, each one
+    acknowledged to it, against the store's applied steps); every tensor updated once per step
+    its unit (Raft group, chunk) applied."""
+    from raftps import jobs
+    if name == "raftps-diloco":
+        job, chunk_bytes = jobs.diloco_job(prefix, 0, 1), 0
+        acked_path = os.path.join(out, ACKED_ROUNDS)
+        lines = open(acked_path).read().split("\n") if os.path.exists(acked_path) else []
+        acked = [tuple(map(int, line.split())) for line in lines if line.strip()]
+    else:
+        job = jobs.job_name(prefix)
+        acked = [(0, 0, int(r["step"]) - 1) for r in rows]
+    units_file = os.path.join(out, "stream_units.json")      # overlap: rank 0's stream plan (examples/common.py)
+    units = json.load(open(units_file)) if os.path.exists(units_file) else None
+
+    def read() -> tuple[dict[str, int], dict[str, int]]:
+        applied = unit_applied(cluster, job, prefix, chunk_bytes, units)
+        with cluster.client(timeout=60) as c:
+            versions = {n: v for n, v in c.export(prefix + "/")["tensor_versions"].items() if "/_raftps" not in n}
+        return applied, versions
+    # A sync step the stopped workers left partly sent still applies, unit by unit (a unit once
+    # its last contribution is in, or step_timeout after its latest): a read between a unit's
+    # applied step and its tensors' versions would see the one before and the other after. So
+    # the store is read until two reads STORE_QUIET_S apart agree (bounded), as it is at rest.
+    seen = read()
+    for _ in range(3):
+        time.sleep(STORE_QUIET_S)
+        again = read()
+        if again == seen:
+            break
+        seen = again
+    return store_check(seen[0], seen[1], acked)
+
+
+STORE_QUIET_S = 12.0       # a sync step's default step_timeout (10 s), and some
+
 
 def _f(x: Any, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)

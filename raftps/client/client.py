@@ -10,12 +10,11 @@
   retries that find it, and the merging of a request's per-group parts; it is given the
   transport and the session, and sends every request and write;
 
-and of the jobs' steps across Raft groups (job_steps.py), push_async's lanes (pipeline.py) and a
-tensor's move (tensor_move.py), each in a file of its own. Control goes one way: the Client
-calls those parts, they call the router, the router calls the transport; nothing calls back up.
-
-A write is atomic and exactly-once within each Raft group; with several groups versions are
-``{group: version}`` maps (an int with one group).
+and of the jobs' steps across Raft groups (job_steps.py, pair_steps.py, step_stream.py),
+push_async's lanes (pipeline.py) and a tensor's move (tensor_move.py). Control goes one way: the
+Client calls those parts, they call the router, the router calls the transport; nothing calls
+back up. A write is atomic and exactly-once within each Raft group; with several groups versions
+are ``{group: version}`` maps (an int with one group).
 """
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ from raftps.client.pipeline import Pipeline
 from raftps.client.router import Router, newest, parse_addresses  # noqa: F401 (newest: re-exported)
 from raftps.client.router import merge as _merge
 from raftps.client.session import Session
+from raftps.client.step_stream import StepStream
 from raftps.client.tensor_move import Mover
 from raftps.client.transport import InProcessTransport, TcpTransport, Transport
 
@@ -298,6 +298,10 @@ class Client:
         and sync_applied of the job cover each chunk's job, before this client sent a step of it
         (a rank that resumes reads the lowest step every chunk applied)."""
         self._steps.expect_chunks(job, tensors, int(chunk_bytes))
+
+    def step_stream(self, *args: Any, pairs: bool = False, **kwargs: Any) -> StepStream:
+        """A StepStream(job, workers, rank, timeout, plan, sizes) on this client (sync's overlap)."""
+        return StepStream(self._router, self._pipeline.submit, self._steps, self._pairs if pairs else None, *args, **kwargs)
 
     @renamed_keyword("group", "job")
     def close_step(self, step: int, job: str | None = None) -> Any:

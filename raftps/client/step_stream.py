@@ -46,7 +46,7 @@ class Chunk:
     flags: tuple[str, ...]  # the group's skip flags, in every chunk
 
 
-def plan_chunks(router: Any, sizes: dict[str, tuple[tuple[int, ...], str]], runs: list[list[str]],
+def plan_chunks(client: Any, sizes: dict[str, tuple[tuple[int, ...], str]], runs: list[list[str]],
                 chunk_bytes: int) -> list[Chunk]:
     """The chunks of a job's steps, in the order ``runs`` (lists of names of ``sizes``: {name:
     (shape, dtype)}; skip flags among ``sizes`` go in every chunk of their group) name them:
@@ -54,7 +54,7 @@ def plan_chunks(router: Any, sizes: dict[str, tuple[tuple[int, ...], str]], runs
     if chunk_bytes <= 0:
         raise ValueError(f"a streamed step needs chunk_bytes > 0, got {chunk_bytes}")
     shaped = {name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in sizes.items()}
-    group_of = {n: g for g, part in (router.split(shaped) if router.groups() > 1 else {0: shaped}).items() for n in part}
+    group_of = {n: client.group_of(n) if client.groups() > 1 else 0 for n in sizes}
     flags: dict[int, tuple[str, ...]] = {}
     for name in sorted(n for n in sizes if is_skip_flag(n)):
         flags[group_of[name]] = flags.get(group_of[name], ()) + (name,)
@@ -85,10 +85,11 @@ class StepStream:
     """Job ``job``'s steps of rank ``rank`` of ``workers``, in the chunks ``plan``, on ``client``'s
     lanes. One step at a time: ``begin``, ``ready`` for each chunk (any order), ``finish``."""
 
-    def __init__(self, client: Any, job: str | None, workers: int, rank: int, timeout: float, plan: list[Chunk],
-                 pairs: bool = False, sizes: dict[str, tuple[tuple[int, ...], str]] | None = None):
-        self._router, self._submit, self._steps = client._router, client._pipeline.submit, client._steps
-        self._pairs = client._pairs if pairs else None      # push_step's pairs (pair_steps.py), chunk by chunk
+    def __init__(self, router: Any, submit: Any, steps: Any, pair_steps: Any, job: str | None, workers: int,
+                 rank: int, timeout: float, plan: list[Chunk], sizes: dict[str, tuple[tuple[int, ...], str]] | None = None):
+        self._router, self._submit, self._steps = router, submit, steps
+        self._pairs = pair_steps           # push_step's pairs (pair_steps.py), chunk by chunk; None: unpaired
+        pairs = pair_steps is not None
         self.job, self.workers, self.rank, self.timeout, self.plan = job, workers, rank, timeout, plan
         self._steps.expect_chunk_counts(job, {c.group: c.index + 1 for c in plan})
         self._chunk_of = {n: c.index for c in plan for n in c.names}

@@ -60,9 +60,9 @@ class SyncSteps:
             sizes = {n: (tuple(rows[n]["shape"]), rows[n]["dtype"]) for n in names if n in rows}
             if self.stream_runs is not None:
                 sizes.update({f: ((1,), "float32") for f in self.skip_flags})
-                plan = plan_chunks(self.link.client._router, sizes, self.stream_runs, self.chunk_bytes)
-                self.stream = StepStream(self.link.client, self.job, self.world_size, self.rank, self.step_timeout, plan,
-                                         self.pairs, sizes)
+                plan = plan_chunks(self.link.client, sizes, self.stream_runs, self.chunk_bytes)
+                self.stream = self.link.client.step_stream(self.job, self.world_size, self.rank, self.step_timeout, plan,
+                                                           sizes, pairs=self.pairs)
             else:
                 self.link.client.expect_chunks(self.job, sizes, self.chunk_bytes)
         first = self.applied() + 1

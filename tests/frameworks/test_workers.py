@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 from raftps.chaos.torchrun import TorchrunJob  # noqa: E402
 
 from tests.conftest import start_cluster  # noqa: E402
-from tests.frameworks.common import (accelerate_train, adamw, flat, give_a_cpu_scaler, hf_train,  # noqa: E402
+from tests.frameworks.common import (LR, accelerate_train, adamw, flat, give_a_cpu_scaler, hf_train,  # noqa: E402
                                      lightning_fit, overflowing, tiny_gpt, token_data)
 from tests.frameworks.worker import BATCH, STEPS, SYNC_EVERY  # noqa: E402
 
@@ -122,7 +122,10 @@ def test_a_step_one_rank_skips_is_skipped_by_every_rank(job, framework, tmp_path
     assert torch.equal(want[1], want[0]) and not torch.equal(want[2], want[1])    # torch skipped step 2 only
     assert scaler.get_scale() == 2.0 ** 15                                      # backed off once from 2 ** 16
     # Lightning's 16-mixed runs the forward in float16 on the CPU (test_one_process.py says more)
-    tolerance = 1e-3 if framework == "lightning" else 1e-5
+    # AdamW moves each element by about LR whatever its gradient's size, so an element whose two
+    # half-batch gradients nearly cancel moves by a few % of LR on rounding alone (1.007e-5 on one
+    # CPU's kernels, under 1e-5 on another's); a step applied or skipped wrongly moves by about LR.
+    tolerance = 1e-3 if framework == "lightning" else 0.05 * LR
     for rank in range(WORLD):
         got = job[1][(framework, "skip", rank)]
         assert torch.equal(got["steps"][1], got["steps"][0]), rank                 # nothing from the store
