@@ -62,16 +62,8 @@ class JobSteps:
             if not chunked:
                 return self._router.write(op, g, waits=waits, call=call, tensors=part, **fields, **more)
             c = max(chunk_of[n] for n in part)
-            before = sent_events.get((g, c - 1))
-            if before is not None:   # the chunk before it crosses the link first (bounded: order only costs time)
-                before.wait(waits + self._router.timeout)
-            sent = sent_events.get((g, c)) or threading.Event()
-            try:
-                with when_sent(sent.set):
-                    return self._router.write(op, g, waits=waits, call=call, tensors=part,
-                                              **{**fields, "job": chunk_job(job, c)}, **more)
-            finally:
-                sent.set()
+            return send_in_chunk_order(sent_events, g, c, waits + self._router.timeout, lambda: self._router.write(
+                op, g, waits=waits, call=call, tensors=part, **{**fields, "job": chunk_job(job, c)}, **more))
         sent = self._raft_groups.setdefault(job or "", set())
         sent.update(parts)
         if chunked:
@@ -206,6 +198,22 @@ def chunk_plan(parts: dict[int, dict[str, np.ndarray]], chunk_bytes: int) -> tup
             chunk_of.update({name: c for name in names if name not in chunk_of})
             items.append((c, g, {n: part[n] for n in names}))
     return chunk_of, [(g, chunk) for _, g, chunk in sorted(items, key=lambda item: item[:2])]
+
+
+def send_in_chunk_order(sent_events: dict[tuple[int, int], threading.Event], g: int, c: int, wait_s: float,
+                        send: Callable[[], dict]) -> dict:
+    """``send()`` chunk ``c`` of Raft group ``g`` once chunk c - 1's last byte has left (bounded
+    by ``wait_s``: order only costs time), and mark chunk c sent once its own last byte has (or
+    it failed). A part with no event of its own (re-routed by a move) marks nothing."""
+    before = sent_events.get((g, c - 1))
+    if before is not None:
+        before.wait(wait_s)
+    sent = sent_events.get((g, c)) or threading.Event()
+    try:
+        with when_sent(sent.set):
+            return send()
+    finally:
+        sent.set()
 
 
 def chunk_job(job: str | None, chunk: int) -> str | None:

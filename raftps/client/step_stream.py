@@ -31,10 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from raftps.client.job_steps import chunk_job
+from raftps.client.job_steps import chunk_job, send_in_chunk_order
 from raftps.client.pair_steps import _PairStep, halves
 from raftps.client.router import merge, merge_same_group
-from raftps.client.transport import when_sent
 from raftps.jobs import is_skip_flag
 
 
@@ -158,10 +157,6 @@ class StepStream:
 
     def _write(self, g: int, part: dict[str, np.ndarray], call: Any) -> dict:
         c = max(self._chunk_of[n] for n in part if not is_skip_flag(n))
-        before = self._sent_events.get((g, c - 1))
-        if before is not None:   # the chunk before it crosses the link first (bounded: order only costs time)
-            before.wait(self.timeout + self._router.timeout)
-        sent = self._sent_events.get((g, c)) or threading.Event()     # a part re-routed by a move: no chain
         fields: dict[str, Any] = {"step": self.step, "workers": int(self.workers), "rank": int(self.rank),
                                   "timeout": float(self.timeout), "pull": True}
         name = chunk_job(self.job, c)
@@ -170,11 +165,8 @@ class StepStream:
         hyper = {k: v for k, v in self.hyper.items() if k in part}
         if hyper:
             fields["hyper"] = hyper
-        try:
-            with when_sent(sent.set):
-                return self._router.write("push_step", g, waits=self.timeout, call=call, tensors=part, **fields)
-        finally:
-            sent.set()
+        return send_in_chunk_order(self._sent_events, g, c, self.timeout + self._router.timeout, lambda: self._router.write(
+            "push_step", g, waits=self.timeout, call=call, tensors=part, **fields))
 
     def finish(self) -> dict:
         """Every chunk's answer (all must have been made ready), merged as push_step's reply."""
